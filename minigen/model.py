@@ -1,0 +1,233 @@
+"""The transformer: Llama family (SmolLM2, Llama, Mistral, Qwen2) and GPT-2, leaf to root.
+
+Shapes: B batch, T new tokens in this call, S cached key positions, D model width,
+H query heads, Hkv key/value heads, Dh head dim, F MLP width, V vocabulary.
+
+Weights are stored as [in, out] so that every projection is `x @ w`: on the 2-core AVX2 CPU this
+course is measured on, that contiguous layout ran the matrix-vector products of decoding fastest.
+q/k/v are fused into one matrix and gate/up into another, so a decode step launches fewer ops.
+The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig` and
+a state dict in this module's names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import attend, causal_mask
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+    vocab_size: int  # V
+    dim: int  # D, the residual width
+    n_layers: int
+    n_heads: int  # H
+    n_kv_heads: int  # Hkv; H // Hkv query heads share each key/value head (grouped-query attention)
+    head_dim: int  # Dh
+    hidden_dim: int  # F, the MLP width
+    max_seq_len: int  # the context the model was trained for, in tokens
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0  # RoPE base; only for "llama"
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...}; None: plain RoPE
+    qkv_bias: bool = False  # Qwen2 and GPT-2 have biases on q, k, v
+    out_bias: bool = False  # GPT-2 has biases on the attention output and the MLP
+    tie_embeddings: bool = True  # the output head reuses the token embedding
+    eos_token_ids: tuple[int, ...] = ()  # default stop tokens
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("llama", "gpt2"):
+            raise ValueError(f"arch={self.arch!r}: use 'llama' or 'gpt2'")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
+        """2 (K and V) x layers x KV heads x head dim x bytes: the cache cost of one token."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+
+
+# ---------------------------------------------------------------- norms
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 as Llama does."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """GPT-2's LayerNorm with weight and bias."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+# ---------------------------------------------------------------- rotary positions
+def rope_frequencies(cfg: ModelConfig) -> Tensor:
+    """Inverse frequencies [Dh/2] of RoPE (Su et al. 2021), with the checkpoint's scaling."""
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":  # positions divided by `factor` (Chen et al. 2023, position interpolation)
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":  # Llama 3.1: slow down only the low frequencies, blend in between
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor,
+                               torch.where(wavelen < old_ctx / high, inv_freq, blended))
+    elif kind != "default":
+        raise ValueError(f"rope_type={kind!r} is not supported: minigen knows default, linear, llama3")
+    return inv_freq.float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs (i, i + Dh/2) of x [B, heads, T, Dh] by the angles of their positions."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)  # the "rotate_half" convention of HF checkpoints
+    return x * cos + rotated * sin
+
+
+# ---------------------------------------------------------------- attention and MLP
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Parameter(torch.empty(cfg.dim, qkv_out), requires_grad=False)  # [D, (H+2Hkv)Dh]
+        self.bqkv = nn.Parameter(torch.zeros(qkv_out), requires_grad=False) if cfg.qkv_bias else None
+        self.wo = nn.Parameter(torch.empty(cfg.n_heads * cfg.head_dim, cfg.dim), requires_grad=False)
+        self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
+
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, input_pos: Tensor,
+                mask: Tensor, cache) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
+        qkv = x @ self.wqkv  # [B, T, (H+2Hkv)Dh]
+        if self.bqkv is not None:
+            qkv = qkv + self.bqkv
+        q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
+        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
+        k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        v = v.view(B, T, Hkv, Dh).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
+            k, v = cache.update(self.layer, input_pos, k, v)
+        out = attend(q, k, v, mask)  # [B, H, T, Dh]
+        out = out.transpose(1, 2).reshape(B, T, H * Dh) @ self.wo  # [B, T, D]
+        return out + self.bo if self.bo is not None else out
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate_up = nn.Parameter(torch.empty(cfg.dim, 2 * cfg.hidden_dim), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(cfg.hidden_dim, cfg.dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = (x @ self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
+        return (F.silu(gate) * up) @ self.w_down
+
+
+class GeluMLP(nn.Module):
+    """GPT-2's MLP: proj(gelu_tanh(fc(x))), with biases."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_fc = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
+        self.b_fc = nn.Parameter(torch.zeros(cfg.hidden_dim), requires_grad=False)
+        self.w_proj = nn.Parameter(torch.empty(cfg.hidden_dim, cfg.dim), requires_grad=False)
+        self.b_proj = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x @ self.w_fc + self.b_fc, approximate="tanh") @ self.w_proj + self.b_proj
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        Norm = RMSNorm if cfg.arch == "llama" else LayerNorm
+        self.attn_norm, self.mlp_norm = Norm(cfg.dim, cfg.norm_eps), Norm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.mlp = GatedMLP(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
+
+    def forward(self, x, rope, input_pos, mask, cache):
+        x = x + self.attn(self.attn_norm(x), rope, input_pos, mask, cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# ---------------------------------------------------------------- the model
+class Model(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim), requires_grad=False)  # [V, D]
+        self.pos_embed = (nn.Parameter(torch.empty(cfg.max_seq_len, cfg.dim), requires_grad=False)
+                          if cfg.arch == "gpt2" else None)  # GPT-2's learned positions
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.arch == "llama" else LayerNorm(cfg.dim, cfg.norm_eps)
+        # The head is [D, V] even when tied: a transposed copy of `embed`, because the head's
+        # matrix-vector product is the largest of a decode step and [in, out] is its fastest layout.
+        self.lm_head = nn.Parameter(torch.empty(cfg.dim, cfg.vocab_size), requires_grad=False)
+        if cfg.arch == "llama":
+            self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def forward(self, tokens: Tensor, input_pos: Tensor, cache=None, last_only: bool = False) -> Tensor:
+        """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]), fp32.
+
+        With `cache`, the new keys/values are written at `input_pos` and attention reads every
+        cached position; without, attention sees only these T tokens (the naive loop).
+        """
+        assert tokens.dim() == 2 and input_pos.shape == (tokens.shape[1],), \
+            f"tokens must be [B, T] and input_pos [T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
+        x = self.embed[tokens]  # [B, T, D]
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed[input_pos]
+        else:
+            angles = input_pos.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
+            angles = torch.cat((angles, angles), dim=-1)  # [T, Dh]
+            rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+        # Masks come from positions, never from counters: key slot s may be seen by query t
+        # when the slot holds a position <= input_pos[t].
+        key_pos = cache.key_positions(input_pos) if cache is not None else input_pos  # [S]
+        mask = causal_mask(input_pos, key_pos)  # [T, S] bool
+        for block in self.blocks:
+            x = block(x, rope, input_pos, mask, cache)
+        if last_only:
+            x = x[:, -1:]
+        return (self.norm(x) @ self.lm_head).float()  # [B, T, V]
