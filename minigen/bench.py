@@ -1,0 +1,236 @@
+"""Side-by-side benchmark: minigen vs transformers `generate`, with the memory-bandwidth roofline.
+
+Both engines run in one process on the same weights and the same prompt, warm-up excluded, and
+are timed the same way from outside:
+
+    TTFT      = wall time of a 1-token generate (prefill + first sample)
+    decode    = (N - 1) / (time of an N-token generate - TTFT)   tokens/s per sequence
+    roofline  = memory read bandwidth / bytes read per decode step
+
+A decode step must read every weight once (plus the KV cache), so on a memory-bound machine no
+engine can beat the roofline; the achieved fraction says how much is left on the table.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from .config import GenerationConfig
+from .generate import generate
+
+TEXT = Path(__file__).parent / "data" / "english.txt"
+
+
+# ---------------------------------------------------------------- the machine
+def hardware_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "gpu": gpu, "memory_read_gb_s": memory_read_bandwidth()}
+
+
+def memory_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """GB/s of a plain streaming read (a sum over a tensor far larger than the caches), best of N."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync()
+        t = time.perf_counter()
+        x.sum()
+        _sync()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PeakRSS:
+    """Samples this process's resident memory in a thread; `.peak - .start` is what a run added."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s, self.start, self.peak = interval_s, _rss(), _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(self.interval_s)
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        if torch.cuda.is_available():
+            self.peak = torch.cuda.max_memory_allocated()
+
+    @property
+    def added(self) -> int:
+        return max(0, self.peak - self.start)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------- bytes per token
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(p.nbytes for p in module.parameters())
+
+
+def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) -> int:
+    """Bytes one decode step must read: every weight except the embedding table (one row of it),
+    plus the keys and values of `context` cached tokens."""
+    cfg = model.config
+    weights = weight_bytes(model) - model.embed.nbytes + model.embed[0].nbytes
+    if model.pos_embed is not None:
+        weights -= model.pos_embed.nbytes - model.pos_embed[0].nbytes
+    return weights + context * cfg.kv_bytes_per_token(kv_bytes_per_element)
+
+
+# ---------------------------------------------------------------- the engines
+def prompt_ids(tokenizer, prompt_len: int) -> torch.Tensor:
+    """The first `prompt_len` tokens of real English text, [1, prompt_len]."""
+    text = TEXT.read_text(encoding="utf-8") if TEXT.exists() else "The quick brown fox jumps over the lazy dog. " * 200
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :prompt_len]
+    if ids.shape[1] < prompt_len:
+        raise ValueError(f"the benchmark text has only {ids.shape[1]} tokens; use --prompt-len <= {ids.shape[1]}")
+    return ids
+
+
+def exact(config: GenerationConfig) -> bool:
+    """True when the config changes speed or memory but never the greedy tokens."""
+    lossy = {"quant_bits": None, "window_size": None, "sparse_top_k": None, "sparsity_threshold": 0,
+             "kv_budget": None}
+    values = config.to_dict()
+    return all(values.get(k) in (None, ok) for k, ok in lossy.items())
+
+
+def _time_engine(run, new_tokens: int, repeats: int, progress) -> dict:
+    """Time `run(n)` -> tokens for n = 1 and n = new_tokens, `repeats` times, median of each."""
+    run(2)  # warm-up: first-call allocations and kernel selection are not part of the numbers
+    ttfts, totals, peaks, tokens = [], [], [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        run(1)
+        ttfts.append(time.perf_counter() - t)
+        with PeakRSS() as mem:
+            t = time.perf_counter()
+            tokens = run(new_tokens)
+            totals.append(time.perf_counter() - t)
+        peaks.append(mem.added)
+        progress.update(1)
+    ttft, total = statistics.median(ttfts), statistics.median(totals)
+    return {"ttft_s": ttft, "total_s": total,
+            "decode_tokens_per_s": (new_tokens - 1) / max(total - ttft, 1e-9),
+            "run_peak_added_bytes": max(peaks), "tokens": tokens}
+
+
+def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None = None, prompt_len: int = 64,
+              new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
+              baseline: bool = True) -> dict:
+    """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict."""
+    from tqdm.auto import tqdm
+    from .loading import load, resolve_folder
+    config = (config or GenerationConfig()).replace(max_new_tokens=new_tokens, stop_token_ids=[],
+                                                    do_sample=False)
+    model, tokenizer = load(model_name, dtype=dtype)
+    ids = prompt_ids(tokenizer, prompt_len)
+    hw = hardware_info()
+    engines: dict[str, dict] = {}
+    progress = tqdm(total=repeats * (2 if baseline else 1), desc="bench", unit="run")
+
+    def run_minigen(n: int):
+        out = generate(model, ids, config, max_new_tokens=n)
+        run_minigen.kv = out.stats.kv_cache_bytes
+        return out.tokens
+
+    progress.set_postfix_str("minigen")
+    r = _time_engine(run_minigen, new_tokens, repeats, progress)
+    r.update(peak_memory_bytes=weight_bytes(model) + r["run_peak_added_bytes"], kv_cache_bytes=run_minigen.kv,
+             weight_bytes=weight_bytes(model))
+    engines["minigen"] = r
+    if baseline:
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(str(resolve_folder(model_name)), dtype=dtype).eval()
+        hf.generation_config.eos_token_id = None  # run exactly N tokens, as minigen does
+        hf.generation_config.pad_token_id = 0
+        mask = torch.ones_like(ids)
+
+        def run_hf(n: int):
+            with torch.inference_mode():
+                out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                                  return_dict_in_generate=True)
+            run_hf.kv = sum(t.nbytes for layer in out.cache.layers for t in (layer.keys, layer.values))
+            return out.sequences
+
+        progress.set_postfix_str("transformers")
+        r = _time_engine(run_hf, new_tokens, repeats, progress)
+        r.update(peak_memory_bytes=weight_bytes(hf) + r["run_peak_added_bytes"], kv_cache_bytes=run_hf.kv,
+                 weight_bytes=weight_bytes(hf))
+        engines["transformers"] = r
+    progress.close()
+
+    kv_elem = torch.tensor([], dtype=dtype).element_size()
+    per_token = bytes_per_decode_step(model, prompt_len + new_tokens // 2, kv_elem)
+    roofline = hw["memory_read_gb_s"] * 1e9 / per_token
+    result = {"hardware": hw, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
+              "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+              "config": config.to_dict(), "exact": exact(config), "bytes_per_token": per_token,
+              "roofline_tokens_per_s": roofline, "engines": {}}
+    for name, r in engines.items():
+        r["roofline_fraction"] = r["decode_tokens_per_s"] / roofline
+        result["engines"][name] = {k: v for k, v in r.items() if k != "tokens"}
+    if baseline:
+        a, b = engines["minigen"]["tokens"], engines["transformers"]["tokens"]
+        match = (a[:, prompt_len:] == b[:, prompt_len:]).float().mean().item()
+        result["greedy_token_agreement"] = match
+        result["speedup"] = engines["minigen"]["decode_tokens_per_s"] / engines["transformers"]["decode_tokens_per_s"]
+        if result["exact"] and match < 1.0:
+            raise AssertionError(f"minigen and transformers greedy tokens differ ({match:.1%} agree) "
+                                 "under an exact config: this is a correctness bug")
+    return result
+
+
+def print_report(result: dict) -> None:
+    hw = result["hardware"]
+    print(f"\nhardware: {hw['cpu']} | {hw['threads']} threads | torch {hw['torch']} | GPU: {hw['gpu'] or 'none'}")
+    print(f"model {result['model']} ({result['dtype']}), prompt {result['prompt_len']} tokens, "
+          f"{result['new_tokens']} new tokens, median of {result['repeats']}")
+    print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'peak MiB':>10}{'KV MiB':>9}{'of roofline':>13}")
+    for name, r in result["engines"].items():
+        print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}"
+              f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['kv_cache_bytes'] / 2**20:>9.2f}"
+              f"{r['roofline_fraction']:>12.0%}")
+    print(f"memory read bandwidth (measured now): {hw['memory_read_gb_s']:.1f} GB/s; "
+          f"bytes per decode step: {result['bytes_per_token'] / 1e6:.0f} MB; "
+          f"roofline: {result['roofline_tokens_per_s']:.1f} tok/s")
+    if "speedup" in result:
+        print(f"minigen / transformers decode: {result['speedup']:.2f}x; greedy tokens agree: "
+              f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'})")
