@@ -3,9 +3,18 @@
 Shapes: B batch, H query heads, Hkv key/value heads, T queries, S key slots, Dh head dim.
 Every mask is built from positions (which token each query is, which token each cache slot holds),
 so a cache can store its slots in any order (blocks, a ring buffer) and attention stays correct.
+
+Chapters 5 and 6 add policies on top of causality, all still built from positions and scores:
+a window with sinks (`in_window`, `window_mask`), dynamic sparse selection (`sparse_keep`), and
+observers that see the attention probabilities (entropy, heavy hitters). `AttentionPolicy` carries
+them through `Model.forward(..., policy=...)`; with policy=None nothing changes.
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,3 +33,112 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] bool -> [B, H, T, Dh].
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------- window and sinks (chapter 5)
+def in_window(key_pos: Tensor, query_pos: Tensor, window_size: int, sink_tokens: int) -> Tensor:
+    """True where key position j is inside the window of query position p: j < sink_tokens or
+    p - j < window_size (the query plus the window_size - 1 tokens before it, as in Mistral).
+
+    Broadcasts key_pos against query_pos. Causality is separate (`causal_mask`). The rule is monotone:
+    a key outside the window of query p is outside the window of every later query, so a cache may
+    free it for good (the ring buffer in window.py, the paged cache's blocks).
+    """
+    return (key_pos < sink_tokens) | (query_pos - key_pos < window_size)
+
+
+def window_mask(query_pos: Tensor, key_pos: Tensor, window_size: int, sink_tokens: int = 0) -> Tensor:
+    """[T, S] bool: causal, and the key is a sink or one of the window_size most recent positions."""
+    return causal_mask(query_pos, key_pos) & in_window(key_pos[None, :], query_pos[:, None],
+                                                       window_size, sink_tokens)
+
+
+def window_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, key_pos: Tensor,
+                     window_size: int, sink_tokens: int = 0) -> Tensor:
+    """The article's window snippet, corrected: scaled by 1/sqrt(Dh), causal inside the window, and
+    the window chosen by position (not by storage order), plus optional sinks.
+
+    q [B, H, T, Dh] at query_pos [T]; k, v [B, Hkv, S, Dh] holding key_pos [S] -> [B, H, T, Dh].
+    """
+    return attend(q, k, v, window_mask(query_pos, key_pos, window_size, sink_tokens))
+
+
+# ---------------------------------------------------------------- dynamic sparse attention (chapter 6)
+def attention_scores(q: Tensor, k: Tensor) -> Tensor:
+    """q k^T / sqrt(Dh) with grouped-query heads: q [B, H, T, Dh], k [B, Hkv, S, Dh] -> [B, H, T, S]."""
+    B, H, T, Dh = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    # Query head h reads key/value head h // (H / Hkv), the `repeat_kv` order of Llama checkpoints.
+    qg = q.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
+    scores = torch.einsum("bkgtd,bksd->bkgts", qg, k) / math.sqrt(Dh)  # [B, Hkv, G, T, S]
+    return scores.reshape(B, H, T, S)
+
+
+def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: float | None) -> Tensor:
+    """[B, H, T, S] bool: the keys each head keeps for each query (dynamic sparse attention).
+
+    A key's importance is |q.k|/sqrt(Dh) (`scores` is q.k/sqrt(Dh)). Among the keys `mask` [T, S]
+    allows, a key is kept when it is one of the `top_k` most important of its head and query
+    (ties broken by torch.topk) AND its importance is >= threshold x the largest importance of that
+    head and query. None disables either rule; top_k >= the allowed keys and threshold = 0 keep
+    every allowed key, so attention is then exactly dense. The most important key always stays.
+    Note: choosing the keys reads every key, so this saves the softmax-times-values work, not the
+    memory traffic of reading the cache.
+    """
+    importance = scores.abs().masked_fill(~mask, -1.0)  # [B, H, T, S]; masked keys rank last
+    keep = mask.expand_as(scores)
+    if top_k is not None and top_k < scores.shape[-1]:
+        kth = importance.topk(top_k, dim=-1).indices  # [B, H, T, k]
+        keep = keep & torch.zeros_like(keep).scatter_(-1, kth, True)
+    if threshold is not None and threshold > 0:
+        keep = keep & (importance >= threshold * importance.amax(dim=-1, keepdim=True))
+    return keep
+
+
+# An observer sees each layer's attention probabilities: (layer, probs [B, H, T, S]) -> None.
+# The entropy monitor (entropy.py) and heavy-hitter eviction (window.py) are observers.
+AttentionObserver = Callable[[int, Tensor], None]
+
+
+@dataclass(frozen=True)
+class AttentionPolicy:
+    """How attention picks its keys beyond causality; passed to Model.forward(..., policy=...).
+
+    None (the default everywhere) keeps the plain causal path and its speed.
+    """
+    window_size: int | None = None  # each query sees this many most recent tokens; None: all
+    sink_tokens: int = 0  # the first tokens, always visible when a window is set
+    sparse_top_k: int | None = None  # keep the k keys of largest |q.k|/sqrt(Dh) per head and query
+    sparsity_threshold: float | None = None  # keep keys scoring >= this x the head's max, in [0, 1]
+    observers: tuple[AttentionObserver, ...] = ()  # called with every layer's probabilities
+
+    @classmethod
+    def from_config(cls, config, observers: tuple[AttentionObserver, ...] = ()) -> "AttentionPolicy | None":
+        """The policy a GenerationConfig selects, or None when it selects plain causal attention."""
+        policy = cls(config.window_size, config.sink_tokens if config.window_size is not None else 0,
+                     config.sparse_top_k, config.sparsity_threshold, tuple(observers))
+        return None if policy == cls() else policy
+
+    @property
+    def sparse(self) -> bool:
+        return self.sparse_top_k is not None or (self.sparsity_threshold or 0) > 0
+
+    def mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
+        """[T, S] bool: causal, restricted to the window and sinks when a window is set."""
+        if self.window_size is None:
+            return causal_mask(query_pos, key_pos)
+        return window_mask(query_pos, key_pos, self.window_size, self.sink_tokens)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, layer: int) -> Tensor:
+        """Like `attend`, plus sparse key selection and observers. q [B, H, T, Dh] -> [B, H, T, Dh]."""
+        if not self.sparse and not self.observers:
+            return attend(q, k, v, mask)  # a window alone is only a mask: keep the fused kernel
+        scores = attention_scores(q, k)  # [B, H, T, S]
+        keep = sparse_keep(scores, mask, self.sparse_top_k, self.sparsity_threshold) if self.sparse else mask
+        probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # [B, H, T, S]
+        for observe in self.observers:
+            observe(layer, probs)
+        B, H, T, S = probs.shape
+        Hkv = k.shape[1]
+        out = probs.reshape(B, Hkv, H // Hkv, T, S) @ v[:, :, None]  # [B, Hkv, G, T, Dh]
+        return out.reshape(B, H, T, -1)

@@ -28,6 +28,20 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] | None = None  # stop a sequence at these ids; None: the model's eos
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
+    # --- paged cache and offload (chapter 3; checked by _check_paging) ---
+    cache_chunk_size: int | None = None  # block size of the paged cache, in tokens; None: one contiguous cache
+    prefetch_depth: int | None = None  # keep the KV cache in a second tier, fetch this many layers ahead; None: no tier
+    # --- window, sinks and sparse attention (chapters 5-6; checked by _check_attention) ---
+    window_size: int | None = None  # each query sees the window_size most recent tokens (itself included); None: all
+    sink_tokens: int = 4  # the first tokens, always kept when a window is set (StreamingLLM); ignored without one
+    sparse_top_k: int | None = None  # per head and query, attend only the k keys of largest |q.k|/sqrt(Dh); None: all
+    sparsity_threshold: float | None = None  # keep keys whose |q.k|/sqrt(Dh) >= this x the head's max, in [0, 1]
+    kv_budget: int | None = None  # H2O heavy hitters: tokens kept in the cache (recent + most attended); None: all
+    # --- KV quantization (chapter 4; checked by _check_quant) ---
+    quant_bits: int | None = None  # bits per cached key/value element: 8 or 4 (2 for experiments); None: full precision
+    quant_group_size: int = 32  # elements that share one fp16 scale and zero (KIVI: 32)
+    quant_key_axis: str = "channel"  # keys grouped per "channel" (over tokens, KIVI) or per "token" (over channels)
+    quant_residual: int | None = None  # most recent tokens kept in full precision (>= group size); None: one group
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, low=0)
@@ -55,6 +69,9 @@ class GenerationConfig:
                 raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} is invalid: use a list "
                                   "of token ids >= 0, [] for none, or None for the model's eos")
             self.stop_token_ids = tuple(ids)
+        _check_attention(self)
+        _check_paging(self)
+        _check_quant(self)
 
     # --- construction ---
     @classmethod
@@ -124,6 +141,53 @@ def _check_keys(data: dict[str, Any], source: str) -> None:
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"unknown config key {key!r} in {source}.{hint} "
                               f"Known keys: {', '.join(known)}")
+
+
+def _check_attention(c: GenerationConfig) -> None:
+    """Validate the window / sinks / sparse / heavy-hitter fields (chapters 5-6)."""
+    if c.window_size is not None:
+        _check_int("window_size", c.window_size, low=1, hint="(tokens each query sees), or None for full attention")
+    _check_int("sink_tokens", c.sink_tokens, low=0, hint="(first tokens always kept; 0 for a plain sliding window)")
+    if c.window_size is not None and c.sink_tokens > c.window_size:
+        raise ConfigError(f"sink_tokens={c.sink_tokens} is more than window_size={c.window_size}: use "
+                          f"sink_tokens in [0, {c.window_size}] or widen the window")
+    if c.sparse_top_k is not None:
+        _check_int("sparse_top_k", c.sparse_top_k, low=1, hint="(keys kept per head), or None to keep every key")
+    t = c.sparsity_threshold
+    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1):
+        raise ConfigError(f"sparsity_threshold={t!r} is invalid: use a number in [0, 1] (a fraction of "
+                          "the largest |q.k| score of the head; 0 keeps every key), or None")
+    if c.kv_budget is not None:
+        _check_int("kv_budget", c.kv_budget, low=2, hint="(tokens kept by heavy-hitter eviction), or None")
+
+
+def _check_paging(c: GenerationConfig) -> None:
+    """Validate the paged-cache and offload fields (chapter 3)."""
+    if c.cache_chunk_size is not None:
+        _check_int("cache_chunk_size", c.cache_chunk_size, low=1,
+                   hint="(tokens per block of the paged cache), or None for a contiguous cache")
+    if c.prefetch_depth is not None:
+        _check_int("prefetch_depth", c.prefetch_depth, low=0,
+                   hint="(layers fetched ahead from the offload tier), or None to keep the cache resident")
+
+
+def _check_quant(c: GenerationConfig) -> None:
+    """Validate the KV quantization fields (chapter 4)."""
+    if c.quant_bits is not None and (c.quant_bits not in (8, 4, 2) or isinstance(c.quant_bits, bool)):
+        raise ConfigError(f"quant_bits={c.quant_bits!r} is invalid: use 8 or 4 (2 for experiments), "
+                          "or None to keep the KV cache in full precision")
+    _check_int("quant_group_size", c.quant_group_size, low=1, hint="(elements per scale and zero; 32 is KIVI's)")
+    per_byte = 8 // c.quant_bits if c.quant_bits else 1
+    if c.quant_group_size % per_byte:
+        raise ConfigError(f"quant_group_size={c.quant_group_size} is invalid with quant_bits={c.quant_bits}: "
+                          f"{per_byte} codes share a byte, so use a multiple of {per_byte} (e.g. 32)")
+    if c.quant_key_axis not in ("channel", "token"):
+        raise ConfigError(f"quant_key_axis={c.quant_key_axis!r} is invalid: use 'channel' (KIVI: one scale "
+                          "per channel over a group of tokens) or 'token' (one scale per group of channels)")
+    if c.quant_residual is not None:
+        _check_int("quant_residual", c.quant_residual, low=c.quant_group_size,
+                   hint=f"(>= quant_group_size={c.quant_group_size}: a group is quantized only once it is "
+                        "full, so the full-precision window holds at least one group), or None for one group")
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> None:

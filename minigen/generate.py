@@ -18,10 +18,15 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from .attention import AttentionObserver, AttentionPolicy
 from .config import GenerationConfig, resolve_config
-from .errors import PromptError
+from .errors import ConfigError, PromptError
 from .kv_cache import KVCache
 from .model import Model
+from .offload import OffloadedKVCache
+from .paged import paged_cache_for
+from .quant import QuantizedKVCache
+from .window import WindowKVCache
 
 
 @dataclass
@@ -67,18 +72,48 @@ def make_cache(model: Model, config: GenerationConfig, batch: int, max_len: int)
     """The cache that `config` selects, sized to `max_len` tokens; None for the naive loop."""
     if not config.use_cache:
         return None
+    if config.cache_chunk_size is not None or config.prefetch_depth is not None:  # chapter 3
+        return _paged_or_offloaded(model, config, batch, max_len)
+    if config.quant_bits is not None:  # group-wise quantized codes (a window still applies through the mask)
+        return QuantizedKVCache.for_model(model, batch, max_len, config)
+    if config.window_size is not None:  # a rolling buffer: sinks + window slots, whatever max_len
+        return WindowKVCache.for_model(model, batch, config.window_size, config.sink_tokens)
     return KVCache.for_model(model, batch, max_len)
 
 
-def prefill(model: Model, input_ids: Tensor, cache: KVCache | None) -> Tensor:
+def _paged_or_offloaded(model: Model, config: GenerationConfig, batch: int, max_len: int):
+    """A paged cache (blocks; quantized with quant_bits; freed outside window_size), and/or an
+    offload tier around it (or around a contiguous cache) when prefetch_depth is set."""
+    c = model.config
+    # With an offload tier, the device holds only the layers in flight: prefetch_depth + 1.
+    n_layers = c.n_layers if config.prefetch_depth is None else min(c.n_layers, config.prefetch_depth + 1)
+    if config.cache_chunk_size is not None:
+        cache = paged_cache_for(model, config, batch, max_len, n_layers)
+    elif config.quant_bits is None and config.window_size is None:
+        cache = KVCache(n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
+    else:
+        raise ConfigError(f"prefetch_depth={config.prefetch_depth} with quant_bits or window_size needs the "
+                          "paged cache: set cache_chunk_size (e.g. 256), or prefetch_depth=None")
+    return cache if config.prefetch_depth is None else OffloadedKVCache(cache, c.n_layers, config.prefetch_depth)
+
+
+def make_policy(config: GenerationConfig, cache,
+                observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
+    """The attention policy (window, sinks, sparse, observers) that `config` selects; None: plain causal."""
+    return AttentionPolicy.from_config(config, tuple(observers))
+
+
+def prefill(model: Model, input_ids: Tensor, cache: KVCache | None,
+            policy: AttentionPolicy | None = None) -> Tensor:
     """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
     input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return model(input_ids, input_pos, cache, last_only=True)[:, -1]
+    return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
 
 
-def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache) -> Tensor:
+def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache,
+                policy: AttentionPolicy | None = None) -> Tensor:
     """Feed the newest tokens [B, 1] at position input_pos [1] -> next-token logits [B, V]."""
-    return model(tokens, input_pos, cache)[:, -1]
+    return model(tokens, input_pos, cache, policy=policy)[:, -1]
 
 
 def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator | None = None) -> Tensor:
@@ -104,7 +139,7 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
 
 
 def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
-            stats: GenerationStats) -> Iterator[Tensor]:
+            stats: GenerationStats, observers: tuple[AttentionObserver, ...] = ()) -> Iterator[Tensor]:
     """The loop itself: yields the next tokens [B] and fills `stats` as it goes."""
     check_prompt(model, input_ids, config.max_new_tokens)
     B, T = input_ids.shape
@@ -116,14 +151,18 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
     generator = None
     if config.do_sample:
         generator = torch.Generator(device=input_ids.device)
-        generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        if config.seed is not None:
+            generator.manual_seed(config.seed)
+        else:  # fresh entropy for this generator only; torch.seed() would reseed the caller's global RNG
+            generator.seed()
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     pad = stop[0] if stop else 0  # finished sequences are padded with their stop token
     start = time.perf_counter()
     with torch.inference_mode():
         cache = make_cache(model, config, B, T + n)
+        policy = make_policy(config, cache, observers)
         seq = input_ids
-        logits = prefill(model, input_ids, cache)
+        logits = prefill(model, input_ids, cache, policy)
         stats.prefill_s = time.perf_counter() - start
         for i in range(n):
             token = sample(logits, config, generator)  # [B]
@@ -143,27 +182,32 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             if cache is None:  # naive: recompute the whole sequence
                 seq = torch.cat([seq, token[:, None]], dim=1)
                 pos = torch.arange(seq.shape[1], device=seq.device)
-                logits = model(seq, pos, None, last_only=True)[:, -1]
+                logits = model(seq, pos, None, last_only=True, policy=policy)[:, -1]
             else:
                 pos = torch.tensor([T + i], device=input_ids.device)
-                logits = decode_step(model, token[:, None], pos, cache)
+                logits = decode_step(model, token[:, None], pos, cache, policy)
     stats.decode_s = time.perf_counter() - start - stats.ttft_s
     if stats.new_tokens > 1 and stats.decode_s > 0:
         stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
 
 
-def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None,
-             **overrides) -> GenerationOutput:
-    """Generate up to max_new_tokens after input_ids [B, T] -> GenerationOutput(tokens [B, T+n], stats)."""
+def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
+             observers: tuple[AttentionObserver, ...] = (), **overrides) -> GenerationOutput:
+    """Generate up to max_new_tokens after input_ids [B, T] -> GenerationOutput(tokens [B, T+n], stats).
+
+    `observers` see every layer's attention probabilities (e.g. entropy.EntropyMonitor).
+    """
     config = resolve_config(config, overrides)
     stats = GenerationStats()
-    new = list(_stream(model, input_ids, config, stats))
+    new = list(_stream(model, input_ids, config, stats, tuple(observers)))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
 
 
-def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None,
-           **overrides) -> Iterator[Tensor]:
+def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
+           observers: tuple[AttentionObserver, ...] = (), **overrides) -> Iterator[Tensor]:
     """Yield each new token [B] as soon as it is sampled."""
     config = resolve_config(config, overrides)
-    yield from _stream(model, input_ids, config, GenerationStats())
+    # Check here: a generator function would only raise at the first next(), far from the call.
+    check_prompt(model, input_ids, config.max_new_tokens)
+    return _stream(model, input_ids, config, GenerationStats(), tuple(observers))

@@ -48,6 +48,10 @@ class KVCache:
         self.v[layer].index_copy_(2, input_pos, v)
         return self.k[layer], self.v[layer]
 
+    def layer_tensors(self) -> list[Tensor]:
+        """The tensors holding per-layer state, layer first (what an offload tier moves)."""
+        return [self.k, self.v]
+
     @property
     def nbytes(self) -> int:
         """Bytes held: the whole allocation, written or not."""

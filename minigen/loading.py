@@ -64,12 +64,21 @@ def config_from_hf(hf: dict) -> ModelConfig:
         scaling.setdefault("rope_type", scaling.pop("type", "default"))
         if scaling["rope_type"] == "default":
             scaling = None
+        elif scaling["rope_type"] not in ("linear", "llama3"):
+            raise ModelLoadError(f"rope_type={scaling['rope_type']!r} is not supported: minigen knows "
+                                 "default, linear and llama3 RoPE. Pick a checkpoint that uses one of those.")
+    # Sliding-window attention (Mistral v0.1, some Qwen2) is not modelled here: cap the context at
+    # the window, where it equals full attention, so longer prompts raise instead of going wrong.
+    ctx = hf.get("max_position_embeddings", 2048)
+    slides = hf.get("use_sliding_window", kind == "mistral") or "sliding_attention" in (hf.get("layer_types") or [])
+    if slides and hf.get("sliding_window"):
+        ctx = min(ctx, hf["sliding_window"])
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     bias = kind == "qwen2" or bool(hf.get("attention_bias"))
     return ModelConfig(arch="llama", vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"],
                        n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
                        head_dim=hf.get("head_dim") or D // H, hidden_dim=hf["intermediate_size"],
-                       max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       max_seq_len=ctx, norm_eps=hf.get("rms_norm_eps", 1e-6),
                        rope_theta=float(theta), rope_scaling=scaling, qkv_bias=bias,
                        out_bias=kind != "qwen2" and bool(hf.get("attention_bias")),
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos)
@@ -293,5 +302,9 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = t
     cfg = config_from_hf(hf_cfg)
     model = build_model(cfg, read_safetensors(folder), dtype, device)
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises ValueError/OSError with a long generic text
+        raise ModelLoadError(f"{folder} has weights but no usable tokenizer ({type(e).__name__}). Copy "
+                             "tokenizer.json and tokenizer_config.json of the same model into it.") from None
     return model, tokenizer

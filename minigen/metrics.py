@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .config import GenerationConfig, resolve_config
 from .errors import PromptError
-from .generate import make_cache
+from .generate import make_cache, make_policy
 from .model import Model
 
 
@@ -32,8 +32,11 @@ class Score:
 
 
 def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
-          chunk_size: int | None = None, **overrides) -> Score:
-    """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call."""
+          chunk_size: int | None = None, *, observers=(), **overrides) -> Score:
+    """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call.
+
+    `observers` see every layer's attention probabilities (attention.AttentionObserver).
+    """
     config = resolve_config(config, overrides)
     ids = token_ids.reshape(1, -1) if token_ids.dim() == 1 else token_ids
     if ids.shape[0] != 1 or ids.shape[1] < 2:
@@ -41,18 +44,20 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     T = ids.shape[1]
     if T > model.config.max_seq_len:
         raise PromptError(f"the text has {T} tokens but the model's context is {model.config.max_seq_len}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):  # before `or`: 0 is falsy
+        raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
     C = chunk_size or T
-    if C < 1:
-        raise PromptError(f"chunk_size={chunk_size} is invalid: use an integer >= 1 or None")
     logits = []
     with torch.inference_mode():
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
-            logits.append(model(ids, torch.arange(T, device=ids.device))[0])
+            policy = make_policy(config, None, observers)
+            logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])
         else:
             cache = make_cache(model, config, 1, T)
+            policy = make_policy(config, cache, observers)
             for s in range(0, T, C):
                 pos = torch.arange(s, min(s + C, T), device=ids.device)
-                logits.append(model(ids[:, s:s + C], pos, cache)[0])  # [C, V]
+                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
     return Score(nll=nll, top1=logits.argmax(-1))
@@ -71,3 +76,16 @@ def top1_agreement(model: Model, token_ids: Tensor, config: GenerationConfig | N
     test = score(model, token_ids, config, chunk_size, **overrides).top1
     ref = score(model, token_ids, reference or GenerationConfig(), chunk_size).top1
     return (test == ref).float().mean().item()
+
+
+def attention_entropy(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+                      chunk_size: int | None = None, **overrides) -> Tensor:
+    """Entropy in nats of every layer's, head's and query's attention over token_ids: [L, H, T].
+
+    Runs `score` through the cache and attention policy that `config` selects (window, sinks,
+    sparse), so the entropy is that of the attention the model really used. See entropy.py.
+    """
+    from .entropy import EntropyRecorder  # entropy.py is the chapters' module; import it on use
+    recorder = EntropyRecorder(model.config.n_layers)
+    score(model, token_ids, config, chunk_size, observers=(recorder,), **overrides)
+    return recorder.result()

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import attend, causal_mask
+from .attention import AttentionPolicy, attend, causal_mask
 
 
 @dataclass
@@ -50,6 +50,21 @@ class ModelConfig:
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
         """2 (K and V) x layers x KV heads x head dim x bytes: the cache cost of one token."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
+
+    def forward_flops(self, new_tokens: int, context: int, logits_tokens: int = 1) -> int:
+        """Matmul FLOPs (2 per multiply-add) of one forward: `new_tokens` tokens through every
+        projection and the MLP, each attending `context` keys, logits for `logits_tokens` positions.
+
+        A naive step at length n is forward_flops(n, n); a cached decode step is forward_flops(1, S).
+        The masked [n, n] score matrix is counted whole, as SDPA with a mask computes it. Norms,
+        RoPE and softmax are O(T·D) and left out.
+        """
+        D, H, Hkv, Dh = self.dim, self.n_heads, self.n_kv_heads, self.head_dim
+        projections = 2 * D * (H + 2 * Hkv) * Dh + 2 * H * Dh * D  # q, k, v and the output, per token
+        mlp = 2 * D * self.hidden_dim * (3 if self.arch == "llama" else 2)  # gate, up, down (GPT-2: fc, proj)
+        attention = 2 * 2 * context * H * Dh  # q·k scores and the weighted sum of v, per token
+        return self.n_layers * new_tokens * (projections + mlp + attention) \
+            + 2 * logits_tokens * D * self.vocab_size
 
 
 # ---------------------------------------------------------------- norms
@@ -121,7 +136,7 @@ class Attention(nn.Module):
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, input_pos: Tensor,
-                mask: Tensor, cache) -> Tensor:
+                mask: Tensor, cache, policy: AttentionPolicy | None = None) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         qkv = x @ self.wqkv  # [B, T, (H+2Hkv)Dh]
@@ -135,7 +150,8 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, input_pos, k, v)
-        out = attend(q, k, v, mask)  # [B, H, T, Dh]
+        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
+        out = attend(q, k, v, mask) if policy is None else policy.attend(q, k, v, mask, self.layer)
         out = out.transpose(1, 2).reshape(B, T, H * Dh) @ self.wo  # [B, T, D]
         return out + self.bo if self.bo is not None else out
 
@@ -177,8 +193,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = GatedMLP(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
 
-    def forward(self, x, rope, input_pos, mask, cache):
-        x = x + self.attn(self.attn_norm(x), rope, input_pos, mask, cache)
+    def forward(self, x, rope, input_pos, mask, cache, policy=None):
+        x = x + self.attn(self.attn_norm(x), rope, input_pos, mask, cache, policy)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -206,7 +222,8 @@ class Model(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
-    def forward(self, tokens: Tensor, input_pos: Tensor, cache=None, last_only: bool = False) -> Tensor:
+    def forward(self, tokens: Tensor, input_pos: Tensor, cache=None, last_only: bool = False,
+                policy: AttentionPolicy | None = None) -> Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]), fp32.
 
         With `cache`, the new keys/values are written at `input_pos` and attention reads every
@@ -225,9 +242,10 @@ class Model(nn.Module):
         # Masks come from positions, never from counters: key slot s may be seen by query t
         # when the slot holds a position <= input_pos[t].
         key_pos = cache.key_positions(input_pos) if cache is not None else input_pos  # [S]
-        mask = causal_mask(input_pos, key_pos)  # [T, S] bool
+        # [T, S] bool; a policy may narrow it to a window with sinks
+        mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
         for block in self.blocks:
-            x = block(x, rope, input_pos, mask, cache)
+            x = block(x, rope, input_pos, mask, cache, policy)
         if last_only:
             x = x[:, -1:]
         return (self.norm(x) @ self.lm_head).float()  # [B, T, V]

@@ -1,0 +1,121 @@
+"""The chapters' figures and display helpers (the course's layer: the core never imports this).
+
+    save_figure(fig, "01_step_time")   -> figures/01_step_time.png, next to notebooks/
+    fit_power_law(n, seconds)          -> exponent p and coefficient c of seconds ≈ c·n^p
+    plot_power_law(ax, n, seconds)     -> the points and their fitted line, p in the legend
+    plot_bench(results)                -> the bars of `python -m minigen bench --json`
+    show_source(obj, start, stop)      -> print the lines of a package function (chapters show code)
+    package_map(minigen)               -> a Markdown table of the package's modules
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+
+# ---------------------------------------------------------------- files
+def figures_dir() -> Path:
+    """figures/ at the repository root (the folder that holds book.toml); ./figures otherwise."""
+    root = Path(__file__).resolve().parent.parent
+    folder = root / "figures" if (root / "book.toml").exists() else Path.cwd() / "figures"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def save_figure(fig, name: str, dpi: int = 110) -> Path:
+    """Write `fig` to figures/<name>.png and return the path; name starts with the chapter: "01_..."."""
+    path = figures_dir() / f"{name}.png"
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
+
+
+# ---------------------------------------------------------------- measurements
+def fit_power_law(x, y) -> tuple[float, float]:
+    """Least squares on log y = log c + p log x -> (p, c). x and y positive, at least 2 points."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(x) < 2 or (x <= 0).any() or (y <= 0).any():
+        raise ValueError("fit_power_law needs at least 2 points, all positive")
+    p, log_c = np.polyfit(np.log(x), np.log(y), 1)
+    return float(p), float(np.exp(log_c))
+
+
+def plot_power_law(ax, x, y, label: str, color=None, marker: str = "o"):
+    """Draw the measured points and the fitted c·x^p on log-log axes; returns (p, c)."""
+    p, c = fit_power_law(x, y)
+    x = np.asarray(x, dtype=float)
+    ax.loglog(x, y, marker, color=color, ms=4, alpha=0.7, label=f"{label} (measured)")
+    ax.loglog(x, c * x ** p, "-", color=ax.lines[-1].get_color(), lw=1.5, label=f"fit: ∝ N^{p:.2f}")
+    return p, c
+
+
+def plot_reference_slopes(ax, x, anchor_y: float, slopes=(1, 2, 3)) -> None:
+    """Grey guide lines ∝ x^k through (x[0], anchor_y), for reading exponents off a log-log plot."""
+    x = np.asarray(x, dtype=float)
+    for k, style in zip(slopes, (":", "--", "-.")):
+        ax.loglog(x, anchor_y * (x / x[0]) ** k, style, color="grey", lw=0.8, label=f"∝ N^{k}")
+
+
+# ---------------------------------------------------------------- the benchmark
+def plot_bench(results: dict, ax=None):
+    """Bars of decode tokens/s per engine from `python -m minigen bench --json`, with the roofline
+    (memory bandwidth / bytes read per token) as a horizontal line and the hardware in the title.
+    Returns the Axes."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    engines = results["engines"]
+    names = list(engines)
+    rates = [engines[n]["decode_tokens_per_s"] for n in names]
+    bars = ax.bar(names, rates, color=[f"C{i}" for i in range(len(names))])
+    ax.bar_label(bars, labels=[f"{r:.1f}" for r in rates], padding=2)
+    roof = results["roofline_tokens_per_s"]
+    hw = results["hardware"]
+    ax.axhline(roof, color="black", ls="--", lw=1.2,
+               label=f"roofline {roof:.1f} tok/s = {hw['memory_read_gb_s']:.1f} GB/s ÷ "
+                     f"{results['bytes_per_token'] / 1e6:.0f} MB per token")
+    ax.set_ylim(0, max(rates + [roof]) * 1.25)
+    ax.set_ylabel("decode tokens/s (one sequence)")
+    device = hw["gpu"] or f"{hw['cpu']}, {hw['threads']} threads"
+    ax.set_title(f"{results['model']}: prompt {results['prompt_len']}, {results['new_tokens']} new tokens\n"
+                 f"measured on {device}, torch {hw['torch']}", fontsize=9)
+    ax.legend(loc="upper right", fontsize=8)
+    return ax
+
+
+# ---------------------------------------------------------------- showing the package
+def show_source(obj, start: str | None = None, stop: str | None = None) -> None:
+    """Print the source of a package function or class, optionally only from the first line that
+    contains `start` to the first later line that contains `stop` (inclusive)."""
+    lines = inspect.getsource(obj).splitlines()
+    first = next((i for i, s in enumerate(lines) if start in s), None) if start else 0
+    if first is None:
+        raise ValueError(f"{start!r} is not in the source of {obj.__qualname__}")
+    last = next((i for i in range(first + 1, len(lines)) if stop in lines[i]), len(lines) - 1) \
+        if stop else len(lines) - 1
+    file = Path(inspect.getsourcefile(obj)).name
+    line0 = inspect.getsourcelines(obj)[1] + first
+    print(f"# {file}, line {line0}")
+    print("\n".join(lines[first:last + 1]))
+
+
+def package_map(package: ModuleType) -> str:
+    """A Markdown table: each module of `package`, the first line of its docstring, and the public
+    classes and functions it defines (read from the package itself, so it cannot go stale)."""
+    rows = ["| module | what it holds | defines |", "|---|---|---|"]
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        mod = importlib.import_module(f"{package.__name__}.{info.name}")
+        doc = (mod.__doc__ or "").strip().splitlines()
+        names = [n for n, v in vars(mod).items() if not n.startswith("_")
+                 and (inspect.isclass(v) or inspect.isfunction(v)) and v.__module__ == mod.__name__]
+        shown = ", ".join(f"`{n}`" for n in names[:6]) + (f" (+{len(names) - 6})" if len(names) > 6 else "")
+        kind = "package" if info.ispkg else "module"
+        rows.append(f"| `{info.name}` ({kind}) | {doc[0] if doc else ''} | {shown} |")
+    return "\n".join(rows)

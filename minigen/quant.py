@@ -1,0 +1,249 @@
+"""Group-wise 8/4/2-bit quantization of the KV cache (chapter 4).
+
+Shapes: L layers, B batch, Hkv key/value heads, S token slots, T new tokens, Dh head dim,
+G group size (`group_size`), n codes per byte (8 // bits).
+
+A group of G consecutive elements along one axis shares a scale and a zero (asymmetric min-max):
+
+    code = round((x - zero) / scale)  in [0, 2^bits - 1],      x_hat = zero + code * scale
+
+so every element comes back within scale / 2. Scales and zeros are stored in fp16, and 4- and
+2-bit codes are packed two or four to a byte. Per element that costs bits + 32 / G bits: 5 bits
+for 4-bit codes in groups of 32, which is why 4-bit is 3.2x (not 4x) smaller than fp16.
+
+Which axis a group runs along matters (KIVI, Liu et al. 2024): keys have outlier *channels* (a few
+of the Dh dimensions are large for every token), so keys are grouped per channel over G tokens
+(axis -2 of [.., S, Dh]) and each outlier channel gets its own scale; values have no such
+structure and are grouped per token over G channels (axis -1). A per-channel group can only be
+quantized once its G tokens exist, so the newest tokens wait in a small full-precision window and
+leave it one whole group at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .errors import CacheFullError, ConfigError
+
+# The axis of a [.., S, Dh] key/value tensor along which a group of G elements runs.
+GROUP_AXIS = {"channel": -2, "token": -1}  # per channel: G tokens of one channel; per token: G channels
+VALUE_AXIS = GROUP_AXIS["token"]  # KIVI: values per token
+
+
+@dataclass
+class QuantizedTensor:
+    data: Tensor  # uint8, the input's shape with `axis` divided by 8 // bits: the packed codes
+    scales: Tensor  # fp16, the input's shape with `axis` divided by group_size: the step of each group
+    zeros: Tensor  # fp16, like scales: the value of code 0 (the group's minimum, rounded down)
+    bits: int  # 8, 4 or 2
+    group_size: int  # G, elements along `axis` that share one scale and zero
+    axis: int  # the dimension (negative) along which groups run and codes are packed
+    dtype: torch.dtype  # the dtype `dequantize` returns
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte held: codes, scales and zeros."""
+        return self.data.nbytes + self.scales.nbytes + self.zeros.nbytes
+
+
+# ---------------------------------------------------------------- packing
+def pack(codes: Tensor, bits: int, axis: int = -1) -> Tensor:
+    """uint8 codes < 2**bits -> bytes holding n = 8 // bits consecutive codes along `axis`
+    (the first code in the lowest bits). The size of `axis` must be a multiple of n."""
+    n = 8 // bits
+    if n == 1:
+        return codes
+    ax = axis % codes.dim()
+    c = codes.unflatten(ax, (-1, n))  # [.., N/n, n, ..]
+    packed = c.select(ax + 1, 0).clone()
+    for i in range(1, n):
+        packed |= c.select(ax + 1, i) << (i * bits)
+    return packed
+
+
+def unpack(data: Tensor, bits: int, axis: int = -1) -> Tensor:
+    """Inverse of `pack`: bytes -> uint8 codes, `axis` n = 8 // bits times longer."""
+    n = 8 // bits
+    if n == 1:
+        return data
+    ax = axis % data.dim()
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # [n]
+    shifts = shifts.view(n, *([1] * (data.dim() - ax - 1)))  # broadcast over the dims after `axis`
+    codes = (data.unsqueeze(ax + 1) >> shifts) & (2**bits - 1)  # [.., N/n, n, ..]; & 0xF for 4 bits
+    return codes.flatten(ax, ax + 1)
+
+
+# ---------------------------------------------------------------- quantize / dequantize
+def _fp16_down(x: Tensor) -> Tensor:
+    """The largest fp16 <= x (fp32 -> fp16 rounds to nearest, which may go up)."""
+    h = x.half()
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
+
+
+def _fp16_up(x: Tensor) -> Tensor:
+    """The smallest fp16 >= x."""
+    h = x.half()
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+
+
+def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1) -> QuantizedTensor:
+    """Asymmetric min-max quantization of x in groups of `group_size` elements along `axis`.
+
+    Every element of dequantize(quantize(x)) is within scales / 2 of x (for |x| within fp16's range).
+    """
+    if bits not in (8, 4, 2):
+        raise ValueError(f"bits={bits}: use 8, 4 or 2")
+    ax = axis % x.dim()
+    N, G, n = x.shape[ax], group_size, 8 // bits
+    if G < 1 or N % G or G % n:
+        raise ValueError(f"group_size={G} must divide the {N} elements along axis {axis} and be a "
+                         f"multiple of {n} (the codes per byte at {bits} bits)")
+    g = x.float().unflatten(ax, (N // G, G))  # [.., N/G, G, ..]: a group runs along dim ax + 1
+    lo, hi = g.amin(ax + 1), g.amax(ax + 1)  # [.., N/G, ..]
+    # The fp16 zero is rounded down and the fp16 scale up, so that the grid zero + [0, 2^bits-1] *
+    # scale still covers [lo, hi] after rounding: this is what keeps every error within scale / 2.
+    zeros = _fp16_down(lo)
+    scales = _fp16_up((hi - zeros.float()) / (2**bits - 1))
+    step = torch.where(scales > 0, scales.float(), 1.0)  # a constant group has scale 0: every code 0
+    codes = ((g - zeros.float().unsqueeze(ax + 1)) / step.unsqueeze(ax + 1)).round_()
+    codes = codes.clamp_(0, 2**bits - 1).to(torch.uint8).flatten(ax, ax + 1)  # x's shape
+    return QuantizedTensor(pack(codes, bits, ax), scales, zeros, bits, G, ax - x.dim(), x.dtype)
+
+
+def dequantize(q: QuantizedTensor) -> Tensor:
+    """zeros + codes * scales, in q.dtype, with the shape that was quantized."""
+    ax = q.axis % q.data.dim()
+    codes = unpack(q.data, q.bits, ax).unflatten(ax, (-1, q.group_size))  # [.., N/G, G, ..]
+    x = torch.addcmul(q.zeros.float().unsqueeze(ax + 1), codes.float(), q.scales.float().unsqueeze(ax + 1))
+    return x.flatten(ax, ax + 1).to(q.dtype)
+
+
+def round_trip(x: Tensor, bits: int, group_size: int, axis: int = -1) -> Tensor:
+    """dequantize(quantize(x)): what a reader of the quantized cache sees instead of x."""
+    return dequantize(quantize(x, bits, group_size, axis))
+
+
+# ---------------------------------------------------------------- the quantized cache
+class QuantizedKVCache:
+    """A preallocated KV cache that stores keys and values as group-wise quantized codes.
+
+    Positions [0, n_quantized) live in the quantized store; the newest positions wait in a
+    full-precision window of `residual` tokens. A write that would overflow the window first
+    quantizes its oldest tokens, a whole group of G tokens at a time, so the window holds between
+    residual - G + 1 and residual tokens once the text is longer than it. Writes must append
+    (positions 0, 1, 2, ... in order), as generation and teacher-forced scoring do.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 bits: int = 4, group_size: int = 32, key_axis: str = "channel",
+                 residual: int | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        residual = group_size if residual is None else residual
+        if key_axis not in GROUP_AXIS:
+            raise ConfigError(f"quant_key_axis={key_axis!r} is invalid: use 'channel' or 'token'")
+        if residual < group_size:
+            raise ConfigError(f"quant_residual={residual} is invalid: use >= quant_group_size={group_size}")
+        if head_dim % group_size:  # values are always grouped per token, over channels
+            raise ConfigError(f"quant_group_size={group_size} does not divide the head dim {head_dim}: "
+                              f"values (and keys with quant_key_axis='token') are grouped over "
+                              f"channels, so use a divisor of {head_dim} (e.g. 32)")
+        self.bits, self.group_size, self.key_axis, self.residual = bits, group_size, key_axis, residual
+        self.max_len, self.dtype = max_len, dtype
+        # The store holds every position that can ever leave the window: whole groups up to max_len.
+        S_q = self.n_quantized(max_len)
+        self.k = self._empty_store((n_layers, batch, n_kv_heads, S_q, head_dim), GROUP_AXIS[key_axis], device)
+        self.v = self._empty_store((n_layers, batch, n_kv_heads, S_q, head_dim), VALUE_AXIS, device)
+        window = (n_layers, batch, n_kv_heads, min(residual, max_len), head_dim)  # [L, B, Hkv, R, Dh]
+        self.k_window = torch.zeros(window, dtype=dtype, device=device)
+        self.v_window = torch.zeros(window, dtype=dtype, device=device)
+        self.slot_pos = torch.arange(max_len, device=device)  # the view returned by update: slot s = position s
+        self.start = self.length = 0  # this step writes positions [start, length)
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_len: int, config) -> "QuantizedKVCache":
+        """The cache `config` (a GenerationConfig with quant_bits set) asks for, sized for `model`."""
+        c = model.config
+        return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, config.quant_bits,
+                   config.quant_group_size, config.quant_key_axis, config.quant_residual,
+                   model.dtype, model.device)
+
+    def n_quantized(self, n: int) -> int:
+        """Tokens in the quantized store once n tokens are written: whole groups beyond the window."""
+        G = self.group_size
+        return G * math.ceil(max(0, n - self.residual) / G)
+
+    def _empty_store(self, shape: tuple[int, ...], axis: int, device) -> QuantizedTensor:
+        """An all-zero QuantizedTensor able to hold a tensor of `shape` [L, B, Hkv, S, Dh]."""
+        data_shape, meta_shape = list(shape), list(shape)
+        data_shape[axis] //= 8 // self.bits
+        meta_shape[axis] //= self.group_size
+        return QuantizedTensor(torch.zeros(data_shape, dtype=torch.uint8, device=device),
+                               torch.zeros(meta_shape, dtype=torch.float16, device=device),
+                               torch.zeros(meta_shape, dtype=torch.float16, device=device),
+                               self.bits, self.group_size, axis, self.dtype)
+
+    def _token_slices(self, store: QuantizedTensor, a: int, b: int) -> tuple[slice, slice]:
+        """Slices along the token dim of store.data and of store.scales/zeros for tokens [a, b)."""
+        if store.axis == -2:  # groups (and packed bytes) run along tokens
+            n = 8 // self.bits
+            return slice(a // n, b // n), slice(a // self.group_size, b // self.group_size)
+        return slice(a, b), slice(a, b)
+
+    def _write(self, store: QuantizedTensor, layer: int, a: int, x: Tensor) -> None:
+        """Quantize x [B, Hkv, T, Dh] (T a multiple of G) into store slots [a, a + T)."""
+        q = quantize(x, self.bits, self.group_size, store.axis)
+        data, meta = self._token_slices(store, a, a + x.shape[2])
+        store.data[layer, :, :, data] = q.data
+        store.scales[layer, :, :, meta] = q.scales
+        store.zeros[layer, :, :, meta] = q.zeros
+
+    def _read(self, store: QuantizedTensor, layer: int, n: int) -> Tensor:
+        """Dequantize tokens [0, n) of the store -> [B, Hkv, n, Dh]."""
+        whole = self.group_size * math.ceil(n / self.group_size)  # read whole groups, then cut
+        data, meta = self._token_slices(store, 0, whole)
+        part = QuantizedTensor(store.data[layer, :, :, data], store.scales[layer, :, :, meta],
+                               store.zeros[layer, :, :, meta], self.bits, self.group_size, store.axis,
+                               self.dtype)
+        return dequantize(part)[:, :, :n]
+
+    def key_positions(self, input_pos: Tensor) -> Tensor:
+        """The position held by each slot of the view `update` returns: [S] = 0..last written."""
+        start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
+        if start != self.length or end - start != input_pos.shape[0]:
+            raise ValueError(f"the quantized cache only appends: it holds positions 0..{self.length - 1} "
+                             f"but was given positions {start}..{end - 1}")
+        if end > self.max_len:
+            raise CacheFullError(
+                f"the KV cache holds {self.max_len} tokens but position {end - 1} was written. "
+                f"Allocate a cache of at least {end} tokens (prompt + max_new_tokens).")
+        self.start, self.length = start, end
+        return self.slot_pos[:end]
+
+    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [B, Hkv, T, Dh]; return every position so far [B, Hkv, S, Dh] in full dtype.
+
+        Tokens of earlier calls come back as stored (dequantized once they left the window); the
+        T tokens of this call are attended in full precision, as a prefill computes them.
+        """
+        return (self._update_one(self.k, self.k_window, layer, k),
+                self._update_one(self.v, self.v_window, layer, v))
+
+    def _update_one(self, store: QuantizedTensor, window: Tensor, layer: int, x: Tensor) -> Tensor:
+        start, end = self.start, self.length
+        q0, q1 = self.n_quantized(start), self.n_quantized(end)  # quantized tokens before, after
+        recent = torch.cat([window[layer, :, :, :start - q0], x], dim=2)  # positions [q0, end)
+        if q1 > q0:  # the oldest whole groups leave the window
+            self._write(store, layer, q0, recent[:, :, :q1 - q0])
+        read = min(q1, start)  # earlier tokens as stored; this call's tokens in full precision
+        out = torch.cat([self._read(store, layer, read), recent[:, :, read - q0:]], dim=2)  # [B, Hkv, end, Dh]
+        window[layer, :, :, :end - q1] = recent[:, :, q1 - q0:]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte held: packed codes, fp16 scales and zeros, and the full-precision window."""
+        return self.k.nbytes + self.v.nbytes + self.k_window.nbytes + self.v_window.nbytes

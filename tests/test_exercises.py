@@ -1,0 +1,135 @@
+"""Chapters 1-2 exercises: each worked solution passes its checker, common wrong answers fail it
+with their hint, and the package formulas the checkers trust match an independent count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import minigen.model
+from minigen.exercises import ExerciseFailed, ch01, ch02
+from minigen.model import Model, ModelConfig, rope_frequencies
+
+
+# ---------------------------------------------------------------- the oracle behind the checkers
+def dense_attend(q, k, v, mask):
+    """Attention written the obvious way, so FlopCounterMode sees its two matmuls (the fused SDPA
+    kernel on CPU is invisible to it): q [B, H, T, Dh], k, v [B, Hkv, S, Dh], mask [T, S]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, Dh]
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # [B, H, T, S]
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+def tiny_model(arch: str, std: float = 0.1) -> Model:
+    cfg = ModelConfig(arch=arch, vocab_size=50, dim=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2 if arch == "llama" else 4, head_dim=8, hidden_dim=48, max_seq_len=64)
+    model = Model(cfg)
+    torch.manual_seed(0)
+    for p in model.parameters():
+        p.data.normal_(0, std)
+    if arch == "llama":
+        model.inv_freq = rope_frequencies(cfg)
+    return model
+
+
+def counted_flops(model: Model, tokens: int, cache=None, start: int = 0) -> int:
+    pos = torch.arange(start, start + tokens)
+    with FlopCounterMode(display=False) as counter:
+        model(torch.zeros(1, tokens, dtype=torch.long), pos, cache, last_only=True)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_forward_flops_matches_counted_matmuls(arch, monkeypatch):
+    monkeypatch.setattr(minigen.model, "attend", dense_attend)
+    model = tiny_model(arch)
+    cfg = model.config
+    for n in (1, 5, 13):  # a naive step: n tokens attending n keys, logits for the last
+        assert counted_flops(model, n) == cfg.forward_flops(n, n)
+    # A cached decode step attends every slot of the preallocated cache (masked or not).
+    cache = minigen.kv_cache.KVCache.for_model(model, 1, 20)
+    counted_flops(model, 6, cache)
+    assert counted_flops(model, 1, cache, start=6) == cfg.forward_flops(1, 20)
+
+
+# ---------------------------------------------------------------- chapter 1
+def test_naive_step_flops_solution_passes():
+    assert ch01.check_naive_step_flops(ch01.solution_naive_step_flops)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (lambda cfg, n: ch01.solution_naive_step_flops(cfg, n) // 2, "multiply-add"),
+    (lambda cfg, n: ch01.solution_naive_step_flops(cfg, n) - 2 * cfg.dim * cfg.vocab_size, "output head"),
+    (lambda cfg, n: cfg.forward_flops(n, 0), "attention itself"),
+    (lambda cfg, n: ch01.solution_naive_step_flops(cfg, n) + 1, None),
+])
+def test_naive_step_flops_wrong_answers_fail(wrong, hint):
+    with pytest.raises(ExerciseFailed) as err:
+        ch01.check_naive_step_flops(wrong)
+    if hint:
+        assert hint in str(err.value)
+
+
+def test_naive_step_flops_ignoring_gqa_gets_the_hint():
+    def no_gqa(cfg, n):
+        full = ModelConfig(**{**cfg.__dict__, "n_kv_heads": cfg.n_heads})
+        return ch01.solution_naive_step_flops(full, n)
+    with pytest.raises(ExerciseFailed, match="grouped-query"):
+        ch01.check_naive_step_flops(no_gqa)
+
+
+def test_crossover_length():
+    assert ch01.check_crossover_length(ch01.solution_crossover_length)
+    assert ch01.solution_crossover_length(ch01.SMOLLM2_135M) == 3072  # 7,077,888 / (4·9·64)
+    with pytest.raises(ExerciseFailed, match="two products"):
+        ch01.check_crossover_length(lambda cfg: 2 * ch01.solution_crossover_length(cfg))
+    with pytest.raises(ExerciseFailed):
+        ch01.check_crossover_length(lambda cfg: 1.05 * ch01.solution_crossover_length(cfg))
+
+
+# ---------------------------------------------------------------- chapter 2
+def test_kv_cache_bytes():
+    assert ch02.check_kv_cache_bytes(ch02.solution_kv_cache_bytes)
+    # Llama-2-7B, fp16: 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB per token (a known figure).
+    assert ch02.solution_kv_cache_bytes(ch02.LLAMA2_7B, 1) == 512 * 1024
+    with pytest.raises(ExerciseFailed, match="factor 2"):
+        ch02.check_kv_cache_bytes(lambda cfg, t, b, e: ch02.solution_kv_cache_bytes(cfg, t, b, e) // 2)
+    with pytest.raises(ExerciseFailed, match="n_kv_heads"):
+        ch02.check_kv_cache_bytes(lambda cfg, t, b, e: 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * e * t * b)
+
+
+def test_max_cached_tokens():
+    assert ch02.check_max_cached_tokens(ch02.solution_max_cached_tokens)
+    with pytest.raises(ExerciseFailed, match="round down"):
+        ch02.check_max_cached_tokens(
+            lambda cfg, m, b, e: m / (b * cfg.kv_bytes_per_token(e)))
+    with pytest.raises(ExerciseFailed, match="divide by batch"):
+        ch02.check_max_cached_tokens(lambda cfg, m, b, e: m // cfg.kv_bytes_per_token(e))
+
+
+# ---------------------------------------------------------------- chapter 0
+def test_greedy_by_hand():
+    from minigen.exercises import ch00
+    from minigen.generate import decode_step, make_cache, prefill, sample
+    # Wide weights, so that logits depend strongly on positions and a wrong one changes the tokens.
+    model = tiny_model("llama", std=0.5)
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    assert ch00.check_greedy_by_hand(ch00.solution_greedy_by_hand, model, ids, n=8)
+
+    def off_by_one(model, ids, n):  # feeds every decode step one position too far
+        config = minigen.GenerationConfig(max_new_tokens=n)
+        T, out = ids.shape[1], [ids]
+        cache = make_cache(model, config, 1, T + n + 1)
+        logits = prefill(model, ids, cache)
+        for i in range(n):
+            token = sample(logits, config)
+            out.append(token[:, None])
+            logits = decode_step(model, token[:, None], torch.tensor([T + i + 1]), cache)
+        return torch.cat(out, dim=1)
+
+    with pytest.raises(ExerciseFailed, match="position T \\+ i"):
+        ch00.check_greedy_by_hand(off_by_one, model, ids, n=8)
+    with pytest.raises(ExerciseFailed, match="shape"):
+        ch00.check_greedy_by_hand(lambda m, i, n: i, model, ids, n=8)

@@ -1,0 +1,91 @@
+"""The chapters' plotting helpers: plot_bench on a synthetic bench result, the power-law fit, and
+the package map, all without the model."""
+
+from __future__ import annotations
+
+import importlib
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import minigen  # noqa: E402
+from minigen import plots  # noqa: E402
+
+
+def bench_result(engines: dict[str, float], roofline: float = 31.5) -> dict:
+    """The JSON of `python -m minigen bench --json`, with made-up numbers."""
+    engine = lambda rate: {"decode_tokens_per_s": rate, "ttft_s": 0.05, "peak_memory_bytes": 600_000_000,  # noqa: E731
+                           "kv_cache_bytes": 6_000_000}
+    return {"hardware": {"cpu": "Test CPU 9000", "threads": 2, "torch": "2.13.0", "gpu": None,
+                         "memory_read_gb_s": 17.0},
+            "model": "smollm2-135m", "prompt_len": 64, "new_tokens": 128,
+            "engines": {name: engine(rate) for name, rate in engines.items()},
+            "bytes_per_token": 540_000_000, "roofline_tokens_per_s": roofline, "speedup": 1.3}
+
+
+@pytest.mark.parametrize("engines", [{"minigen": 21.0, "transformers": 16.0},
+                                     {"minigen": 21.0, "transformers": 16.0, "minigen-int4": 9.0}])
+def test_plot_bench_draws_one_bar_per_engine_and_the_roofline(engines):
+    ax = plots.plot_bench(bench_result(engines, roofline=31.5))
+    assert isinstance(ax, plt.Axes) and isinstance(ax.figure, plt.Figure)
+    heights = [bar.get_height() for bar in ax.patches]
+    assert heights == list(engines.values())
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(engines)
+    flat = [line for line in ax.lines if np.allclose(line.get_ydata(), 31.5)]
+    assert len(flat) == 1, "the roofline is one horizontal line at roofline_tokens_per_s"
+    assert "Test CPU 9000" in ax.get_title() and "smollm2-135m" in ax.get_title()
+    assert ax.get_ylim()[1] > max(31.5, *engines.values()), "bars and roofline must be inside the axes"
+    plt.close(ax.figure)
+
+
+def test_plot_bench_draws_into_a_given_axes_and_names_the_gpu():
+    fig, (left, right) = plt.subplots(1, 2)
+    result = bench_result({"minigen": 900.0})
+    result["hardware"]["gpu"] = "NVIDIA H100"
+    assert plots.plot_bench(result, ax=right) is right
+    assert len(right.patches) == 1 and len(left.patches) == 0
+    assert "NVIDIA H100" in right.get_title()
+    plt.close(fig)
+
+
+def test_fit_power_law_recovers_the_exponent():
+    n = np.array([8, 16, 32, 64, 128])
+    p, c = plots.fit_power_law(n, 3e-4 * n ** 2.0)
+    assert p == pytest.approx(2.0, abs=1e-9) and c == pytest.approx(3e-4, rel=1e-9)
+    rng = np.random.default_rng(0)  # 5% multiplicative noise moves the exponent by far less than 0.1
+    p_noisy, _ = plots.fit_power_law(n, n ** 1.5 * np.exp(rng.normal(0, 0.05, n.size)))
+    assert abs(p_noisy - 1.5) < 0.1
+    with pytest.raises(ValueError):
+        plots.fit_power_law([1, 2], [1, 0])
+
+
+def test_save_figure_writes_a_png(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "figures_dir", lambda: tmp_path)
+    fig, ax = plt.subplots()
+    ax.plot([1, 2], [3, 4])
+    path = plots.save_figure(fig, "99_test")
+    assert path == tmp_path / "99_test.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    plt.close(fig)
+
+
+def test_package_map_lists_the_core_modules():
+    table = plots.package_map(minigen)
+    rows = {line.split("|")[1].strip().split()[0].strip("`"): line for line in table.splitlines()[2:]}
+    for module in ("model", "generate", "kv_cache", "config", "loading"):
+        assert module in rows
+    assert "`KVCache`" in rows["kv_cache"] and "`GenerationConfig`" in rows["config"]
+
+
+def test_show_source_prints_the_selected_lines(capsys):
+    generate_module = importlib.import_module("minigen.generate")  # minigen.generate is the function
+    plots.show_source(generate_module.decode_step, start="def decode_step", stop="return")
+    out = capsys.readouterr().out
+    assert out.startswith("# generate.py, line ") and "def decode_step" in out
+    assert out.rstrip().splitlines()[-1].strip().startswith("return")
+    with pytest.raises(ValueError):
+        plots.show_source(plots.fit_power_law, start="no such line")
