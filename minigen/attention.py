@@ -74,24 +74,29 @@ def attention_scores(q: Tensor, k: Tensor) -> Tensor:
     return scores.reshape(B, H, T, S)
 
 
-def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: float | None) -> Tensor:
+def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: float | None,
+                signed: bool = False) -> Tensor:
     """[B, H, T, S] bool: the keys each head keeps for each query (dynamic sparse attention).
 
-    A key's importance is |q.k|/sqrt(Dh) (`scores` is q.k/sqrt(Dh)). Among the keys `mask` [T, S]
-    allows, a key is kept when it is one of the `top_k` most important of its head and query
-    (ties broken by torch.topk) AND its importance is >= threshold x the largest importance of that
-    head and query. None disables either rule; top_k >= the allowed keys and threshold = 0 keep
-    every allowed key, so attention is then exactly dense. The most important key always stays.
+    The article's rule (signed=False): a key's importance is |q.k|/sqrt(Dh) (`scores` is
+    q.k/sqrt(Dh)). Among the keys `mask` [T, S] allows, a key is kept when it is one of the `top_k`
+    most important of its head and query (ties broken by torch.topk) AND its importance is
+    >= threshold x the largest importance of that head and query.
+    signed=True ranks by q.k/sqrt(Dh) itself, i.e. by attention probability, and the threshold keeps
+    keys whose probability is >= threshold x the largest (score >= max + log(threshold)).
+    None disables either rule; top_k >= the allowed keys and threshold = 0 keep every allowed key,
+    so attention is then exactly dense. The top key always stays.
     Note: choosing the keys reads every key, so this saves the softmax-times-values work, not the
     memory traffic of reading the cache.
     """
-    importance = scores.abs().masked_fill(~mask, -1.0)  # [B, H, T, S]; masked keys rank last
+    importance = (scores if signed else scores.abs()).masked_fill(~mask, float("-inf"))  # [B, H, T, S]
     keep = mask.expand_as(scores)
     if top_k is not None and top_k < scores.shape[-1]:
         kth = importance.topk(top_k, dim=-1).indices  # [B, H, T, k]
         keep = keep & torch.zeros_like(keep).scatter_(-1, kth, True)
     if threshold is not None and threshold > 0:
-        keep = keep & (importance >= threshold * importance.amax(dim=-1, keepdim=True))
+        top = importance.amax(dim=-1, keepdim=True)  # [B, H, T, 1]
+        keep = keep & (importance >= (top + math.log(threshold) if signed else threshold * top))
     return keep
 
 
@@ -110,13 +115,15 @@ class AttentionPolicy:
     sink_tokens: int = 0  # the first tokens, always visible when a window is set
     sparse_top_k: int | None = None  # keep the k keys of largest |q.k|/sqrt(Dh) per head and query
     sparsity_threshold: float | None = None  # keep keys scoring >= this x the head's max, in [0, 1]
+    sparse_signed: bool = False  # rank keys by q.k (attention probability) instead of the article's |q.k|
     observers: tuple[AttentionObserver, ...] = ()  # called with every layer's probabilities
 
     @classmethod
     def from_config(cls, config, observers: tuple[AttentionObserver, ...] = ()) -> "AttentionPolicy | None":
         """The policy a GenerationConfig selects, or None when it selects plain causal attention."""
         policy = cls(config.window_size, config.sink_tokens if config.window_size is not None else 0,
-                     config.sparse_top_k, config.sparsity_threshold, tuple(observers))
+                     config.sparse_top_k, config.sparsity_threshold, config.sparse_score == "signed",
+                     tuple(observers))
         return None if policy == cls() else policy
 
     @property
@@ -134,7 +141,8 @@ class AttentionPolicy:
         if not self.sparse and not self.observers:
             return attend(q, k, v, mask)  # a window alone is only a mask: keep the fused kernel
         scores = attention_scores(q, k)  # [B, H, T, S]
-        keep = sparse_keep(scores, mask, self.sparse_top_k, self.sparsity_threshold) if self.sparse else mask
+        keep = (sparse_keep(scores, mask, self.sparse_top_k, self.sparsity_threshold, self.sparse_signed)
+                if self.sparse else mask)
         probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # [B, H, T, S]
         for observe in self.observers:
             observe(layer, probs)

@@ -36,6 +36,7 @@ class GenerationConfig:
     sink_tokens: int = 4  # the first tokens, always kept when a window is set (StreamingLLM); ignored without one
     sparse_top_k: int | None = None  # per head and query, attend only the k keys of largest |q.k|/sqrt(Dh); None: all
     sparsity_threshold: float | None = None  # keep keys whose |q.k|/sqrt(Dh) >= this x the head's max, in [0, 1]
+    sparse_score: str = "abs"  # rank keys by "abs": |q.k| (the article's rule) or "signed": q.k (by probability)
     kv_budget: int | None = None  # H2O heavy hitters: tokens kept in the cache (recent + most attended); None: all
     # --- KV quantization (chapter 4; checked by _check_quant) ---
     quant_bits: int | None = None  # bits per cached key/value element: 8 or 4 (2 for experiments); None: full precision
@@ -157,6 +158,9 @@ def _check_attention(c: GenerationConfig) -> None:
     if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1):
         raise ConfigError(f"sparsity_threshold={t!r} is invalid: use a number in [0, 1] (a fraction of "
                           "the largest |q.k| score of the head; 0 keeps every key), or None")
+    if c.sparse_score not in ("abs", "signed"):
+        raise ConfigError(f"sparse_score={c.sparse_score!r} is invalid: use \"abs\" (rank keys by |q.k|, "
+                          "the article's rule) or \"signed\" (by q.k, i.e. by attention probability)")
     if c.kv_budget is not None:
         _check_int("kv_budget", c.kv_budget, low=2, hint="(tokens kept by heavy-hitter eviction), or None")
 

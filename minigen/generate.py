@@ -26,7 +26,7 @@ from .model import Model
 from .offload import OffloadedKVCache
 from .paged import paged_cache_for
 from .quant import QuantizedKVCache
-from .window import WindowKVCache
+from .window import HeavyHitterCache, WindowKVCache
 
 
 @dataclass
@@ -76,6 +76,8 @@ def make_cache(model: Model, config: GenerationConfig, batch: int, max_len: int)
         return _paged_or_offloaded(model, config, batch, max_len)
     if config.quant_bits is not None:  # group-wise quantized codes (a window still applies through the mask)
         return QuantizedKVCache.for_model(model, batch, max_len, config)
+    if config.kv_budget is not None:  # heavy hitters: kv_budget slots, evicting the least attended
+        return HeavyHitterCache.for_model(model, batch, config.kv_budget)
     if config.window_size is not None:  # a rolling buffer: sinks + window slots, whatever max_len
         return WindowKVCache.for_model(model, batch, config.window_size, config.sink_tokens)
     return KVCache.for_model(model, batch, max_len)
@@ -100,6 +102,8 @@ def _paged_or_offloaded(model: Model, config: GenerationConfig, batch: int, max_
 def make_policy(config: GenerationConfig, cache,
                 observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
     """The attention policy (window, sinks, sparse, observers) that `config` selects; None: plain causal."""
+    if isinstance(cache, HeavyHitterCache):  # it learns which tokens are heavy hitters by watching
+        observers = (*observers, cache.observe)
     return AttentionPolicy.from_config(config, tuple(observers))
 
 

@@ -199,6 +199,7 @@ class PagedKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self._make_storage()
         self._table = self._copies = None  # this step's plan, set by key_positions
+        self._read = {}  # "k"/"v" -> the buffer attention reads gathered blocks from, reused by every layer
 
     def _make_storage(self) -> None:
         # [L, N, bs, Hkv, Dh]: a block's slots and heads are contiguous, the layout of FlashAttention's
@@ -247,17 +248,27 @@ class PagedKVCache:
     # --- storage, once per layer
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh] into their blocks; return the rows' blocks [B, Hkv, S, Dh]."""
-        return self._update_one(self.k[layer], k), self._update_one(self.v[layer], v)
+        return self._update_one(self.k[layer], k, "k"), self._update_one(self.v[layer], v, "v")
 
-    def _update_one(self, pool: Tensor, x: Tensor) -> Tensor:
+    def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
         B, Hkv, T, Dh = x.shape
         if self._copies is not None:  # copy-on-write: give each writer its own copy of a shared block
             pool[self._copies[1]] = pool[self._copies[0]]
         slots = pool.view(-1, Hkv, Dh)  # [N*bs, Hkv, Dh]
         slots.index_copy_(0, self._write_slots, x.transpose(1, 2).reshape(B * T, Hkv, Dh))
         n = self._table.shape[1]
-        blocks = pool.index_select(0, self._table.flatten())  # [B*n, bs, Hkv, Dh]
+        blocks = torch.index_select(pool, 0, self._table.flatten(), out=self._buffer(name, B * n))  # [B*n, bs, Hkv, Dh]
         return blocks.view(B, n * self.block_size, Hkv, Dh).transpose(1, 2)  # [B, Hkv, S, Dh]
+
+    def _buffer(self, name: str, n_blocks: int) -> Tensor:
+        """A reused [n_blocks, bs, Hkv, Dh] buffer to gather into (grown by doubling): a fresh tensor
+        per layer and step cost more than the copy itself on the machine this course is measured on
+        (page faults of large allocations), and a fixed buffer is what a CUDA graph needs anyway."""
+        buf = self._read.get(name)
+        if buf is None or buf.shape[0] < n_blocks:
+            size = max(n_blocks, 2 * buf.shape[0] if buf is not None else 1)
+            buf = self._read[name] = torch.empty((size, *self.k.shape[2:]), dtype=self.dtype, device=self.device)
+        return buf[:n_blocks]
 
     def layer_tensors(self) -> list[Tensor]:
         """Every tensor that holds per-layer state, layer first (what an offload tier moves)."""

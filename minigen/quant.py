@@ -71,10 +71,8 @@ def unpack(data: Tensor, bits: int, axis: int = -1) -> Tensor:
     if n == 1:
         return data
     ax = axis % data.dim()
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=data.device)  # [n]
-    shifts = shifts.view(n, *([1] * (data.dim() - ax - 1)))  # broadcast over the dims after `axis`
-    codes = (data.unsqueeze(ax + 1) >> shifts) & (2**bits - 1)  # [.., N/n, n, ..]; & 0xF for 4 bits
-    return codes.flatten(ax, ax + 1)
+    codes = [(data >> shift) & (2**bits - 1) for shift in range(0, 8, bits)]  # & 0xF for 4 bits
+    return torch.stack(codes, dim=ax + 1).flatten(ax, ax + 1)  # [.., N/n, n, ..] -> [.., N, ..]
 
 
 # ---------------------------------------------------------------- quantize / dequantize
@@ -243,7 +241,12 @@ class QuantizedKVCache:
         window[layer, :, :, :end - q1] = recent[:, :, q1 - q0:]
         return out
 
+    def layer_tensors(self) -> list[Tensor]:
+        """Every tensor that holds per-layer state, layer first (what an offload tier moves)."""
+        return [self.k.data, self.k.scales, self.k.zeros, self.v.data, self.v.scales, self.v.zeros,
+                self.k_window, self.v_window]
+
     @property
     def nbytes(self) -> int:
         """Every byte held: packed codes, fp16 scales and zeros, and the full-precision window."""
-        return self.k.nbytes + self.v.nbytes + self.k_window.nbytes + self.v_window.nbytes
+        return sum(t.nbytes for t in self.layer_tensors())

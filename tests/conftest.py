@@ -105,3 +105,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skip them with a notice on a CPU-only machine."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run scripts/gpu_check.py on one)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,143 @@
+"""The chapters' interactive panels (ipywidgets; the course's layer: the core never imports this).
+
+    quant_panel(keys, values, cfg)   -> sliders for bits, group size and full-precision window,
+                                        showing the cache's memory and the round-trip error live
+    window_panel(model, ids)         -> sliders for window and sinks (layer, head), showing the
+                                        head's attention map, its entropy and the perplexity live
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .model import ModelConfig
+from .quant import GROUP_AXIS, VALUE_AXIS, QuantizedKVCache, round_trip
+
+
+# ---------------------------------------------------------------- chapter 4: KV quantization
+def _quant_numbers(keys: Tensor, values: Tensor, cfg: ModelConfig, bits: int, group_size: int,
+                   residual: int, key_axis: str, context: int) -> dict:
+    """Memory of a QuantizedKVCache for `context` tokens, and the relative RMS round-trip error
+    on keys and values [Hkv, S, Dh] of one layer (their last `residual` tokens kept exact)."""
+    residual = max(residual, group_size)  # the window holds at least one group
+    cache = QuantizedKVCache(cfg.n_layers, 1, cfg.n_kv_heads, context, cfg.head_dim, bits, group_size,
+                             key_axis, residual, torch.float32, device="meta")  # sizes only, no memory
+    stored = cache.n_quantized(keys.shape[1])  # tokens of the captured layer that left the window
+
+    def error(x: Tensor, axis: int) -> float:
+        x_hat = torch.cat([round_trip(x[:, :stored], bits, group_size, axis), x[:, stored:]], dim=1)
+        return ((x_hat - x).norm() / x.norm()).item()
+
+    return {"bytes": cache.nbytes,
+            "codes": cache.k.data.nbytes + cache.v.data.nbytes,
+            "scales_zeros": sum(t.nbytes for t in (cache.k.scales, cache.k.zeros, cache.v.scales, cache.v.zeros)),
+            "window": cache.k_window.nbytes + cache.v_window.nbytes,
+            "fp16": context * cfg.kv_bytes_per_token(2), "fp32": context * cfg.kv_bytes_per_token(4),
+            "key_error": error(keys, GROUP_AXIS[key_axis]), "value_error": error(values, VALUE_AXIS),
+            "residual": residual}
+
+
+def quant_panel(keys: Tensor, values: Tensor, cfg: ModelConfig, context: int = 4096):
+    """Sliders (bits, group size, full-precision window, key axis) over real keys and values
+    [Hkv, S, Dh] of one layer: shows the cache's bytes at `context` tokens and the round-trip error.
+
+    Returns the widget box; `box.numbers()` gives the numbers currently shown (for asserts)."""
+    import ipywidgets as w
+
+    bits = w.SelectionSlider(options=[2, 4, 8], value=4, description="bits")
+    group = w.SelectionSlider(options=[8, 16, 32, 64], value=32, description="group size")
+    window = w.IntSlider(value=32, min=8, max=512, step=8, description="fp window")
+    axis = w.ToggleButtons(options=["channel", "token"], value="channel", description="keys per")
+    out = w.HTML()
+
+    def numbers() -> dict:
+        return _quant_numbers(keys, values, cfg, bits.value, group.value, window.value, axis.value, context)
+
+    def show(_=None) -> None:
+        n = numbers()
+        mb = lambda b: f"{b / 1e6:,.1f} MB"  # noqa: E731
+        note = f" (raised to one group: {n['residual']})" if n["residual"] != window.value else ""
+        out.value = (
+            f"<b>KV cache for {context:,} tokens</b>: {mb(n['bytes'])} = codes {mb(n['codes'])} + "
+            f"scales and zeros {mb(n['scales_zeros'])} + fp32 window {mb(n['window'])}{note}<br>"
+            f"{n['fp16'] / n['bytes']:.2f}x smaller than fp16 ({mb(n['fp16'])}), "
+            f"{n['fp32'] / n['bytes']:.2f}x smaller than fp32 ({mb(n['fp32'])})<br>"
+            f"<b>round-trip error</b> on this layer's {keys.shape[1]} real tokens (relative RMS): "
+            f"keys {n['key_error']:.2%}, values {n['value_error']:.2%}")
+
+    for control in (bits, group, window, axis):
+        control.observe(show, names="value")
+    show()
+    box = w.VBox([w.HBox([bits, group]), w.HBox([window, axis]), out])
+    box.numbers = numbers
+    return box
+
+
+# ---------------------------------------------------------------- chapter 5: window and sinks
+def window_numbers(model, ids: Tensor, window_size: int | None, sink_tokens: int, layer: int,
+                   head: int) -> dict:
+    """One masked pass of ids [T] under a window with sinks: the perplexity, the attention map
+    [T, T] of one layer and head, and every query's entropy [T] (nats) for that head."""
+    from .entropy import entropy
+    from .metrics import score
+
+    captured = {}
+
+    def capture(l: int, probs: Tensor) -> None:
+        if l == layer:
+            captured["probs"] = probs[0, head].float()  # [T, T]
+
+    overrides = {} if window_size is None else dict(window_size=window_size, sink_tokens=sink_tokens)
+    s = score(model, ids, use_cache=False, observers=(capture,), **overrides)
+    probs = captured["probs"]
+    return {"perplexity": s.perplexity, "probs": probs, "entropy": entropy(probs),
+            "sink_mass": probs[:, :max(sink_tokens, 1)].sum(-1).mean().item()}
+
+
+def window_panel(model, ids: Tensor, layer: int = 10, head: int = 0):
+    """Sliders for window and sinks (and layer, head) over the text ids [T] (keep T under ~200):
+    shows the head's attention map, its entropy per query, and the text's perplexity, live.
+
+    Returns the widget box; `box.numbers()` gives what is shown (for asserts)."""
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+
+    T = len(ids)
+    cfg = model.config
+    window = w.IntSlider(value=min(32, T), min=1, max=T, description="window")
+    sinks = w.IntSlider(value=4, min=0, max=16, description="sinks")
+    layer_s = w.IntSlider(value=layer, min=0, max=cfg.n_layers - 1, description="layer")
+    head_s = w.IntSlider(value=head, min=0, max=cfg.n_heads - 1, description="head")
+    text, plot = w.HTML(), w.Output()
+
+    def numbers() -> dict:
+        s = min(sinks.value, window.value)  # more sinks than the window is a ConfigError
+        return window_numbers(model, ids, window.value, s, layer_s.value, head_s.value)
+
+    def show(_=None) -> None:
+        n = numbers()
+        text.value = (f"<b>perplexity</b> of these {T} tokens: {n['perplexity']:.2f} &nbsp; "
+                      f"<b>mean entropy</b> of layer {layer_s.value}, head {head_s.value}: "
+                      f"{n['entropy'].mean():.2f} nats &nbsp; <b>attention on the first token(s)</b>: "
+                      f"{n['sink_mass']:.0%}")
+        with plot:
+            plot.clear_output(wait=True)
+            fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+            a.imshow(n["probs"].pow(0.5).numpy(), cmap="magma", aspect="auto")  # sqrt: faint keys show
+            a.set(xlabel="key position", ylabel="query position",
+                  title=f"attention (sqrt scale), layer {layer_s.value} head {head_s.value}")
+            b.plot(n["entropy"].numpy())
+            b.plot(torch.arange(1, T + 1).float().log().numpy(), ":", color="grey", label="log(keys): uniform")
+            b.set(xlabel="query position", ylabel="entropy (nats)", title="entropy of each query's attention")
+            b.legend(fontsize=8)
+            plt.show()
+
+    for control in (window, sinks, layer_s, head_s):
+        control.observe(show, names="value")
+    show()
+    box = w.VBox([w.HBox([window, sinks]), w.HBox([layer_s, head_s]), text, plot])
+    box.numbers = numbers
+    return box
