@@ -182,6 +182,12 @@ def simulate(requests: list[tuple[int, int]], block_size: int, max_len: int) -> 
 
 
 # ---------------------------------------------------------------- the cache (full precision)
+def _long(rows: list, device: torch.device | str = "cpu") -> Tensor:
+    """Block ids or positions from Python lists -> an int64 tensor (empty lists stay integer)."""
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+
 class PagedKVCache:
     """KV cache in a pool of blocks [L, N, bs, Hkv, Dh] read through block tables.
 
@@ -218,7 +224,7 @@ class PagedKVCache:
         if self.window_size is not None:
             self._free_outside_window(start)
         copies = [c for row in self.rows for c in self.allocator.write(row, start, end)]
-        self._copies = torch.tensor(copies, dtype=torch.long, device=self.device).T if copies else None  # [2, n_copies]
+        self._copies = _long(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
         return self._plan(start, end, [self.allocator.tables[row] for row in self.rows])
 
     def _free_outside_window(self, start: int) -> None:
@@ -237,17 +243,18 @@ class PagedKVCache:
         """Set this step's write slots and read table from the rows' block tables -> key positions [S]."""
         bs = self.block_size
         kept = [j for j, b in enumerate(tables[0]) if b >= 0]  # logical blocks still held (same in every row)
-        self._table = torch.tensor([[t[j] for j in kept] for t in tables], dtype=torch.long, device=self.device)  # [B, n]
+        self._table = _long([[t[j] for j in kept] for t in tables], self.device)  # [B, n]
         pos = torch.arange(start, end)
-        write_blocks = torch.tensor([[t[p // bs] for p in range(start, end)] for t in tables], dtype=torch.long)  # [B, T]
+        write_blocks = _long([[t[p // bs] for p in range(start, end)] for t in tables])  # [B, T]
         self._write_slots = (write_blocks * bs + pos % bs).flatten().to(self.device)  # [B*T] slots of the pool
-        key_pos = (torch.tensor(kept, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()  # [S]
+        key_pos = (_long(kept)[:, None] * bs + torch.arange(bs)).flatten()  # [S]
         length = self.allocator.lengths[self.rows[0]]
         return key_pos.masked_fill(key_pos >= length, -1).to(self.device)  # unwritten slots: -1
 
     # --- storage, once per layer
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, Hkv, T, Dh] into their blocks; return the rows' blocks [B, Hkv, S, Dh]."""
+        """Write k, v [B, Hkv, T, Dh] into their blocks; return the rows' blocks [B, Hkv, S, Dh]
+        (views of a buffer that the next layer's update overwrites)."""
         return self._update_one(self.k[layer], k, "k"), self._update_one(self.v[layer], v, "v")
 
     def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
@@ -267,7 +274,8 @@ class PagedKVCache:
         buf = self._read.get(name)
         if buf is None or buf.shape[0] < n_blocks:
             size = max(n_blocks, 2 * buf.shape[0] if buf is not None else 1)
-            buf = self._read[name] = torch.empty((size, *self.k.shape[2:]), dtype=self.dtype, device=self.device)
+            shape = (size, self.block_size, self.n_kv_heads, self.head_dim)
+            buf = self._read[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
         return buf[:n_blocks]
 
     def layer_tensors(self) -> list[Tensor]:
@@ -360,11 +368,11 @@ class QuantizedPagedKVCache(PagedKVCache):
         self._start, self._length = start, end
         # Read: the quantized blocks before the open one, then positions [j0 * bs, end) in full precision.
         kept = [j for j, b in enumerate(tables[0][:j0]) if b >= 0]
-        self._table = torch.tensor([[t[j] for j in kept] for t in tables], dtype=torch.long, device=self.device)  # [B, n]
+        self._table = _long([[t[j] for j in kept] for t in tables], self.device)  # [B, n]
         # Write: the blocks that fill up in this step get quantized into their physical blocks.
         n_full = end // bs - j0
-        self._full = torch.tensor([t[j0:j0 + n_full] for t in tables], dtype=torch.long, device=self.device)  # [B, n_full]
-        old = (torch.tensor(kept, dtype=torch.long)[:, None] * bs + torch.arange(bs)).flatten()
+        self._full = _long([t[j0:j0 + n_full] for t in tables], self.device)  # [B, n_full]
+        old = (_long(kept)[:, None] * bs + torch.arange(bs)).flatten()
         return torch.cat([old, torch.arange(j0 * bs, end)]).to(self.device)  # [S]
 
     def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -388,8 +396,9 @@ class QuantizedPagedKVCache(PagedKVCache):
         tail[:, :rest] = recent[:, n_full * bs:]
         n = self._table.shape[1]
         ids = self._table.flatten()
-        old = dequantize(QuantizedTensor(*(t[layer].index_select(0, ids) for t in (store.data, store.scales, store.zeros)),
-                                         self.bits, self.group_size, store.axis, self.dtype))  # [B*n, bs, Hkv, Dh]
+        data, scales, zeros = (t[layer].index_select(0, ids) for t in (store.data, store.scales, store.zeros))
+        old = dequantize(QuantizedTensor(data, scales, zeros, self.bits, self.group_size, store.axis,
+                                         self.dtype))  # [B*n, bs, Hkv, Dh]
         out = torch.cat([old.view(B, n * bs, Hkv, Dh), recent], dim=1)  # [B, S, Hkv, Dh]
         return out.transpose(1, 2)  # [B, Hkv, S, Dh]
 

@@ -141,6 +141,9 @@ class QuantizedKVCache:
                  residual: int | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         residual = group_size if residual is None else residual
+        if bits not in (8, 4, 2) or group_size < 1 or group_size % (8 // bits):
+            raise ConfigError(f"quant_bits={bits}, quant_group_size={group_size} are invalid: use 8, 4 or 2 "
+                              f"bits and a group size that fills whole bytes (e.g. 32)")
         if key_axis not in GROUP_AXIS:
             raise ConfigError(f"quant_key_axis={key_axis!r} is invalid: use 'channel' or 'token'")
         if residual < group_size:

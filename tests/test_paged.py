@@ -236,5 +236,10 @@ def test_exercise_solutions_pass_and_wrong_answers_fail():
     assert ch03.check_blocks_held(ch03.solution_blocks_held)
     with pytest.raises(ExerciseFailed, match="multiply the physical block"):
         ch03.check_slot_of(lambda table, p, bs: table[p // bs] + p % bs)
+
+    def shares_the_partial_block_too(T, w, n, bs):  # forgets copy-on-write
+        shared = math.ceil(T / bs)
+        return shared + n * (math.ceil((T + w) / bs) - shared)
+
     with pytest.raises(ExerciseFailed, match="copied on write"):
-        ch03.check_blocks_held(lambda T, w, n, bs: math.ceil(T / bs) + n * (math.ceil((T + w) / bs) - math.ceil(T / bs)))
+        ch03.check_blocks_held(shares_the_partial_block_too)

@@ -218,7 +218,7 @@ def test_smollm2_perplexity_at_8_and_4_bits(smollm2, english_text_ids):
     model, _ = smollm2
     ids = english_text_ids[:200]
     # The full-precision baseline in one pass: a full cache fed one token at a time gives the
-    # same logits to fp32 rounding (tests/test_kv_cache-style equivalence), at 1/50 of the cost.
+    # same logits to fp32 rounding (the KV cache's equivalence tests), at a fraction of the cost.
     base = score(model, ids)
     int8 = score(model, ids, chunk_size=1, quant_bits=8)
     int4 = score(model, ids, chunk_size=1, quant_bits=4, quant_group_size=32)
@@ -226,3 +226,37 @@ def test_smollm2_perplexity_at_8_and_4_bits(smollm2, english_text_ids):
     assert int8.perplexity <= base.perplexity * 1.002
     assert int4.perplexity <= base.perplexity * 1.015
     assert int4.perplexity != base.perplexity  # the int4 run really read quantized keys
+
+
+# ---------------------------------------------------------------- the chapter's panel and exercises
+def test_quant_panel_shows_the_cache_bytes_and_updates_live():
+    from minigen.exercises.ch01 import SMOLLM2_135M as cfg
+    from minigen.widgets import quant_panel
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(3, 96, 64, generator=g), torch.randn(3, 96, 64, generator=g)
+    panel = quant_panel(keys, values, cfg, context=4096)
+    (bits, group), (window, _), label = panel.children[0].children, panel.children[1].children, panel.children[2]
+    four = panel.numbers()
+    assert four["bytes"] == QuantizedKVCache(30, 1, 3, 4096, 64, 4, 32, device="meta").nbytes
+    assert 0 < four["key_error"] < 0.2 and "3.07x smaller than fp16" in label.value
+    shown = label.value
+    bits.value = 2
+    assert label.value != shown and panel.numbers()["key_error"] > 2 * four["key_error"]
+    window.value = 96  # the window covers every captured token: nothing is quantized
+    assert panel.numbers()["key_error"] == panel.numbers()["value_error"] == 0.0
+
+
+def test_chapter_4_exercise_solutions_pass_and_mistakes_fail():
+    from minigen.exercises import ExerciseFailed, ch04
+    assert ch04.check_quantize_group(ch04.solution_quantize_group)
+    assert ch04.check_quantized_cache_bytes(ch04.solution_quantized_cache_bytes)
+
+    def too_many_levels(x, bits):  # divides the range by 2^bits instead of 2^bits - 1
+        lo, hi = x.min().item(), x.max().item()
+        scale = (hi - lo) / 2**bits
+        return ((x - lo) / max(scale, 1e-30)).round().clamp(0, 2**bits - 1), scale, lo
+
+    with pytest.raises(ExerciseFailed, match="2\\^bits - 1 steps"):
+        ch04.check_quantize_group(too_many_levels)
+    with pytest.raises(ExerciseFailed, match="scale and zero of every group"):
+        ch04.check_quantized_cache_bytes(lambda *a: ch04._mistaken_bytes(*a, meta_numbers=0))
