@@ -113,7 +113,7 @@ class AttentionPolicy:
     """
     window_size: int | None = None  # each query sees this many most recent tokens; None: all
     sink_tokens: int = 0  # the first tokens, always visible when a window is set
-    sparse_top_k: int | None = None  # keep the k keys of largest |q.k|/sqrt(Dh) per head and query
+    sparse_top_k: int | None = None  # keep the k most important keys per head and query (sparse_keep)
     sparsity_threshold: float | None = None  # keep keys scoring >= this x the head's max, in [0, 1]
     sparse_signed: bool = False  # rank keys by q.k (attention probability) instead of the article's |q.k|
     observers: tuple[AttentionObserver, ...] = ()  # called with every layer's probabilities
@@ -143,10 +143,11 @@ class AttentionPolicy:
         scores = attention_scores(q, k)  # [B, H, T, S]
         keep = (sparse_keep(scores, mask, self.sparse_top_k, self.sparsity_threshold, self.sparse_signed)
                 if self.sparse else mask)
-        probs = scores.masked_fill(~keep, float("-inf")).softmax(dim=-1)  # [B, H, T, S]
+        # The softmax runs in fp32 whatever the model's dtype, as fused attention kernels do.
+        probs = scores.float().masked_fill(~keep, float("-inf")).softmax(dim=-1)  # [B, H, T, S]
         for observe in self.observers:
             observe(layer, probs)
         B, H, T, S = probs.shape
         Hkv = k.shape[1]
-        out = probs.reshape(B, Hkv, H // Hkv, T, S) @ v[:, :, None]  # [B, Hkv, G, T, Dh]
+        out = probs.to(v.dtype).reshape(B, Hkv, H // Hkv, T, S) @ v[:, :, None]  # [B, Hkv, G, T, Dh]
         return out.reshape(B, H, T, -1)

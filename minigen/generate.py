@@ -178,7 +178,8 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             last = now
             stats.new_tokens = i + 1
             if cache is not None:
-                stats.kv_cache_bytes = stats.peak_kv_cache_bytes = cache.nbytes
+                stats.kv_cache_bytes = cache.nbytes  # a growing or evicting cache changes size
+                stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes)
             yield token
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
