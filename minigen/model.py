@@ -77,9 +77,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # One fused op instead of five: a decode step runs 61 norms, and at batch 1 the cost of
+        # a small op is its dispatch, not its arithmetic.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -117,7 +117,7 @@ def rope_frequencies(cfg: ModelConfig) -> Tensor:
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (i, i + Dh/2) of x [B, heads, T, Dh] by the angles of their positions."""
+    """Rotate pairs (i, i + Dh/2) of x [B, T, heads, Dh] by the angles of their positions, cos/sin [T, 1, Dh]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)  # the "rotate_half" convention of HF checkpoints
@@ -125,6 +125,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- attention and MLP
+def matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x [..., in] @ w [in, out] -> [..., out].
+
+    A single row (a decode step at batch 1) goes through the matrix-vector kernel: on the CPU this
+    course is measured on, it streams the weights about 10% faster than the matrix-matrix one.
+    """
+    if x.numel() == x.shape[-1]:
+        return (x.reshape(-1) @ w).view(*x.shape[:-1], w.shape[-1])
+    return x @ w
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -139,20 +150,20 @@ class Attention(nn.Module):
                 mask: Tensor, cache, policy: AttentionPolicy | None = None) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        qkv = x @ self.wqkv  # [B, T, (H+2Hkv)Dh]
+        qkv = matmul(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        q, k, v = qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1)
-        q = q.view(B, T, H, Dh).transpose(1, 2)  # [B, H, T, Dh]
-        k = k.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
-        v = v.view(B, T, Hkv, Dh).transpose(1, 2)
+        qk, v = qkv.split([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
+        qk = qk.view(B, T, H + Hkv, Dh)  # queries and keys side by side: one rotation for both
         if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            qk = apply_rope(qk, *rope)
+        q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
+        v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, input_pos, k, v)
         # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
         out = attend(q, k, v, mask) if policy is None else policy.attend(q, k, v, mask, self.layer)
-        out = out.transpose(1, 2).reshape(B, T, H * Dh) @ self.wo  # [B, T, D]
+        out = matmul(out.transpose(1, 2).reshape(B, T, H * Dh), self.wo)  # [B, T, D]
         return out + self.bo if self.bo is not None else out
 
 
@@ -165,8 +176,8 @@ class GatedMLP(nn.Module):
         self.w_down = nn.Parameter(torch.empty(cfg.hidden_dim, cfg.dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = (x @ self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
-        return (F.silu(gate) * up) @ self.w_down
+        gate, up = matmul(x, self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
+        return matmul(F.silu(gate) * up, self.w_down)
 
 
 class GeluMLP(nn.Module):
@@ -180,7 +191,7 @@ class GeluMLP(nn.Module):
         self.b_proj = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(x @ self.w_fc + self.b_fc, approximate="tanh") @ self.w_proj + self.b_proj
+        return matmul(F.gelu(matmul(x, self.w_fc) + self.b_fc, approximate="tanh"), self.w_proj) + self.b_proj
 
 
 class Block(nn.Module):
@@ -237,7 +248,7 @@ class Model(nn.Module):
             x = x + self.pos_embed[input_pos]
         else:
             angles = input_pos.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
-            angles = torch.cat((angles, angles), dim=-1)  # [T, Dh]
+            angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, Dh]: broadcast over heads
             rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
         # Masks come from positions, never from counters: key slot s may be seen by query t
         # when the slot holds a position <= input_pos[t].
@@ -248,4 +259,4 @@ class Model(nn.Module):
             x = block(x, rope, input_pos, mask, cache, policy)
         if last_only:
             x = x[:, -1:]
-        return (self.norm(x) @ self.lm_head).float()  # [B, T, V]
+        return matmul(self.norm(x), self.lm_head).float()  # [B, T, V]
