@@ -166,16 +166,20 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     engines: dict[str, dict] = {}
     progress = tqdm(total=repeats * (2 if baseline else 1), desc="bench", unit="run")
 
+    def measure(name: str, run, module: torch.nn.Module) -> None:
+        """Time one engine; `run(n)` generates n tokens and leaves its KV bytes in `run.kv`."""
+        progress.set_postfix_str(name)
+        r = _time_engine(run, new_tokens, repeats, progress)
+        r.update(weight_bytes=weight_bytes(module), kv_cache_bytes=run.kv,
+                 peak_memory_bytes=weight_bytes(module) + r["run_peak_added_bytes"])
+        engines[name] = r
+
     def run_minigen(n: int):
         out = generate(model, ids, config, max_new_tokens=n)
         run_minigen.kv = out.stats.kv_cache_bytes
         return out.tokens
 
-    progress.set_postfix_str("minigen")
-    r = _time_engine(run_minigen, new_tokens, repeats, progress)
-    r.update(peak_memory_bytes=weight_bytes(model) + r["run_peak_added_bytes"], kv_cache_bytes=run_minigen.kv,
-             weight_bytes=weight_bytes(model))
-    engines["minigen"] = r
+    measure("minigen", run_minigen, model)
     if baseline:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(str(resolve_folder(model_name)), dtype=dtype).eval()
@@ -190,11 +194,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
             run_hf.kv = sum(t.nbytes for layer in out.cache.layers for t in (layer.keys, layer.values))
             return out.sequences
 
-        progress.set_postfix_str("transformers")
-        r = _time_engine(run_hf, new_tokens, repeats, progress)
-        r.update(peak_memory_bytes=weight_bytes(hf) + r["run_peak_added_bytes"], kv_cache_bytes=run_hf.kv,
-                 weight_bytes=weight_bytes(hf))
-        engines["transformers"] = r
+        measure("transformers", run_hf, hf)
     progress.close()
 
     kv_elem = torch.tensor([], dtype=dtype).element_size()

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigError

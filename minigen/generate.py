@@ -161,7 +161,7 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             generator.seed()
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     pad = stop[0] if stop else 0  # finished sequences are padded with their stop token
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     with torch.inference_mode():
         cache = make_cache(model, config, B, T + n)
         policy = make_policy(config, cache, observers)
@@ -174,7 +174,7 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - start
-            stats.token_latencies_s.append(now - (start if i == 0 else last))
+            stats.token_latencies_s.append(now - last)
             last = now
             stats.new_tokens = i + 1
             if cache is not None:
