@@ -86,7 +86,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 # ---------------------------------------------------------------- weights
 def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
-    """Hugging Face tensor names and [out, in] layouts -> this package's names and [in, out]."""
+    """Hugging Face tensor names -> this package's names, every matrix [out, in] as nn.Linear keeps it."""
     hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
 
     def get(name: str, shape: tuple[int, ...]) -> Tensor:
@@ -109,29 +109,29 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
             a = f"layers.{i}.self_attn."
             ws = [get(a + "q_proj.weight", (q_out, D)), get(a + "k_proj.weight", (kv_out, D)),
                   get(a + "v_proj.weight", (kv_out, D))]
-            out[p + "attn.wqkv"] = torch.cat([w.T for w in ws], dim=1)
+            out[p + "attn.wqkv"] = torch.cat(ws, dim=0)
             if cfg.qkv_bias:
                 out[p + "attn.bqkv"] = torch.cat([get(a + "q_proj.bias", (q_out,)),
                                                   get(a + "k_proj.bias", (kv_out,)),
                                                   get(a + "v_proj.bias", (kv_out,))])
-            out[p + "attn.wo"] = get(a + "o_proj.weight", (D, q_out)).T
+            out[p + "attn.wo"] = get(a + "o_proj.weight", (D, q_out))
             if cfg.out_bias:
                 out[p + "attn.bo"] = get(a + "o_proj.bias", (D,))
             m = f"layers.{i}.mlp."
-            out[p + "mlp.w_gate_up"] = torch.cat([get(m + "gate_proj.weight", (F_, D)).T,
-                                                  get(m + "up_proj.weight", (F_, D)).T], dim=1)
-            out[p + "mlp.w_down"] = get(m + "down_proj.weight", (D, F_)).T
+            out[p + "mlp.w_gate_up"] = torch.cat([get(m + "gate_proj.weight", (F_, D)),
+                                                  get(m + "up_proj.weight", (F_, D))], dim=0)
+            out[p + "mlp.w_down"] = get(m + "down_proj.weight", (D, F_))
             out[p + "attn_norm.weight"] = get(f"layers.{i}.input_layernorm.weight", (D,))
             out[p + "mlp_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
-        else:  # GPT-2 stores Conv1D weights as [in, out] already
+        else:  # GPT-2's Conv1D stores [in, out]: transpose to [out, in]
             h = f"h.{i}."
-            out[p + "attn.wqkv"] = get(h + "attn.c_attn.weight", (D, 3 * D))
+            out[p + "attn.wqkv"] = get(h + "attn.c_attn.weight", (D, 3 * D)).T
             out[p + "attn.bqkv"] = get(h + "attn.c_attn.bias", (3 * D,))
-            out[p + "attn.wo"] = get(h + "attn.c_proj.weight", (D, D))
+            out[p + "attn.wo"] = get(h + "attn.c_proj.weight", (D, D)).T
             out[p + "attn.bo"] = get(h + "attn.c_proj.bias", (D,))
-            out[p + "mlp.w_fc"] = get(h + "mlp.c_fc.weight", (D, F_))
+            out[p + "mlp.w_fc"] = get(h + "mlp.c_fc.weight", (D, F_)).T
             out[p + "mlp.b_fc"] = get(h + "mlp.c_fc.bias", (F_,))
-            out[p + "mlp.w_proj"] = get(h + "mlp.c_proj.weight", (F_, D))
+            out[p + "mlp.w_proj"] = get(h + "mlp.c_proj.weight", (F_, D)).T
             out[p + "mlp.b_proj"] = get(h + "mlp.c_proj.bias", (D,))
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
                 out[p + ours + ".weight"] = get(h + theirs + ".weight", (D,))
@@ -143,8 +143,8 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
         out["embed"] = get("wte.weight", (V, D))
         out["pos_embed"] = get("wpe.weight", (cfg.max_seq_len, D))
         out["norm.weight"], out["norm.bias"] = get("ln_f.weight", (D,)), get("ln_f.bias", (D,))
-    head = out["embed"] if cfg.tie_embeddings or "lm_head.weight" not in hf else get("lm_head.weight", (V, D))
-    out["lm_head"] = head.T
+    if not cfg.tie_embeddings:  # a checkpoint without a head of its own reuses the embedding
+        out["lm_head"] = get("lm_head.weight", (V, D)) if "lm_head.weight" in hf else out["embed"]
     return {k: v.contiguous() for k, v in out.items()}
 
 

@@ -3,9 +3,10 @@
 Shapes: B batch, T new tokens in this call, S cached key positions, D model width,
 H query heads, Hkv key/value heads, Dh head dim, F MLP width, V vocabulary.
 
-Weights are stored as [in, out] so that every projection is `x @ w`: on the 2-core AVX2 CPU this
-course is measured on, that contiguous layout ran the matrix-vector products of decoding fastest.
-q/k/v are fused into one matrix and gate/up into another, so a decode step launches fewer ops.
+Weights are stored as checkpoints ship them, [out, in] (nn.Linear's layout): each output is one
+contiguous row, which is what the C matrix-vector kernel of decoding streams (`cpu_kernel.py`),
+and a tied output head is the embedding itself, not a copy. q/k/v are fused into one matrix and
+gate/up into another, so a decode step launches fewer ops.
 The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig` and
 a state dict in this module's names.
 """
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_kernel
 from .attention import AttentionPolicy, attend, causal_mask
 
 
@@ -126,14 +128,17 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- attention and MLP
 def matmul(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] @ w [in, out] -> [..., out].
+    """x [..., in] times w [out, in] -> [..., out], i.e. x @ w.T.
 
-    A single row (a decode step at batch 1) goes through the matrix-vector kernel: on the CPU this
-    course is measured on, it streams the weights about 10% faster than the matrix-matrix one.
+    A single row (a decode step at batch 1) on the CPU goes through minigen's C matrix-vector
+    kernel, which streams the weights about 1.7x faster than torch's fp32 path; everything else
+    (prefill, batches, GPUs) is torch's F.linear.
     """
     if x.numel() == x.shape[-1]:
-        return (x.reshape(-1) @ w).view(*x.shape[:-1], w.shape[-1])
-    return x @ w
+        y = cpu_kernel.matvec(x, w)
+        if y is not None:
+            return y.view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
 
 
 class Attention(nn.Module):
@@ -141,9 +146,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         qkv_out = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
-        self.wqkv = nn.Parameter(torch.empty(cfg.dim, qkv_out), requires_grad=False)  # [D, (H+2Hkv)Dh]
+        self.wqkv = nn.Parameter(torch.empty(qkv_out, cfg.dim), requires_grad=False)  # [(H+2Hkv)Dh, D]
         self.bqkv = nn.Parameter(torch.zeros(qkv_out), requires_grad=False) if cfg.qkv_bias else None
-        self.wo = nn.Parameter(torch.empty(cfg.n_heads * cfg.head_dim, cfg.dim), requires_grad=False)
+        self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim), requires_grad=False)
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, input_pos: Tensor,
@@ -172,8 +177,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate_up = nn.Parameter(torch.empty(cfg.dim, 2 * cfg.hidden_dim), requires_grad=False)
-        self.w_down = nn.Parameter(torch.empty(cfg.hidden_dim, cfg.dim), requires_grad=False)
+        self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.hidden_dim, cfg.dim), requires_grad=False)
+        self.w_down = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = matmul(x, self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
@@ -185,9 +190,9 @@ class GeluMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_fc = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
+        self.w_fc = nn.Parameter(torch.empty(cfg.hidden_dim, cfg.dim), requires_grad=False)
         self.b_fc = nn.Parameter(torch.zeros(cfg.hidden_dim), requires_grad=False)
-        self.w_proj = nn.Parameter(torch.empty(cfg.hidden_dim, cfg.dim), requires_grad=False)
+        self.w_proj = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
         self.b_proj = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -219,11 +224,16 @@ class Model(nn.Module):
                           if cfg.arch == "gpt2" else None)  # GPT-2's learned positions
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.arch == "llama" else LayerNorm(cfg.dim, cfg.norm_eps)
-        # The head is [D, V] even when tied: a transposed copy of `embed`, because the head's
-        # matrix-vector product is the largest of a decode step and [in, out] is its fastest layout.
-        self.lm_head = nn.Parameter(torch.empty(cfg.dim, cfg.vocab_size), requires_grad=False)
+        # The output head [V, D]; a tied model (SmolLM2, GPT-2) has none and multiplies by `embed`.
+        self.lm_head = (None if cfg.tie_embeddings else
+                        nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim), requires_grad=False))
         if cfg.arch == "llama":
             self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    @property
+    def head(self) -> Tensor:
+        """The output projection [V, D]: `lm_head`, or the token embedding when they are tied."""
+        return self.embed if self.lm_head is None else self.lm_head
 
     @property
     def dtype(self) -> torch.dtype:
@@ -259,4 +269,4 @@ class Model(nn.Module):
             x = block(x, rope, input_pos, mask, cache, policy)
         if last_only:
             x = x[:, -1:]
-        return matmul(self.norm(x), self.lm_head).float()  # [B, T, V]
+        return matmul(self.norm(x), self.head).float()  # [B, T, V]

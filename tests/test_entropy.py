@@ -31,8 +31,8 @@ def test_attention_entropy_of_uniform_heads(tiny_llama):
     model = type(model)(model.config)
     model.load_state_dict(tiny_llama[1].state_dict())
     H, Dh = model.config.n_heads, model.config.head_dim
-    model.blocks[0].attn.wqkv.data[:, : H * Dh] = 0.0
-    model.blocks[1].attn.wqkv.data[:, : H * Dh] = 0.0
+    model.blocks[0].attn.wqkv.data[: H * Dh] = 0.0
+    model.blocks[1].attn.wqkv.data[: H * Dh] = 0.0
     ids = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(0))
     e = attention_entropy(model, ids)  # [L, H, T]
     assert e.shape == (2, 4, 20)

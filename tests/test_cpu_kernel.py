@@ -1,0 +1,121 @@
+"""The C matrix-vector kernel of batch-1 decoding (minigen/cpu_kernel.py, csrc/gemv.c), and the
+benchmark that measures it against transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minigen
+from minigen import bench, cpu_kernel
+from minigen.generate import generate
+
+from conftest import tiny_hf
+from test_loading import save_tiny_tokenizer
+
+needs_cc = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
+
+
+@needs_cc
+def test_kernel_builds_where_a_compiler_exists():
+    # CI has gcc: decoding must run on the kernel there, or every speed number silently drops.
+    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+
+
+@needs_cc
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 100), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_matvec_matches_linear_for_any_shape(n, k, dtype, seed):
+    # n not a multiple of 4 and k not a multiple of 8 take the kernel's tail paths.
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(1, 1, k, generator=g).to(dtype)
+    y = cpu_kernel.matvec(x, w)
+    assert y is not None and y.dtype == dtype and y.shape == (n,)
+    want = F.linear(x.float(), w.float()).reshape(n)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(y.float(), want, **tol)
+
+
+@needs_cc
+def test_matvec_gives_the_same_numbers_on_one_and_two_threads():
+    w, x = torch.randn(1001, 576), torch.randn(576)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernel.matvec(x, w)
+        torch.set_num_threads(2)
+        two = cpu_kernel.matvec(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each row is summed by one thread in one order
+
+
+def test_matvec_stands_aside_where_torch_must_see_the_op():
+    w, x = torch.randn(8, 16), torch.randn(16)
+    with cpu_kernel.enabled(False):
+        assert cpu_kernel.matvec(x, w) is None
+    assert cpu_kernel.matvec(x, w.t().contiguous().t()) is None  # not contiguous
+    assert cpu_kernel.matvec(x.half(), w.half()) is None  # fp16: torch's path
+    assert cpu_kernel.matvec(x.requires_grad_(), w) is None  # autograd
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):
+        assert cpu_kernel.matvec(x.detach(), w) is None
+
+
+def test_without_a_compiler_decoding_falls_back_with_a_notice(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert cpu_kernel.matvec(torch.randn(16), torch.randn(8, 16)) is None
+    assert "no C compiler" in cpu_kernel.status()
+    model = minigen.from_hf(tiny_hf("llama"))
+    out = generate(model, torch.tensor([[3, 1, 4]]), max_new_tokens=5)  # still runs, on F.linear
+    assert out.tokens.shape == (1, 8)
+
+
+@needs_cc
+def test_kernel_and_torch_decode_the_same_greedy_tokens(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    fast = generate(model, ids, max_new_tokens=24).tokens
+    with cpu_kernel.enabled(False):
+        slow = generate(model, ids, max_new_tokens=24).tokens
+    assert torch.equal(fast, slow)
+
+
+def test_bench_runs_both_engines_and_writes_the_promised_json(tmp_path):
+    tiny_hf("llama").save_pretrained(tmp_path / "tiny")
+    save_tiny_tokenizer(tmp_path / "tiny")
+    result = bench.run_bench(str(tmp_path / "tiny"), prompt_len=8, new_tokens=6, repeats=1)
+    for name in ("minigen", "transformers"):
+        engine = result["engines"][name]
+        assert engine["decode_tokens_per_s"] > 0 and engine["ttft_s"] > 0
+        assert engine["peak_memory_bytes"] >= engine["weight_bytes"] > 0
+    assert result["exact"] and result["greedy_token_agreement"] == 1.0
+    assert result["roofline_tokens_per_s"] > 0 and result["hardware"]["threads"] >= 1
+    json.dumps(result)  # everything in it is plain JSON
+
+
+def test_peak_rss_sees_a_short_lived_allocation():
+    with bench.PeakRSS() as mem:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed before the block ends
+        del block
+    assert mem.added >= 48 * 2**20
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_roofline_counts_a_tied_head_once_in_full(smollm2):
+    model, _ = smollm2
+    assert model.lm_head is None
+    every_weight = sum(p.nbytes for p in model.parameters())  # embed counted once: it is the head
+    assert bench.bytes_per_decode_step(model, context=0) == every_weight
