@@ -30,7 +30,8 @@ def causal_mask(query_pos: Tensor, key_pos: Tensor) -> Tensor:
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped-query heads.
 
-    q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] bool -> [B, H, T, Dh].
+    q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] bool (True: attend) or float (added to
+    the scores: 0 or -inf) -> [B, H, T, Dh].
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 

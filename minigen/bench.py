@@ -250,7 +250,9 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
         match = (a[:, prompt_len:] == b[:, prompt_len:]).float().mean().item()
         result["greedy_token_agreement"] = match
         result["speedup"] = engines["minigen"]["decode_tokens_per_s"] / engines["transformers"]["decode_tokens_per_s"]
-        if result["exact"] and match < 1.0:
+        # Only fp32 is held to identical tokens: in bf16 or fp16 two correct implementations
+        # round their sums differently, and a near-tie between two tokens may flip.
+        if result["exact"] and dtype == torch.float32 and match < 1.0:
             raise AssertionError(f"minigen and transformers greedy tokens differ ({match:.1%} agree) "
                                  "under an exact config: this is a correctness bug")
     return result
@@ -273,4 +275,5 @@ def print_report(result: dict) -> None:
           f"roofline: {result['roofline_tokens_per_s']:.1f} tok/s")
     if "speedup" in result:
         print(f"minigen / transformers decode: {result['speedup']:.2f}x; greedy tokens agree: "
-              f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'})")
+              f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'}"
+              f"{'' if result['dtype'] == 'float32' else '; asserted in float32 only'})")

@@ -79,8 +79,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        # One fused op instead of five: a decode step runs 61 norms, and at batch 1 the cost of
+        # One torch op instead of five: a decode step runs 61 norms, and at batch 1 the cost of
         # a small op is its dispatch, not its arithmetic.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -118,12 +120,14 @@ def rope_frequencies(cfg: ModelConfig) -> Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate pairs (i, i + Dh/2) of x [B, T, heads, Dh] by the angles of their positions, cos/sin [T, 1, Dh]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)  # the "rotate_half" convention of HF checkpoints
-    return x * cos + rotated * sin
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotate pairs (i, i + Dh/2) of x [B, T, heads, Dh] by the angles of their positions.
+
+    HF checkpoints pair dimension i with i + Dh/2 ("rotate_half"): x * cos + [-x2, x1] * sin.
+    Rolling x by Dh/2 gives [x2, x1], so with `sin_signed` = [-sin, sin] the rotation is one
+    multiply and one fused multiply-add. cos and sin_signed are [T, 1, Dh].
+    """
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 # ---------------------------------------------------------------- attention and MLP
@@ -258,13 +262,17 @@ class Model(nn.Module):
             x = x + self.pos_embed[input_pos]
         else:
             angles = input_pos.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
-            angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1, Dh]: broadcast over heads
-            rope = (angles.cos().to(x.dtype), angles.sin().to(x.dtype))
+            cos, sin = angles.cos(), angles.sin()
+            # [T, 1, Dh] each, broadcast over heads; see apply_rope for the signs
+            rope = (torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype),
+                    torch.cat((-sin, sin), dim=-1)[:, None, :].to(x.dtype))
         # Masks come from positions, never from counters: key slot s may be seen by query t
         # when the slot holds a position <= input_pos[t].
         key_pos = cache.key_positions(input_pos) if cache is not None else input_pos  # [S]
         # [T, S] bool; a policy may narrow it to a window with sinks
         mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
+        if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
+            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         for block in self.blocks:
             x = block(x, rope, input_pos, mask, cache, policy)
         if last_only:

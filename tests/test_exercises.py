@@ -15,11 +15,13 @@ from minigen.model import Model, ModelConfig, rope_frequencies
 # ---------------------------------------------------------------- the oracle behind the checkers
 def dense_attend(q, k, v, mask):
     """Attention written the obvious way, so FlopCounterMode sees its two matmuls (the fused SDPA
-    kernel on CPU is invisible to it): q [B, H, T, Dh], k, v [B, Hkv, S, Dh], mask [T, S]."""
+    kernel on CPU is invisible to it): q [B, H, T, Dh], k, v [B, Hkv, S, Dh], mask [T, S] bool
+    or additive float."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, Dh]
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # [B, H, T, S]
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1) @ v
 
 
 def tiny_model(arch: str, std: float = 0.1) -> Model:
