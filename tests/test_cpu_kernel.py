@@ -30,18 +30,15 @@ def test_kernel_builds_where_a_compiler_exists():
 
 @needs_cc
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 70), k=st.integers(1, 100), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       seed=st.integers(0, 2**16))
-def test_matvec_matches_linear_for_any_shape(n, k, dtype, seed):
+@given(n=st.integers(1, 70), k=st.integers(1, 100), seed=st.integers(0, 2**16))
+def test_matvec_matches_linear_for_any_shape(n, k, seed):
     # n not a multiple of 4 and k not a multiple of 8 take the kernel's tail paths.
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    x = torch.randn(1, 1, k, generator=g).to(dtype)
+    w, x = torch.randn(n, k, generator=g), torch.randn(1, 1, k, generator=g)
     y = cpu_kernel.matvec(x, w)
-    assert y is not None and y.dtype == dtype and y.shape == (n,)
-    want = F.linear(x.float(), w.float()).reshape(n)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    torch.testing.assert_close(y.float(), want, **tol)
+    assert y is not None and y.dtype == torch.float32 and y.shape == (n,)
+    # fp32 sums of k <= 100 products of N(0, 1) values, in another order: errors ~1e-6
+    torch.testing.assert_close(y, F.linear(x, w).reshape(n), atol=1e-5, rtol=1e-5)
 
 
 @needs_cc
@@ -63,7 +60,7 @@ def test_matvec_stands_aside_where_torch_must_see_the_op():
     with cpu_kernel.enabled(False):
         assert cpu_kernel.matvec(x, w) is None
     assert cpu_kernel.matvec(x, w.t().contiguous().t()) is None  # not contiguous
-    assert cpu_kernel.matvec(x.half(), w.half()) is None  # fp16: torch's path
+    assert cpu_kernel.matvec(x.bfloat16(), w.bfloat16()) is None  # bf16 and fp16: torch's path
     assert cpu_kernel.matvec(x.requires_grad_(), w) is None  # autograd
     from torch.utils.flop_counter import FlopCounterMode
     with FlopCounterMode(display=False):
