@@ -3,15 +3,16 @@
 A decode step at batch 1 is a chain of matrix-vector products: every weight is read once per
 token and used for one multiply-add, so the step runs at the speed memory delivers the weights.
 torch's fp32 matrix-vector path streams them at about half of this course's CPU read bandwidth
-(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, 60 lines of C, streams them at about 90% of it.
+(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, 45 lines of C, streams them at 80 to 90% of it.
 
 The kernel is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into
 `$MINIGEN_CACHE/kernels/` the first time it is needed (well under a second), and called through
-ctypes on the tensors' memory. It links the same OpenMP runtime as torch, so its threads are
-torch's threads: `torch.set_num_threads` governs both, and the two never compete for the cores.
+ctypes on the tensors' memory. With torch's Linux wheels it links the same OpenMP runtime
+(libgomp) as torch, so its threads are torch's threads: `torch.set_num_threads` governs both,
+and two thread pools never compete for the cores.
 
 Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `matvec` returns None and the model uses
-`F.linear`: the same numbers, slower. `status()` says which one runs and why.
+`F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
 """
 
 from __future__ import annotations
