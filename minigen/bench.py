@@ -170,24 +170,35 @@ def exact(config: GenerationConfig) -> bool:
     return all(values.get(k) in (None, ok) for k, ok in lossy.items())
 
 
-def _time_engine(run, new_tokens: int, repeats: int, progress) -> dict:
-    """Time `run(n)` -> tokens for n = 1 and n = new_tokens, `repeats` times, median of each."""
-    run(2)  # warm-up: first-call allocations and kernel selection are not part of the numbers
-    ttfts, totals, peaks, tokens = [], [], [], None
+def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[str, dict]:
+    """Time each engine's `run(n)` -> tokens for n = 1 and n = new_tokens, median of `repeats`.
+
+    The engines take turns within each round, so a slow spell of a shared machine (another
+    tenant on the memory bus) falls on both engines instead of on one engine's block of runs.
+    """
+    for run in runs.values():
+        run(2)  # warm-up: first-call allocations and kernel selection are not part of the numbers
+    times = {name: {"ttft": [], "total": [], "peak": []} for name in runs}
+    tokens = {}
     for _ in range(repeats):
-        t = time.perf_counter()
-        run(1)
-        ttfts.append(time.perf_counter() - t)
-        with PeakRSS() as mem:
+        for name, run in runs.items():
+            progress.set_postfix_str(name)
             t = time.perf_counter()
-            tokens = run(new_tokens)
-            totals.append(time.perf_counter() - t)
-        peaks.append(mem.added)
-        progress.update(1)
-    ttft, total = statistics.median(ttfts), statistics.median(totals)
-    return {"ttft_s": ttft, "total_s": total,
-            "decode_tokens_per_s": (new_tokens - 1) / max(total - ttft, 1e-9),
-            "run_peak_added_bytes": max(peaks), "tokens": tokens}
+            run(1)
+            times[name]["ttft"].append(time.perf_counter() - t)
+            with PeakRSS() as mem:
+                t = time.perf_counter()
+                tokens[name] = run(new_tokens)
+                times[name]["total"].append(time.perf_counter() - t)
+            times[name]["peak"].append(mem.added)
+            progress.update(1)
+    results = {}
+    for name, r in times.items():
+        ttft, total = statistics.median(r["ttft"]), statistics.median(r["total"])
+        results[name] = {"ttft_s": ttft, "total_s": total,
+                         "decode_tokens_per_s": (new_tokens - 1) / max(total - ttft, 1e-9),
+                         "run_peak_added_bytes": max(r["peak"]), "tokens": tokens[name]}
+    return results
 
 
 def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None = None, prompt_len: int = 64,
@@ -201,23 +212,14 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     model, tokenizer = load(model_name, dtype=dtype)
     ids = prompt_ids(tokenizer, prompt_len)
     hw = hardware_info()
-    engines: dict[str, dict] = {}
     progress = tqdm(total=repeats * (2 if baseline else 1), desc="bench", unit="run")
-
-    def measure(name: str, run, module: torch.nn.Module) -> None:
-        """Time one engine; `run(n)` generates n tokens and leaves its KV bytes in `run.kv`."""
-        progress.set_postfix_str(name)
-        r = _time_engine(run, new_tokens, repeats, progress)
-        r.update(weight_bytes=weight_bytes(module), kv_cache_bytes=run.kv,
-                 peak_memory_bytes=weight_bytes(module) + r["run_peak_added_bytes"])
-        engines[name] = r
 
     def run_minigen(n: int):
         out = generate(model, ids, config, max_new_tokens=n)
         run_minigen.kv = out.stats.kv_cache_bytes
         return out.tokens
 
-    measure("minigen", run_minigen, model)
+    runs, modules = {"minigen": run_minigen}, {"minigen": model}
     if baseline:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(str(resolve_folder(model_name)), dtype=dtype).eval()
@@ -232,8 +234,12 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
             run_hf.kv = sum(t.nbytes for layer in out.cache.layers for t in (layer.keys, layer.values))
             return out.sequences
 
-        measure("transformers", run_hf, hf)
+        runs["transformers"], modules["transformers"] = run_hf, hf
+    engines = _time_engines(runs, new_tokens, repeats, progress)
     progress.close()
+    for name, r in engines.items():  # `run(n)` leaves its KV bytes in `run.kv`
+        r.update(weight_bytes=weight_bytes(modules[name]), kv_cache_bytes=runs[name].kv,
+                 peak_memory_bytes=weight_bytes(modules[name]) + r["run_peak_added_bytes"])
 
     kv_elem = torch.tensor([], dtype=dtype).element_size()
     per_token = bytes_per_decode_step(model, prompt_len + new_tokens // 2, kv_elem)
