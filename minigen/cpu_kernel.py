@@ -59,10 +59,6 @@ def _compiler() -> str | None:
     return None
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("MINIGEN_CACHE", Path.home() / ".cache" / "minigen")) / "kernels"
-
-
 def _build() -> ctypes.CDLL:
     """Compile csrc/gemv.c (once per source, compiler and CPU) and load it."""
     cc = _compiler()
@@ -72,7 +68,8 @@ def _build() -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_fingerprint()])
                          .encode()).hexdigest()[:16]
-    lib_path = _cache_dir() / f"gemv-{key}.so"
+    from .loading import cache_dir  # here, not at the top: loading imports the model, which imports us
+    lib_path = cache_dir() / "kernels" / f"gemv-{key}.so"
     if not lib_path.exists():
         lib_path.parent.mkdir(parents=True, exist_ok=True)
         # build beside the target and rename: two processes building at once never see half a file

@@ -4,7 +4,6 @@ benchmark that measures it against transformers."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -110,7 +109,6 @@ def test_peak_rss_sees_a_short_lived_allocation():
     assert mem.added >= 48 * 2**20
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_roofline_counts_a_tied_head_once_in_full(smollm2):
     model, _ = smollm2
     assert model.lm_head is None
