@@ -1,8 +1,11 @@
 """Attention from positions: the causal mask and the attention product.
 
-Shapes: B batch, H query heads, Hkv key/value heads, T queries, S key slots, Dh head dim.
+Shapes: B batch, H query heads, Hkv key/value heads, G = H / Hkv query heads per key/value head,
+T queries, S key slots, Dh head dim.
 Every mask is built from positions (which token each query is, which token each cache slot holds),
 so a cache can store its slots in any order (blocks, a ring buffer) and attention stays correct.
+Key positions are [S] when every row holds the same positions, or [B, S] when rows differ (heavy
+hitters evict per row); masks are then [T, S] or [B, 1, T, S], broadcast over the heads.
 
 Chapters 5 and 6 add policies on top of causality, all still built from positions and scores:
 a window with sinks (`in_window`, `window_mask`), dynamic sparse selection (`sparse_keep`), and
@@ -18,20 +21,27 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import Tensor
 
 
+def _per_row(mask: Tensor, key_pos: Tensor) -> Tensor:
+    """[.., T, S] -> [T, S] for key_pos [S], or [B, 1, T, S] (one mask per row, for every head)."""
+    return mask if key_pos.dim() == 1 else mask[:, None]
+
+
 def causal_mask(query_pos: Tensor, key_pos: Tensor) -> Tensor:
-    """[T, S] bool: query t may attend slot s when the slot holds a real token (position >= 0)
-    at or before the query's position."""
-    return (key_pos[None, :] >= 0) & (key_pos[None, :] <= query_pos[:, None])
+    """[T, S] (or [B, 1, T, S] for key_pos [B, S]) bool: query t may attend slot s when the slot
+    holds a real token (position >= 0) at or before the query's position."""
+    k = key_pos[..., None, :]  # [.., 1, S]
+    return _per_row((k >= 0) & (k <= query_pos[:, None]), key_pos)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped-query heads.
 
-    q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] bool (True: attend) or float (added to
-    the scores: 0 or -inf) -> [B, H, T, Dh].
+    q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] or [B, 1, T, S], bool (True: attend) or
+    float (added to the scores: 0 or -inf) -> [B, H, T, Dh].
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -49,9 +59,10 @@ def in_window(key_pos: Tensor, query_pos: Tensor, window_size: int, sink_tokens:
 
 
 def window_mask(query_pos: Tensor, key_pos: Tensor, window_size: int, sink_tokens: int = 0) -> Tensor:
-    """[T, S] bool: causal, and the key is a sink or one of the window_size most recent positions."""
-    return causal_mask(query_pos, key_pos) & in_window(key_pos[None, :], query_pos[:, None],
-                                                       window_size, sink_tokens)
+    """[T, S] (or [B, 1, T, S]) bool: causal, and the key is a sink or one of the window_size most
+    recent positions."""
+    inside = in_window(key_pos[..., None, :], query_pos[:, None], window_size, sink_tokens)  # [.., T, S]
+    return causal_mask(query_pos, key_pos) & _per_row(inside, key_pos)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, key_pos: Tensor,
@@ -67,12 +78,10 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, key_pos
 # ---------------------------------------------------------------- dynamic sparse attention (chapter 6)
 def attention_scores(q: Tensor, k: Tensor) -> Tensor:
     """q k^T / sqrt(Dh) with grouped-query heads: q [B, H, T, Dh], k [B, Hkv, S, Dh] -> [B, H, T, S]."""
-    B, H, T, Dh = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    # Query head h reads key/value head h // (H / Hkv), the `repeat_kv` order of Llama checkpoints.
-    qg = q.reshape(B, Hkv, H // Hkv, T, Dh)  # [B, Hkv, G, T, Dh]
-    scores = torch.einsum("bkgtd,bksd->bkgts", qg, k) / math.sqrt(Dh)  # [B, Hkv, G, T, S]
-    return scores.reshape(B, H, T, S)
+    # Query head h reads key/value head h // G, the `repeat_kv` order of Llama checkpoints.
+    qg = rearrange(q, "b (hkv g) t d -> b hkv g t d", hkv=k.shape[1])
+    scores = torch.einsum("bkgtd,bksd->bkgts", qg, k) / math.sqrt(q.shape[-1])  # [B, Hkv, G, T, S]
+    return rearrange(scores, "b hkv g t s -> b (hkv g) t s")
 
 
 def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: float | None,
@@ -80,7 +89,7 @@ def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: floa
     """[B, H, T, S] bool: the keys each head keeps for each query (dynamic sparse attention).
 
     The article's rule (signed=False): a key's importance is |q.k|/sqrt(Dh) (`scores` is
-    q.k/sqrt(Dh)). Among the keys `mask` [T, S] allows, a key is kept when it is one of the `top_k`
+    q.k/sqrt(Dh)). Among the keys `mask` [T, S] (or [B, 1, T, S]) allows, a key is kept when it is one of the `top_k`
     most important of its head and query (ties broken by torch.topk) AND its importance is
     >= threshold x the largest importance of that head and query.
     signed=True ranks by q.k/sqrt(Dh) itself, i.e. by attention probability, and the threshold keeps
@@ -102,7 +111,7 @@ def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: floa
 
 
 # An observer sees each layer's attention probabilities: (layer, probs [B, H, T, S]) -> None.
-# The entropy monitor (entropy.py) and heavy-hitter eviction (window.py) are observers.
+# The entropy monitor (entropy.py) and heavy-hitter eviction (h2o.py) are observers.
 AttentionObserver = Callable[[int, Tensor], None]
 
 
@@ -132,7 +141,7 @@ class AttentionPolicy:
         return self.sparse_top_k is not None or (self.sparsity_threshold or 0) > 0
 
     def mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
-        """[T, S] bool: causal, restricted to the window and sinks when a window is set."""
+        """[T, S] (or [B, 1, T, S]) bool: causal, restricted to the window and sinks when a window is set."""
         if self.window_size is None:
             return causal_mask(query_pos, key_pos)
         return window_mask(query_pos, key_pos, self.window_size, self.sink_tokens)
@@ -148,7 +157,6 @@ class AttentionPolicy:
         probs = scores.float().masked_fill(~keep, float("-inf")).softmax(dim=-1)  # [B, H, T, S]
         for observe in self.observers:
             observe(layer, probs)
-        B, H, T, S = probs.shape
-        Hkv = k.shape[1]
-        out = probs.to(v.dtype).reshape(B, Hkv, H // Hkv, T, S) @ v[:, :, None]  # [B, Hkv, G, T, Dh]
-        return out.reshape(B, H, T, -1)
+        grouped = rearrange(probs.to(v.dtype), "b (hkv g) t s -> b hkv g t s", hkv=v.shape[1])
+        out = grouped @ v[:, :, None]  # [B, Hkv, G, T, Dh]
+        return rearrange(out, "b hkv g t d -> b (hkv g) t d")

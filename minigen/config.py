@@ -1,7 +1,11 @@
 """GenerationConfig: the one dataclass whose fields switch each optimization on or off.
 
-Every field is validated in `__post_init__` with a message that names the key, the value and the
-allowed range, so a typo in `generation_config.json` fails loudly before any model work starts.
+Every field is validated when the config is built, and again when a field is assigned later, with a
+message that names the key, the value and the allowed range, so a typo in `generation_config.json`
+fails loudly before any model work starts. How the cache features combine is decided here, in one
+table (`REFUSED`): a pair in it is refused with both keys and a fix; every other pair is applied.
+A setting that only matters with a switch (sinks without a window, a temperature without sampling)
+is refused when the switch is off, so nothing a config names is silently ignored.
 """
 
 from __future__ import annotations
@@ -9,11 +13,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .errors import ConfigError
+
+INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 @dataclass
@@ -21,58 +29,48 @@ class GenerationConfig:
     # --- sampling (chapter 1) ---
     max_new_tokens: int = 32  # tokens to generate after the prompt
     do_sample: bool = False  # False: greedy argmax; True: sample from the tempered distribution
-    temperature: float = 1.0  # logits are divided by this before sampling (> 0)
+    temperature: float = 1.0  # logits are divided by this before sampling (finite, > 0); needs do_sample
     top_k: int | None = None  # keep only the k most likely tokens before sampling; None: all
     top_p: float | None = None  # keep the smallest set whose probability mass reaches p; None: all
     seed: int | None = None  # seed of the sampling generator; None: nondeterministic
     stop_token_ids: tuple[int, ...] | None = None  # stop a sequence at these ids; None: the model's eos
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
-    # --- paged cache and offload (chapter 3; checked by _check_paging) ---
+    # --- paged cache and offload (chapter 3) ---
     cache_chunk_size: int | None = None  # block size of the paged cache, in tokens; None: one contiguous cache
     prefetch_depth: int | None = None  # keep the KV cache in a second tier, fetch this many layers ahead; None: no tier
-    # --- window, sinks and sparse attention (chapters 5-6; checked by _check_attention) ---
+    # --- window, sinks and sparse attention (chapters 5-6) ---
     window_size: int | None = None  # each query sees the window_size most recent tokens (itself included); None: all
-    sink_tokens: int = 4  # the first tokens, always kept when a window is set (StreamingLLM); ignored without one
+    sink_tokens: int = 4  # the first tokens, always kept when a window is set (StreamingLLM); needs window_size
     sparse_top_k: int | None = None  # per head and query, attend only the k keys of largest |q.k|/sqrt(Dh); None: all
     sparsity_threshold: float | None = None  # keep keys whose |q.k|/sqrt(Dh) >= this x the head's max, in [0, 1]
     sparse_score: str = "abs"  # rank keys by "abs": |q.k| (the article's rule) or "signed": q.k (by probability)
-    kv_budget: int | None = None  # H2O heavy hitters: tokens kept in the cache (recent + most attended); None: all
-    # --- KV quantization (chapter 4; checked by _check_quant) ---
+    kv_budget: int | None = None  # H2O heavy hitters: tokens kept in the cache per row; None: all
+    # --- KV quantization (chapter 4) ---
     quant_bits: int | None = None  # bits per cached key/value element: 8 or 4 (2 for experiments); None: full precision
-    quant_group_size: int = 32  # elements that share one fp16 scale and zero (KIVI: 32)
+    quant_group_size: int = 32  # elements that share one scale and zero (KIVI: 32)
     quant_key_axis: str = "channel"  # keys grouped per "channel" (over tokens, KIVI) or per "token" (over channels)
     quant_residual: int | None = None  # most recent tokens kept in full precision (>= group size); None: one group
 
     def __post_init__(self) -> None:
-        _check_int("max_new_tokens", self.max_new_tokens, low=0)
-        _check_bool("do_sample", self.do_sample)
-        _check_bool("use_cache", self.use_cache)
-        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
-                or not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature!r} is invalid: use a number > 0 "
-                              "(1.0 leaves the distribution as it is; set do_sample=False for greedy)")
-        if self.top_k is not None:
-            _check_int("top_k", self.top_k, low=1, hint="or None to keep every token")
-        if self.top_p is not None:
-            if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) \
-                    or not 0 < self.top_p <= 1:
-                raise ConfigError(f"top_p={self.top_p!r} is invalid: use a number in (0, 1], "
-                                  "or None to keep every token")
-        if self.seed is not None:
-            _check_int("seed", self.seed, low=0)
-        if self.stop_token_ids is not None:
-            ids = self.stop_token_ids
-            if isinstance(ids, int) and not isinstance(ids, bool):
-                ids = (ids,)
+        ids = self.stop_token_ids
+        if ids is not None:  # one id, or a list of them, stored as a tuple
+            ids = (ids,) if isinstance(ids, int) and not isinstance(ids, bool) else ids
             if not isinstance(ids, (list, tuple)) or not all(
-                    isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-                raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} is invalid: use a list "
-                                  "of token ids >= 0, [] for none, or None for the model's eos")
-            self.stop_token_ids = tuple(ids)
-        _check_attention(self)
-        _check_paging(self)
-        _check_quant(self)
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX for i in ids):
+                raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} is invalid: use a list of token ids "
+                                  ">= 0 from the model's tokenizer, [] for none, or None for the model's eos")
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
+        _check_values(self)
+        _check_switches(self)
+        _check_combinations(self)
+        object.__setattr__(self, "_checked", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assigning a field after construction validates the whole config with the new value."""
+        if getattr(self, "_checked", False) and name in _FIELDS:
+            value = getattr(dataclasses.replace(self, **{name: value}), name)  # raises ConfigError
+        object.__setattr__(self, name, value)
 
     # --- construction ---
     @classmethod
@@ -93,19 +91,22 @@ class GenerationConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "GenerationConfig":
-        """Read a generation_config.json; malformed JSON or unknown keys raise ConfigError."""
+        """Read a generation_config.json; unreadable files, malformed JSON or unknown keys raise ConfigError."""
+        name = repr(os.fspath(path))
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError as e:
-            raise ConfigError(f"cannot read config file {os.fspath(path)!r}: {e.strerror}") from None
+            raise ConfigError(f"cannot read config file {name}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {name} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): "
+                              "save it as UTF-8 JSON") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"{os.fspath(path)!r} is not valid JSON: {e.msg} at line {e.lineno}, "
-                              f"column {e.colno}. Fix the file (keys and strings need double quotes, "
-                              "no trailing commas).") from None
-        return cls.from_dict(data, source=repr(os.fspath(path)))
+            raise ConfigError(f"{name} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
+                              "Fix the file (keys and strings need double quotes, no trailing commas).") from None
+        return cls.from_dict(data, source=name)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -117,6 +118,19 @@ class GenerationConfig:
         with open(path, "w", encoding="utf-8") as f:
             json.dump(self.to_dict(), f, indent=2)
             f.write("\n")
+
+    # --- what the config switches on
+    @property
+    def sparse(self) -> bool:
+        """True when sparse key selection changes attention (top-k, or a threshold above 0)."""
+        return self.sparse_top_k is not None or self.sparsity_threshold is not None
+
+    def features(self) -> list[str]:
+        """The cache features this config switches on, by their names in FEATURES."""
+        return [name for name, (is_on, _) in FEATURES.items() if is_on(self)]
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
 
 
 def resolve_config(config: GenerationConfig | dict | str | os.PathLike | None,
@@ -144,8 +158,32 @@ def _check_keys(data: dict[str, Any], source: str) -> None:
                               f"Known keys: {', '.join(known)}")
 
 
-def _check_attention(c: GenerationConfig) -> None:
-    """Validate the window / sinks / sparse / heavy-hitter fields (chapters 5-6)."""
+# ---------------------------------------------------------------- each value on its own
+def _check_values(c: GenerationConfig) -> None:
+    _check_int("max_new_tokens", c.max_new_tokens, low=0)
+    _check_bool("do_sample", c.do_sample)
+    _check_bool("use_cache", c.use_cache)
+    t = c.temperature
+    if not _is_number(t) or not (t > 0 and math.isfinite(t)):
+        raise ConfigError(f"temperature={t!r} is invalid: use a finite number > 0 (1.0 leaves the "
+                          "distribution as it is; set do_sample=False for greedy)")
+    if c.top_k is not None:
+        _check_int("top_k", c.top_k, low=1, hint="or None to keep every token")
+    if c.top_p is not None and (not _is_number(c.top_p) or not 0 < c.top_p <= 1):
+        raise ConfigError(f"top_p={c.top_p!r} is invalid: use a number in (0, 1], or None to keep every token")
+    if c.seed is not None:
+        _check_int("seed", c.seed, low=0, hint="below 2**64 (the generator's seed is 64 bits), or None")
+        if c.seed > SEED_MAX:
+            raise ConfigError(f"seed={c.seed!r} is invalid: use an integer >= 0 below 2**64 (the generator's "
+                              "seed is 64 bits), or None")
+    # paged cache and offload (chapter 3)
+    if c.cache_chunk_size is not None:
+        _check_int("cache_chunk_size", c.cache_chunk_size, low=1,
+                   hint="(tokens per block of the paged cache), or None for a contiguous cache")
+    if c.prefetch_depth is not None:
+        _check_int("prefetch_depth", c.prefetch_depth, low=0,
+                   hint="(layers fetched ahead from the offload tier), or None to keep the cache resident")
+    # window, sinks, sparse attention, heavy hitters (chapters 5-6)
     if c.window_size is not None:
         _check_int("window_size", c.window_size, low=1, hint="(tokens each query sees), or None for full attention")
     _check_int("sink_tokens", c.sink_tokens, low=0, hint="(first tokens always kept; 0 for a plain sliding window)")
@@ -154,31 +192,19 @@ def _check_attention(c: GenerationConfig) -> None:
                           f"sink_tokens in [0, {c.window_size}] or widen the window")
     if c.sparse_top_k is not None:
         _check_int("sparse_top_k", c.sparse_top_k, low=1, hint="(keys kept per head), or None to keep every key")
-    t = c.sparsity_threshold
-    if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not 0 <= t <= 1):
-        raise ConfigError(f"sparsity_threshold={t!r} is invalid: use a number in [0, 1] (a fraction of "
+    th = c.sparsity_threshold
+    if th is not None and (not _is_number(th) or not 0 <= th <= 1):
+        raise ConfigError(f"sparsity_threshold={th!r} is invalid: use a number in [0, 1] (a fraction of "
                           "the largest |q.k| score of the head; 0 keeps every key), or None")
     if c.sparse_score not in ("abs", "signed"):
         raise ConfigError(f"sparse_score={c.sparse_score!r} is invalid: use \"abs\" (rank keys by |q.k|, "
                           "the article's rule) or \"signed\" (by q.k, i.e. by attention probability)")
     if c.kv_budget is not None:
         _check_int("kv_budget", c.kv_budget, low=2, hint="(tokens kept by heavy-hitter eviction), or None")
-
-
-def _check_paging(c: GenerationConfig) -> None:
-    """Validate the paged-cache and offload fields (chapter 3)."""
-    if c.cache_chunk_size is not None:
-        _check_int("cache_chunk_size", c.cache_chunk_size, low=1,
-                   hint="(tokens per block of the paged cache), or None for a contiguous cache")
-    if c.prefetch_depth is not None:
-        _check_int("prefetch_depth", c.prefetch_depth, low=0,
-                   hint="(layers fetched ahead from the offload tier), or None to keep the cache resident")
-
-
-def _check_quant(c: GenerationConfig) -> None:
-    """Validate the KV quantization fields (chapter 4)."""
-    if c.quant_bits is not None and (c.quant_bits not in (8, 4, 2) or isinstance(c.quant_bits, bool)):
-        raise ConfigError(f"quant_bits={c.quant_bits!r} is invalid: use 8 or 4 (2 for experiments), "
+    # KV quantization (chapter 4)
+    if c.quant_bits is not None and (not isinstance(c.quant_bits, int) or isinstance(c.quant_bits, bool)
+                                     or c.quant_bits not in (8, 4, 2)):
+        raise ConfigError(f"quant_bits={c.quant_bits!r} is invalid: use the integer 8 or 4 (2 for experiments), "
                           "or None to keep the KV cache in full precision")
     _check_int("quant_group_size", c.quant_group_size, low=1, hint="(elements per scale and zero; 32 is KIVI's)")
     per_byte = 8 // c.quant_bits if c.quant_bits else 1
@@ -192,6 +218,129 @@ def _check_quant(c: GenerationConfig) -> None:
         _check_int("quant_residual", c.quant_residual, low=c.quant_group_size,
                    hint=f"(>= quant_group_size={c.quant_group_size}: a group is quantized only once it is "
                         "full, so the full-precision window holds at least one group), or None for one group")
+
+
+# ---------------------------------------------------------------- settings that need a switch
+# setting -> (the switch it needs, whether the switch is on, how to turn it on). A setting left at
+# its default is fine either way; one set to anything else while its switch is off is refused.
+_SWITCHES: dict[str, tuple[str, Callable[[GenerationConfig], bool], str]] = {
+    "temperature": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
+    "top_k": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
+    "top_p": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
+    "seed": ("do_sample", lambda c: c.do_sample, "set do_sample=True (greedy decoding draws nothing)"),
+    "sink_tokens": ("window_size", lambda c: c.window_size is not None, "set window_size (e.g. 128)"),
+    "sparse_score": ("sparse_top_k or sparsity_threshold", lambda c: c.sparse,
+                     "set sparse_top_k (e.g. 64) or sparsity_threshold (e.g. 0.1)"),
+    "quant_group_size": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
+    "quant_key_axis": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
+    "quant_residual": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
+}
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
+
+
+def _check_switches(c: GenerationConfig) -> None:
+    for key, (switch, is_on, fix) in _SWITCHES.items():
+        value = getattr(c, key)
+        if value != _DEFAULTS[key] and not is_on(c):
+            raise ConfigError(f"{key}={value!r} has no effect without {switch}: {fix}, or leave {key} at "
+                              f"its default ({_DEFAULTS[key]!r})")
+
+
+# ---------------------------------------------------------------- how the cache features combine
+# Each feature is switched on by one key (sparse attention by either of two). The naive loop
+# (use_cache=False) keeps no cache, so it combines only with what attention does by itself.
+FEATURES: dict[str, tuple[Callable[[GenerationConfig], bool], str]] = {
+    "use_cache=False": (lambda c: not c.use_cache, "the naive loop: no cache, recompute everything"),
+    "cache_chunk_size": (lambda c: c.cache_chunk_size is not None, "paged blocks (chapter 3)"),
+    "prefetch_depth": (lambda c: c.prefetch_depth is not None, "an offload tier with prefetch (chapter 3)"),
+    "quant_bits": (lambda c: c.quant_bits is not None, "group-wise quantized codes (chapter 4)"),
+    "window_size": (lambda c: c.window_size is not None, "a window with sinks (chapter 5)"),
+    "sparse": (lambda c: c.sparse, "sparse_top_k / sparsity_threshold: sparse key selection (chapter 6)"),
+    "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 6)"),
+}
+
+# The pairs that do not combine: why, and the fix. Every pair not listed combines, and each
+# feature in it is applied (tests/test_combinations.py runs the whole space).
+REFUSED: dict[frozenset[str], tuple[str, str]] = {
+    frozenset({"use_cache=False", "cache_chunk_size"}): (
+        "the naive loop keeps no cache to page", "set use_cache=True, or cache_chunk_size=None"),
+    frozenset({"use_cache=False", "prefetch_depth"}): (
+        "the naive loop keeps no cache to offload", "set use_cache=True, or prefetch_depth=None"),
+    frozenset({"use_cache=False", "quant_bits"}): (
+        "the naive loop keeps no cache to quantize", "set use_cache=True, or quant_bits=None"),
+    frozenset({"use_cache=False", "kv_budget"}): (
+        "the naive loop keeps no cache to evict from", "set use_cache=True, or kv_budget=None"),
+    frozenset({"cache_chunk_size", "kv_budget"}): (
+        "heavy hitters evict single tokens while paging frees whole blocks",
+        "drop one: cache_chunk_size=None or kv_budget=None"),
+    frozenset({"quant_bits", "kv_budget"}): (
+        "heavy-hitter eviction moves tokens between slots, which a quantized group cannot follow",
+        "drop one: quant_bits=None or kv_budget=None"),
+    frozenset({"prefetch_depth", "kv_budget"}): (
+        "heavy-hitter eviction compacts every layer at once, but the offload tier holds only "
+        "prefetch_depth + 1 layers on the device", "drop one: prefetch_depth=None or kv_budget=None"),
+}
+# Settings of one feature that another refuses.
+_REFUSED_SETTINGS: list[tuple[str, str, Callable[[GenerationConfig], bool], str, str]] = [
+    ("quant_residual", "cache_chunk_size", lambda c: c.quant_residual is not None and c.cache_chunk_size is not None,
+     "in the paged cache each row's open block is the full-precision window",
+     "leave quant_residual=None (the open block holds the newest tokens), or set cache_chunk_size=None"),
+]
+
+
+def _check_combinations(c: GenerationConfig) -> None:
+    on = c.features()
+    for i, a in enumerate(on):
+        for b in on[i + 1:]:
+            refused = REFUSED.get(frozenset({a, b}))
+            if refused:
+                why, fix = refused
+                raise ConfigError(f"{_describe(c, a)} and {_describe(c, b)} do not combine: {why}. Fix: {fix}.")
+    for key, other, clash, why, fix in _REFUSED_SETTINGS:
+        if clash(c):
+            raise ConfigError(f"{key}={getattr(c, key)!r} and {other}={getattr(c, other)!r} do not combine: "
+                              f"{why}. Fix: {fix}.")
+
+
+def _describe(c: GenerationConfig, feature: str) -> str:
+    if feature == "use_cache=False":
+        return feature
+    if feature == "sparse":
+        keys = [k for k in ("sparse_top_k", "sparsity_threshold") if getattr(c, k) is not None]
+        return " and ".join(f"{k}={getattr(c, k)!r}" for k in keys)
+    return f"{feature}={getattr(c, feature)!r}"
+
+
+def combination_table() -> str:
+    """The Markdown table of which cache features combine (README, 'How features combine')."""
+    names = list(FEATURES)
+    notes: list[str] = []
+    rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
+    for a in names:
+        cells = []
+        for b in names:
+            if a == b:
+                cells.append("")
+            elif frozenset({a, b}) in REFUSED:
+                why, fix = REFUSED[frozenset({a, b})]
+                note = f"{why}; {fix}"
+                if note not in notes:
+                    notes.append(note)
+                cells.append(f"no ({notes.index(note) + 1})")
+            else:
+                cells.append("yes")
+        rows.append(f"| `{a}` | " + " | ".join(cells) + " |")
+    rows.append("")
+    rows += [f"{i}. {note}." for i, note in enumerate(notes, 1)]
+    rows.append("")
+    rows += [f"- `{key}` with `{other}`: refused: {why}; {fix}." for key, other, _, why, fix in _REFUSED_SETTINGS]
+    rows += [f"- `{key}` needs `{switch}`." for key, (switch, _, _) in _SWITCHES.items()]
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- helpers
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> None:

@@ -3,13 +3,17 @@
 A decode step at batch 1 is a chain of matrix-vector products: every weight is read once per
 token and used for one multiply-add, so the step runs at the speed memory delivers the weights.
 torch's fp32 matrix-vector path streams them at about half of this course's CPU read bandwidth
-(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, 45 lines of C, streams them at 80 to 90% of it.
+(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, a 60-line loop, streams them at 80 to 90% of it.
 
-The kernel is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`) into
+The kernel is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) into
 `$MINIGEN_CACHE/kernels/` the first time it is needed (well under a second), and called through
 ctypes on the tensors' memory. With torch's Linux wheels it links the same OpenMP runtime
 (libgomp) as torch, so its threads are torch's threads: `torch.set_num_threads` governs both,
-and two thread pools never compete for the cores.
+and two thread pools never compete for the cores. A compiler without OpenMP (Apple's clang)
+builds it single-threaded, with a notice; `MINIGEN_CPU_KERNEL_OPENMP=0` forces that build.
+
+On a busy machine the kernel runs single-threaded while its threads keep arriving late (see the
+comment at the top of gemv.c): waiting for a descheduled thread costs more than it saves.
 
 Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `matvec` returns None and the model uses
 `F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
@@ -32,8 +36,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .paths import cache_dir
+
 SOURCE = Path(__file__).parent / "csrc" / "gemv.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+OPENMP_FLAGS = ["-fopenmp"]
 # GCC on AMD Zen prefers 128-bit vectors; ask for full 256-bit AVX2 registers.
 X86_FLAGS = ["-mprefer-vector-width=256"]
 
@@ -59,31 +66,53 @@ def _compiler() -> str | None:
     return None
 
 
-def _build() -> ctypes.CDLL:
-    """Compile csrc/gemv.c (once per source, compiler and CPU) and load it."""
+def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
+    """Compile SOURCE into lib_path (beside it, then renamed) -> None, or the compiler's complaint."""
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: two processes building at once never see half a file
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+        out = Path(tmp) / lib_path.name
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            return done.stderr.strip()[-500:]
+        os.replace(out, lib_path)
+    return None
+
+
+def _build() -> tuple[ctypes.CDLL, bool]:
+    """Compile csrc/gemv.c (once per source, compiler, flags and CPU) and load it -> (library,
+    whether it has OpenMP). Tries OpenMP first; a compiler that rejects it builds without."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install one: apt install gcc)")
-    flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
+    base = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_fingerprint()])
-                         .encode()).hexdigest()[:16]
-    from .loading import cache_dir  # here, not at the top: loading imports the model, which imports us
-    lib_path = cache_dir() / "kernels" / f"gemv-{key}.so"
-    if not lib_path.exists():
-        lib_path.parent.mkdir(parents=True, exist_ok=True)
-        # build beside the target and rename: two processes building at once never see half a file
-        with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-            out = Path(tmp) / lib_path.name
-            done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-500:]}")
-            os.replace(out, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.gemv_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
-    lib.gemv_f32.restype = None
-    return lib
+    attempts = [(base + OPENMP_FLAGS, True), (base, False)]
+    if os.environ.get("MINIGEN_CPU_KERNEL_OPENMP", "1") == "0":
+        attempts = attempts[1:]
+    complaint = ""
+    for flags, openmp in attempts:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, _cpu_fingerprint()])
+                             .encode()).hexdigest()[:16]
+        lib_path = cache_dir() / "kernels" / f"gemv-{key}.so"
+        if not lib_path.exists():
+            complaint = _compile(cc, flags, lib_path) or ""
+            if complaint:
+                continue
+        try:
+            lib = ctypes.CDLL(str(lib_path))
+        except OSError:  # a truncated or foreign file in the cache: build it again, once
+            lib_path.unlink(missing_ok=True)
+            complaint = _compile(cc, flags, lib_path) or ""
+            if complaint:
+                continue
+            lib = ctypes.CDLL(str(lib_path))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.gemv_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
+        lib.gemv_f32.restype = None
+        lib.gemv_late_regions.restype = i64
+        return lib, openmp
+    raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {complaint}")
 
 
 def _load() -> ctypes.CDLL | None:
@@ -93,8 +122,13 @@ def _load() -> ctypes.CDLL | None:
             _reason = "not built: minigen builds its C kernel on Linux and macOS only"
         else:
             try:
-                _lib = _build()
+                _lib, openmp = _build()
                 _reason = f"built with {_compiler()} from {SOURCE.name}"
+                if not openmp:
+                    _reason += ", without OpenMP: single-threaded"
+                    warnings.warn(f"minigen's C matrix-vector kernel was {_reason.removeprefix('built ')} "
+                                  "(the compiler has no OpenMP, or MINIGEN_CPU_KERNEL_OPENMP=0); decoding "
+                                  "is correct but slower on several cores.", RuntimeWarning, stacklevel=3)
             except (RuntimeError, OSError) as err:
                 _reason = f"not built: {err}"
         if _lib is None:
@@ -109,6 +143,12 @@ def status() -> str:
         return "off (MINIGEN_CPU_KERNEL=0 or cpu_kernel.enabled(False)): torch's F.linear"
     _load()
     return _reason
+
+
+def late_regions() -> int:
+    """Parallel calls so far in which a thread arrived late, each followed by single-threaded calls
+    (gemv.c): 0 on a quiet machine, many next to busy neighbours."""
+    return int(_lib.gemv_late_regions()) if _lib is not None else 0
 
 
 @contextlib.contextmanager

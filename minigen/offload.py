@@ -23,8 +23,10 @@ from torch import Tensor
 
 class OffloadedKVCache:
     """Wraps a cache built with P + 1 layers (`inner`): its per-layer state becomes device slots, and
-    every layer's state lives in the second tier. Any cache with `layer_tensors()` can be wrapped
-    (build and fork it before wrapping: the wrapper holds its tensors)."""
+    every layer's state lives in the second tier. Any cache of the contract (cache.py) whose
+    `prepare` leaves per-layer state alone can be wrapped: contiguous, ring buffer, quantized,
+    paged (build and fork it before wrapping: the wrapper holds its tensors). Heavy hitters
+    cannot: they compact every layer at once (config.py refuses the pair)."""
 
     def __init__(self, inner, n_layers: int, prefetch_depth: int):
         self.inner, self.n_layers, self.depth = inner, n_layers, prefetch_depth
@@ -43,10 +45,14 @@ class OffloadedKVCache:
         self.stream = torch.cuda.Stream(self.slots[0].device) if self.cuda else None
         self.ready: list[torch.cuda.Event | None] = [None] * self.n_slots  # a slot's fetch is done
 
-    def key_positions(self, input_pos: Tensor) -> Tensor:
-        return self.inner.key_positions(input_pos)  # block tables and positions are layer independent
+    @property
+    def observers(self):
+        return self.inner.observers
 
-    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def prepare(self, input_pos: Tensor) -> Tensor:
+        return self.inner.prepare(input_pos)  # block tables and positions are layer independent
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Make layers layer .. layer+P resident, wait for this one, then update it in its slot."""
         for ahead in range(layer, min(layer + self.depth, self.n_layers - 1) + 1):
             self._fetch(ahead)
@@ -54,7 +60,7 @@ class OffloadedKVCache:
         if self.ready[slot] is not None:  # the compute stream waits for this slot's copy only
             torch.cuda.current_stream().wait_event(self.ready[slot])
         self.dirty[slot] = True
-        return self.inner.update(slot, input_pos, k, v)
+        return self.inner.update(slot, k, v)
 
     def _fetch(self, layer: int) -> None:
         """Bring `layer` into its slot (l mod P+1), writing back the layer the slot held."""
@@ -82,6 +88,12 @@ class OffloadedKVCache:
             self.ready[slot].record(self.stream)
         self.resident[slot], self.dirty[slot] = layer, False
 
+    def reset(self) -> None:
+        self.inner.reset()  # positions forgotten; the stale state left in the tier is masked by them
+
+    def layer_tensors(self) -> list[Tensor]:
+        return self.tier
+
     # --- accounting
     @property
     def layer_nbytes(self) -> int:
@@ -101,3 +113,11 @@ class OffloadedKVCache:
     def nbytes(self) -> int:
         """Every byte held, in both tiers."""
         return self.inner.nbytes + sum(t.nbytes for t in self.tier)
+
+    @property
+    def peak_nbytes(self) -> int:
+        return self.inner.peak_nbytes + sum(t.nbytes for t in self.tier)
+
+    @property
+    def blocks(self) -> tuple[int, int] | None:
+        return self.inner.blocks

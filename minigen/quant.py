@@ -7,9 +7,12 @@ A group of G consecutive elements along one axis shares a scale and a zero (asym
 
     code = round((x - zero) / scale)  in [0, 2^bits - 1],      x_hat = zero + code * scale
 
-so every element comes back within scale / 2. Scales and zeros are stored in fp16, and 4- and
-2-bit codes are packed two or four to a byte. Per element that costs bits + 32 / G bits: 5 bits
-for 4-bit codes in groups of 32, which is why 4-bit is 3.2x (not 4x) smaller than fp16.
+so every element comes back within scale / 2. 4- and 2-bit codes are packed two or four to a
+byte. Scales and zeros are stored in a dtype that holds every value they describe: the values' own
+dtype when it is fp16 or bf16, fp32 otherwise (an fp32 key may exceed fp16's 65,504, and an fp16
+scale would then be inf and the key NaN). Per element that costs bits + 2 x 16 / G bits with
+16-bit metadata: 5 bits for 4-bit codes in groups of 32, which is why a 4-bit cache is at best
+3.2x (not 4x) smaller than fp16; with an fp32 cache's fp32 metadata, 6 bits.
 
 Which axis a group runs along matters (KIVI, Liu et al. 2024): keys have outlier *channels* (a few
 of the Dh dimensions are large for every token), so keys are grouped per channel over G tokens
@@ -27,7 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import CacheFullError, ConfigError
+from .errors import CacheFullError, ConfigError, PositionError
+from .paged import PagedKVCache, _long
 
 # The axis of a [.., S, Dh] key/value tensor along which a group of G elements runs.
 GROUP_AXIS = {"channel": -2, "token": -1}  # per channel: G tokens of one channel; per token: G channels
@@ -37,8 +41,8 @@ VALUE_AXIS = GROUP_AXIS["token"]  # KIVI: values per token
 @dataclass
 class QuantizedTensor:
     data: Tensor  # uint8, the input's shape with `axis` divided by 8 // bits: the packed codes
-    scales: Tensor  # fp16, the input's shape with `axis` divided by group_size: the step of each group
-    zeros: Tensor  # fp16, like scales: the value of code 0 (the group's minimum, rounded down)
+    scales: Tensor  # meta_dtype(dtype), the input's shape with `axis` divided by group_size: each group's step
+    zeros: Tensor  # like scales: the value of code 0 (the group's minimum, rounded down)
     bits: int  # 8, 4 or 2
     group_size: int  # G, elements along `axis` that share one scale and zero
     axis: int  # the dimension (negative) along which groups run and codes are packed
@@ -76,22 +80,26 @@ def unpack(data: Tensor, bits: int, axis: int = -1) -> Tensor:
 
 
 # ---------------------------------------------------------------- quantize / dequantize
-def _fp16_down(x: Tensor) -> Tensor:
-    """The largest fp16 <= x (fp32 -> fp16 rounds to nearest, which may go up)."""
-    h = x.half()
-    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
+def meta_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of scales and zeros for values of `dtype`: one that holds every such value."""
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
-def _fp16_up(x: Tensor) -> Tensor:
-    """The smallest fp16 >= x."""
-    h = x.half()
-    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+def _round(x: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
+    """The closest value of `dtype` <= x (down) or >= x (up); a plain cast rounds to nearest, either way."""
+    h = x.to(dtype)
+    if dtype == x.dtype:
+        return h
+    wrong = h.to(x.dtype) > x if down else h.to(x.dtype) < x
+    return torch.where(wrong, torch.nextafter(h, torch.full_like(h, -math.inf if down else math.inf)), h)
 
 
-def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1) -> QuantizedTensor:
+def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1,
+             scale_dtype: torch.dtype | None = None) -> QuantizedTensor:
     """Asymmetric min-max quantization of x in groups of `group_size` elements along `axis`.
 
-    Every element of dequantize(quantize(x)) is within scales / 2 of x (for |x| within fp16's range).
+    Every element of dequantize(quantize(x)) is within scales / 2 of x. Scales and zeros are
+    stored in `scale_dtype` (default: meta_dtype(x.dtype), which holds every finite x).
     """
     if bits not in (8, 4, 2):
         raise ValueError(f"bits={bits}: use 8, 4 or 2")
@@ -100,12 +108,14 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1) -> Quantized
     if G < 1 or N % G or G % n:
         raise ValueError(f"group_size={G} must divide the {N} elements along axis {axis} and be a "
                          f"multiple of {n} (the codes per byte at {bits} bits)")
+    scale_dtype = scale_dtype or meta_dtype(x.dtype)
     g = x.float().unflatten(ax, (N // G, G))  # [.., N/G, G, ..]: a group runs along dim ax + 1
     lo, hi = g.amin(ax + 1), g.amax(ax + 1)  # [.., N/G, ..]
-    # The fp16 zero is rounded down and the fp16 scale up, so that the grid zero + [0, 2^bits-1] *
-    # scale still covers [lo, hi] after rounding: this is what keeps every error within scale / 2.
-    zeros = _fp16_down(lo)
-    scales = _fp16_up((hi - zeros.float()) / (2**bits - 1))
+    # The zero is rounded down and the scale up, so that the grid zero + [0, 2^bits-1] * scale
+    # still covers [lo, hi] after rounding: this is what keeps every error within scale / 2. The
+    # range is taken in fp64, where hi - lo cannot overflow.
+    zeros = _round(lo, scale_dtype, down=True)
+    scales = _round((hi.double() - zeros.double()) / (2**bits - 1), scale_dtype, down=False)
     step = torch.where(scales > 0, scales.float(), 1.0)  # a constant group has scale 0: every code 0
     codes = ((g - zeros.float().unsqueeze(ax + 1)) / step.unsqueeze(ax + 1)).round_()
     codes = codes.clamp_(0, 2**bits - 1).to(torch.uint8).flatten(ax, ax + 1)  # x's shape
@@ -125,44 +135,63 @@ def round_trip(x: Tensor, bits: int, group_size: int, axis: int = -1) -> Tensor:
     return dequantize(quantize(x, bits, group_size, axis))
 
 
-# ---------------------------------------------------------------- the quantized cache
+# ---------------------------------------------------------------- the quantized caches
+def _empty_store(shape: tuple[int, ...], bits: int, group_size: int, axis: int, dtype: torch.dtype,
+                 device) -> QuantizedTensor:
+    """An all-zero QuantizedTensor able to hold a tensor of `shape` and `dtype`, grouped along `axis`."""
+    data_shape, meta_shape = list(shape), list(shape)
+    data_shape[axis] //= 8 // bits  # codes packed along the group axis
+    meta_shape[axis] //= group_size  # one scale and zero per group
+    return QuantizedTensor(torch.zeros(data_shape, dtype=torch.uint8, device=device),
+                           torch.zeros(meta_shape, dtype=meta_dtype(dtype), device=device),
+                           torch.zeros(meta_shape, dtype=meta_dtype(dtype), device=device),
+                           bits, group_size, axis, dtype)
+
+
+def _check_settings(bits: int, group_size: int, key_axis: str, head_dim: int) -> None:
+    if bits not in (8, 4, 2) or group_size < 1 or group_size % (8 // bits):
+        raise ConfigError(f"quant_bits={bits}, quant_group_size={group_size} are invalid: use 8, 4 or 2 "
+                          f"bits and a group size that fills whole bytes (e.g. 32)")
+    if key_axis not in GROUP_AXIS:
+        raise ConfigError(f"quant_key_axis={key_axis!r} is invalid: use 'channel' or 'token'")
+    if head_dim % group_size:  # values are always grouped per token, over channels
+        raise ConfigError(f"quant_group_size={group_size} does not divide the head dim {head_dim}: values "
+                          f"are grouped over channels (cache.check_for_model suggests a valid size)")
+
+
 class QuantizedKVCache:
     """A preallocated KV cache that stores keys and values as group-wise quantized codes.
 
     Positions [0, n_quantized) live in the quantized store; the newest positions wait in a
     full-precision window of `residual` tokens. A write that would overflow the window first
     quantizes its oldest tokens, a whole group of G tokens at a time, so the window holds between
-    residual - G + 1 and residual tokens once the text is longer than it. Writes must append
-    (positions 0, 1, 2, ... in order), as generation and teacher-forced scoring do.
+    residual - G + 1 and residual tokens once the text is longer than it. Writes append
+    (positions 0, 1, 2, ... in order), as generation and teacher-forced scoring do; a write at
+    position 0 starts a new sequence.
     """
+    observers = ()
+    blocks = None
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
                  bits: int = 4, group_size: int = 32, key_axis: str = "channel",
                  residual: int | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         residual = group_size if residual is None else residual
-        if bits not in (8, 4, 2) or group_size < 1 or group_size % (8 // bits):
-            raise ConfigError(f"quant_bits={bits}, quant_group_size={group_size} are invalid: use 8, 4 or 2 "
-                              f"bits and a group size that fills whole bytes (e.g. 32)")
-        if key_axis not in GROUP_AXIS:
-            raise ConfigError(f"quant_key_axis={key_axis!r} is invalid: use 'channel' or 'token'")
+        _check_settings(bits, group_size, key_axis, head_dim)
         if residual < group_size:
             raise ConfigError(f"quant_residual={residual} is invalid: use >= quant_group_size={group_size}")
-        if head_dim % group_size:  # values are always grouped per token, over channels
-            raise ConfigError(f"quant_group_size={group_size} does not divide the head dim {head_dim}: "
-                              f"values (and keys with quant_key_axis='token') are grouped over "
-                              f"channels, so use a divisor of {head_dim} (e.g. 32)")
         self.bits, self.group_size, self.key_axis, self.residual = bits, group_size, key_axis, residual
         self.max_len, self.dtype = max_len, dtype
         # The store holds every position that can ever leave the window: whole groups up to max_len.
-        S_q = self.n_quantized(max_len)
-        self.k = self._empty_store((n_layers, batch, n_kv_heads, S_q, head_dim), GROUP_AXIS[key_axis], device)
-        self.v = self._empty_store((n_layers, batch, n_kv_heads, S_q, head_dim), VALUE_AXIS, device)
+        store = (n_layers, batch, n_kv_heads, self.n_quantized(max_len), head_dim)  # [L, B, Hkv, S_q, Dh]
+        self.k = _empty_store(store, bits, group_size, GROUP_AXIS[key_axis], dtype, device)
+        self.v = _empty_store(store, bits, group_size, VALUE_AXIS, dtype, device)
         window = (n_layers, batch, n_kv_heads, min(residual, max_len), head_dim)  # [L, B, Hkv, R, Dh]
         self.k_window = torch.zeros(window, dtype=dtype, device=device)
         self.v_window = torch.zeros(window, dtype=dtype, device=device)
         self.slot_pos = torch.arange(max_len, device=device)  # the view returned by update: slot s = position s
         self.start = self.length = 0  # this step writes positions [start, length)
+        self._peak = self.nbytes
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, config) -> "QuantizedKVCache":
@@ -177,16 +206,6 @@ class QuantizedKVCache:
         G = self.group_size
         return G * math.ceil(max(0, n - self.residual) / G)
 
-    def _empty_store(self, shape: tuple[int, ...], axis: int, device) -> QuantizedTensor:
-        """An all-zero QuantizedTensor able to hold a tensor of `shape` [L, B, Hkv, S, Dh]."""
-        data_shape, meta_shape = list(shape), list(shape)
-        data_shape[axis] //= 8 // self.bits
-        meta_shape[axis] //= self.group_size
-        return QuantizedTensor(torch.zeros(data_shape, dtype=torch.uint8, device=device),
-                               torch.zeros(meta_shape, dtype=torch.float16, device=device),
-                               torch.zeros(meta_shape, dtype=torch.float16, device=device),
-                               self.bits, self.group_size, axis, self.dtype)
-
     def _token_slices(self, store: QuantizedTensor, a: int, b: int) -> tuple[slice, slice]:
         """Slices along the token dim of store.data and of store.scales/zeros for tokens [a, b)."""
         if store.axis == -2:  # groups (and packed bytes) run along tokens
@@ -196,7 +215,7 @@ class QuantizedKVCache:
 
     def _write(self, store: QuantizedTensor, layer: int, a: int, x: Tensor) -> None:
         """Quantize x [B, Hkv, T, Dh] (T a multiple of G) into store slots [a, a + T)."""
-        q = quantize(x, self.bits, self.group_size, store.axis)
+        q = quantize(x, self.bits, self.group_size, store.axis, store.scales.dtype)
         data, meta = self._token_slices(store, a, a + x.shape[2])
         store.data[layer, :, :, data] = q.data
         store.scales[layer, :, :, meta] = q.scales
@@ -211,20 +230,24 @@ class QuantizedKVCache:
                                self.dtype)
         return dequantize(part)[:, :, :n]
 
-    def key_positions(self, input_pos: Tensor) -> Tensor:
+    def prepare(self, input_pos: Tensor) -> Tensor:
         """The position held by each slot of the view `update` returns: [S] = 0..last written."""
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
-        if start != self.length or end - start != input_pos.shape[0]:
-            raise ValueError(f"the quantized cache only appends: it holds positions 0..{self.length - 1} "
-                             f"but was given positions {start}..{end - 1}")
+        if start not in (0, self.length) or end - start != input_pos.shape[0]:
+            raise PositionError(f"the quantized cache appends: it holds positions 0..{self.length - 1}, so "
+                                f"write position {self.length} next (or 0 for a new sequence), not "
+                                f"{start}..{end - 1}")
         if end > self.max_len:
             raise CacheFullError(
                 f"the KV cache holds {self.max_len} tokens but position {end - 1} was written. "
                 f"Allocate a cache of at least {end} tokens (prompt + max_new_tokens).")
-        self.start, self.length = start, end
+        self.start, self.length = start, end  # start 0: a new sequence, the old positions are gone
+        B, Hkv, _, Dh = self.k_window.shape[1:]
+        # this step's short-lived tensors: one layer's keys and values, dequantized and concatenated
+        self._peak = max(self._peak, self.nbytes + 2 * 2 * B * Hkv * end * Dh * self.k_window.element_size())
         return self.slot_pos[:end]
 
-    def update(self, layer: int, input_pos: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [B, Hkv, T, Dh]; return every position so far [B, Hkv, S, Dh] in full dtype.
 
         Tokens of earlier calls come back as stored (dequantized once they left the window); the
@@ -244,6 +267,10 @@ class QuantizedKVCache:
         window[layer, :, :, :end - q1] = recent[:, :, q1 - q0:]
         return out
 
+    def reset(self) -> None:
+        """Forget every position (a write at position 0 does it too)."""
+        self.start = self.length = 0
+
     def layer_tensors(self) -> list[Tensor]:
         """Every tensor that holds per-layer state, layer first (what an offload tier moves)."""
         return [self.k.data, self.k.scales, self.k.zeros, self.v.data, self.v.scales, self.v.zeros,
@@ -251,5 +278,113 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Every byte held: packed codes, fp16 scales and zeros, and the full-precision window."""
+        """Every byte held: packed codes, scales and zeros, and the full-precision window."""
         return sum(t.nbytes for t in self.layer_tensors())
+
+    @property
+    def peak_nbytes(self) -> int:
+        """nbytes, plus one layer's keys and values read back in full precision while it attends."""
+        return self._peak
+
+    device_nbytes = nbytes
+
+
+class QuantizedPagedKVCache(PagedKVCache):
+    """A paged cache whose full blocks are stored group-wise quantized.
+
+    A block is quantized once, when its last slot is written; each row's open (partly filled) block
+    waits in a full-precision tail [B, bs, Hkv, Dh], so this cache appends (a write at position 0
+    starts a new sequence). Keys are grouped per channel over group_size tokens (KIVI), so
+    block_size must be a multiple of group_size; values per token over group_size channels. The
+    open block plays the role of `quant_residual`. As in QuantizedKVCache, the tokens of the
+    current call are attended in full precision.
+    """
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, block_size: int,
+                 n_blocks: int, bits: int = 4, group_size: int = 32, key_axis: str = "channel",
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 window_size: int | None = None, sink_tokens: int = 0):
+        _check_settings(bits, group_size, key_axis, head_dim)
+        if key_axis == "channel" and block_size % group_size:
+            raise ConfigError(f"cache_chunk_size={block_size} is not a multiple of quant_group_size="
+                              f"{group_size}: keys are quantized per channel over group_size tokens of "
+                              f"one block, so use a block size of {group_size * math.ceil(block_size / group_size)}")
+        self.bits, self.group_size = bits, group_size
+        self._start = self._length = 0  # this step writes positions [_start, _length)
+        # The axis of a block [.., bs, Hkv, Dh] along which groups run: tokens (-3) or channels (-1).
+        self.k_axis, self.v_axis = (-3 if key_axis == "channel" else -1), -1
+        super().__init__(n_layers, batch, n_kv_heads, head_dim, block_size, n_blocks, dtype, device,
+                         window_size, sink_tokens)
+
+    def _make_storage(self) -> None:
+        block = (self.n_layers, self.allocator.n_blocks, self.block_size, self.n_kv_heads, self.head_dim)
+        self.k = _empty_store(block, self.bits, self.group_size, self.k_axis, self.dtype, self.device)
+        self.v = _empty_store(block, self.bits, self.group_size, self.v_axis, self.dtype, self.device)
+        tail = (self.n_layers, len(self.rows), self.block_size, self.n_kv_heads, self.head_dim)  # [L, B, bs, Hkv, Dh]
+        self.k_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
+        self.v_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
+
+    def prepare(self, input_pos: Tensor) -> Tensor:
+        start = int(input_pos[0])
+        if start not in (0, self._length):  # checked before the allocator changes anything
+            raise PositionError(f"the quantized paged cache appends: it holds positions 0..{self._length - 1}, "
+                                f"so write position {self._length} next (or 0 for a new sequence), not {start}")
+        return super().prepare(input_pos)
+
+    def _plan(self, start: int, end: int, tables: list[list[int]]) -> Tensor:
+        bs = self.block_size
+        j0 = start // bs
+        self._start, self._length = start, end
+        # Read: the quantized blocks before the open one, then positions [j0 * bs, end) in full precision.
+        kept = [j for j, b in enumerate(tables[0][:j0]) if b >= 0]
+        self._table = _long([[t[j] for j in kept] for t in tables], self.device)  # [B, n]
+        # Write: the blocks that fill up in this step get quantized into their physical blocks.
+        n_full = end // bs - j0
+        self._full = _long([t[j0:j0 + n_full] for t in tables], self.device)  # [B, n_full]
+        old = (_long(kept)[:, None] * bs + torch.arange(bs)).flatten()
+        B, Hkv, Dh = len(tables), self.n_kv_heads, self.head_dim
+        # this step's short-lived tensors: one layer's keys and values, dequantized and concatenated
+        S = len(kept) * bs + end - j0 * bs
+        self._peak = max(self._peak, self.nbytes + 2 * 2 * B * Hkv * S * Dh * self.k_tail.element_size())
+        return torch.cat([old, torch.arange(j0 * bs, end)]).to(self.device)  # [S]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        # Copy-on-write of a shared open block needs no data copy here: open blocks live in the
+        # rows' private tails (copied at fork), and a full block is never written again.
+        return (self._update_one_q(self.k, self.k_tail[layer], layer, k),
+                self._update_one_q(self.v, self.v_tail[layer], layer, v))
+
+    def _update_one_q(self, store: QuantizedTensor, tail: Tensor, layer: int, x: Tensor) -> Tensor:
+        B, Hkv, T, Dh = x.shape
+        bs = self.block_size
+        j0 = self._start // bs
+        recent = torch.cat([tail[:, :self._start - j0 * bs], x.transpose(1, 2)], dim=1)  # [B, end - j0*bs, Hkv, Dh]
+        n_full = self._full.shape[1]
+        if n_full:  # whole blocks leave the tail: quantize each once
+            q = quantize(recent[:, :n_full * bs].reshape(B * n_full, bs, Hkv, Dh), self.bits, self.group_size,
+                         store.axis, store.scales.dtype)
+            ids = self._full.flatten()
+            store.data[layer, ids], store.scales[layer, ids], store.zeros[layer, ids] = q.data, q.scales, q.zeros
+        rest = recent.shape[1] - n_full * bs
+        tail[:, :rest] = recent[:, n_full * bs:]
+        n = self._table.shape[1]
+        ids = self._table.flatten()
+        data, scales, zeros = (t[layer].index_select(0, ids) for t in (store.data, store.scales, store.zeros))
+        old = dequantize(QuantizedTensor(data, scales, zeros, self.bits, self.group_size, store.axis,
+                                         self.dtype))  # [B*n, bs, Hkv, Dh]
+        out = torch.cat([old.view(B, n * bs, Hkv, Dh), recent], dim=1)  # [B, S, Hkv, Dh]
+        return out.transpose(1, 2)  # [B, Hkv, S, Dh]
+
+    def reset(self) -> None:
+        super().reset()
+        self._start = self._length = 0
+
+    def layer_tensors(self) -> list[Tensor]:
+        return [self.k.data, self.k.scales, self.k.zeros, self.v.data, self.v.scales, self.v.zeros,
+                self.k_tail, self.v_tail]
+
+    def fork(self, n: int) -> None:
+        super().fork(n)
+        # Each row gets a private copy of the open block now (it is the next one written anyway).
+        self.k_tail = self.k_tail[:, [0] * n].clone()
+        self.v_tail = self.v_tail[:, [0] * n].clone()

@@ -18,12 +18,12 @@ from .quant import GROUP_AXIS, VALUE_AXIS, QuantizedKVCache, round_trip
 
 # ---------------------------------------------------------------- chapter 4: KV quantization
 def _quant_numbers(keys: Tensor, values: Tensor, cfg: ModelConfig, bits: int, group_size: int,
-                   residual: int, key_axis: str, context: int) -> dict:
-    """Memory of a QuantizedKVCache for `context` tokens, and the relative RMS round-trip error
-    on keys and values [Hkv, S, Dh] of one layer (their last `residual` tokens kept exact)."""
+                   residual: int, key_axis: str, context: int, dtype: torch.dtype = torch.float16) -> dict:
+    """Memory of a QuantizedKVCache for `context` tokens of a `dtype` model, and the relative RMS
+    round-trip error on keys and values [Hkv, S, Dh] of one layer (their last `residual` tokens kept exact)."""
     residual = max(residual, group_size)  # the window holds at least one group
     cache = QuantizedKVCache(cfg.n_layers, 1, cfg.n_kv_heads, context, cfg.head_dim, bits, group_size,
-                             key_axis, residual, torch.float32, device="meta")  # sizes only, no memory
+                             key_axis, residual, dtype, device="meta")  # sizes only, no memory
     stored = cache.n_quantized(keys.shape[1])  # tokens of the captured layer that left the window
 
     def error(x: Tensor, axis: int) -> float:
@@ -39,9 +39,11 @@ def _quant_numbers(keys: Tensor, values: Tensor, cfg: ModelConfig, bits: int, gr
             "residual": residual}
 
 
-def quant_panel(keys: Tensor, values: Tensor, cfg: ModelConfig, context: int = 4096):
+def quant_panel(keys: Tensor, values: Tensor, cfg: ModelConfig, context: int = 4096,
+                dtype: torch.dtype = torch.float16):
     """Sliders (bits, group size, full-precision window, key axis) over real keys and values
-    [Hkv, S, Dh] of one layer: shows the cache's bytes at `context` tokens and the round-trip error.
+    [Hkv, S, Dh] of one layer: shows the bytes of a `dtype` model's cache at `context` tokens (an
+    fp16 model's by default, the article's comparison) and the round-trip error.
 
     Returns the widget box; `box.numbers()` gives the numbers currently shown (for asserts)."""
     import ipywidgets as w
@@ -53,15 +55,18 @@ def quant_panel(keys: Tensor, values: Tensor, cfg: ModelConfig, context: int = 4
     out = w.HTML()
 
     def numbers() -> dict:
-        return _quant_numbers(keys, values, cfg, bits.value, group.value, window.value, axis.value, context)
+        return _quant_numbers(keys, values, cfg, bits.value, group.value, window.value, axis.value, context, dtype)
+
+    dtype_name = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
     def show(_=None) -> None:
         n = numbers()
         mb = lambda b: f"{b / 1e6:,.1f} MB"  # noqa: E731
         note = f" (raised to one group: {n['residual']})" if n["residual"] != window.value else ""
         out.value = (
-            f"<b>KV cache for {context:,} tokens</b>: {mb(n['bytes'])} = codes {mb(n['codes'])} + "
-            f"scales and zeros {mb(n['scales_zeros'])} + fp32 window {mb(n['window'])}{note}<br>"
+            f"<b>KV cache of a {dtype_name} model, {context:,} tokens</b>: {mb(n['bytes'])} = codes "
+            f"{mb(n['codes'])} + {dtype_name} scales and zeros {mb(n['scales_zeros'])} + {dtype_name} window "
+            f"{mb(n['window'])}{note}<br>"
             f"{n['fp16'] / n['bytes']:.2f}x smaller than fp16 ({mb(n['fp16'])}), "
             f"{n['fp32'] / n['bytes']:.2f}x smaller than fp32 ({mb(n['fp32'])})<br>"
             f"<b>round-trip error</b> on this layer's {keys.shape[1]} real tokens (relative RMS): "

@@ -55,7 +55,7 @@ def test_invalid_config_value_names_key_and_value(key, value, fragment):
 
 
 def test_valid_edge_values_are_accepted():
-    cfg = GenerationConfig(max_new_tokens=0, temperature=1e-3, top_p=1.0, top_k=1, seed=0,
+    cfg = GenerationConfig(max_new_tokens=0, do_sample=True, temperature=1e-3, top_p=1.0, top_k=1, seed=0,
                            stop_token_ids=7)
     assert cfg.stop_token_ids == (7,) and cfg.top_p == 1.0
 

@@ -16,7 +16,8 @@ from minigen.generate import make_cache
 from minigen.kv_cache import KVCache
 from minigen.metrics import score
 from minigen.offload import OffloadedKVCache
-from minigen.paged import PagedKVCache, QuantizedPagedKVCache
+from minigen.paged import PagedKVCache
+from minigen.quant import QuantizedPagedKVCache
 
 
 @pytest.fixture(scope="module")

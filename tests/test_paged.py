@@ -17,8 +17,10 @@ from conftest import tiny_hf
 from minigen import CacheFullError, ConfigError, GenerationConfig
 from minigen.generate import make_cache
 from minigen.metrics import score
-from minigen.paged import (BlockAllocator, PagedKVCache, QuantizedPagedKVCache, parallel_sample,
-                           simulate)
+from minigen.generate import parallel_sample
+from minigen.paged import BlockAllocator, PagedKVCache
+from minigen.quant import QuantizedPagedKVCache
+from minigen.simulation import simulate
 from minigen.quant import round_trip
 
 
@@ -203,8 +205,8 @@ def test_quantized_blocks_read_back_as_their_round_trip(key_axis):
     v_all = torch.randn(2, Hkv, 90, Dh)
     for start, end in [(0, 40), (40, 41), (41, 70), (70, 90)]:  # prefill, then appends crossing blocks
         pos = torch.arange(start, end)
-        assert torch.equal(cache.key_positions(pos), torch.arange(end))
-        k, v = cache.update(0, pos, k_all[:, :, start:end], v_all[:, :, start:end])
+        assert torch.equal(cache.prepare(pos), torch.arange(end))
+        k, v = cache.update(0, k_all[:, :, start:end], v_all[:, :, start:end])
         n_q = start // bs * bs  # positions in blocks that were full before this call
         for got, x, axis in [(k, k_all, -2 if key_axis == "channel" else -1), (v, v_all, -1)]:
             blocks = [round_trip(x[:, :, i:i + bs], 4, G, axis) for i in range(0, n_q, bs)]

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minigen
+from conftest import tiny_hf
 from minigen.config import GenerationConfig
 from minigen.errors import CacheFullError, ConfigError
 from minigen.generate import make_cache
@@ -37,8 +38,10 @@ def error_bound(x: torch.Tensor, q) -> torch.Tensor:
 @given(bits=st.sampled_from([8, 4, 2]), groups=st.integers(1, 3), group_exp=st.integers(0, 6),
        lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), axis_from_end=st.booleans(),
        kind=st.sampled_from(["normal", "constant", "outliers", "tiny"]),
-       magnitude=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16))
-def test_round_trip_within_half_a_step(bits, groups, group_exp, lead, axis_from_end, kind, magnitude, seed):
+       magnitude=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16),
+       scale_dtype=st.sampled_from([None, torch.float16, torch.bfloat16]))
+def test_round_trip_within_half_a_step(bits, groups, group_exp, lead, axis_from_end, kind, magnitude, seed,
+                                       scale_dtype):
     n = 8 // bits
     G = max(n, 2**group_exp)  # a group fills whole bytes
     g = torch.Generator().manual_seed(seed)
@@ -51,10 +54,12 @@ def test_round_trip_within_half_a_step(bits, groups, group_exp, lead, axis_from_
         x.view(-1)[:: 7] *= 50  # a few large values stretch their groups' scales
     elif kind == "tiny":
         x = x * 1e-4
-    q = quantize(x, bits, G, axis)
+    q = quantize(x, bits, G, axis, scale_dtype)
     y = dequantize(q)
     assert y.shape == x.shape and y.dtype == x.dtype
-    assert q.data.dtype == torch.uint8 and q.scales.dtype == q.zeros.dtype == torch.float16
+    # fp32 values get fp32 scales and zeros by default (fp16 cannot hold every fp32 value); the
+    # 16-bit ones are rounded (zero down, scale up) so that the grid still covers the group.
+    assert q.data.dtype == torch.uint8 and q.scales.dtype == q.zeros.dtype == (scale_dtype or torch.float32)
     assert q.data.shape[axis] == x.shape[axis] // n and q.scales.shape[axis] == x.shape[axis] // G
     assert ((y - x).abs() <= error_bound(x, q)).all(), (y - x).abs().max()
 
@@ -121,9 +126,9 @@ def test_cache_matches_quantizing_the_history(bits, G, R, key_axis):
     start = 0
     for T in [5, 1, 1, 17, 1, 3, 1, 30, 1, 1, 1, 8]:  # a prompt, decode steps, chunks across groups
         pos = torch.arange(start, start + T)
-        assert torch.equal(cache.key_positions(pos), torch.arange(start + T))
+        assert torch.equal(cache.prepare(pos), torch.arange(start + T))
         for layer in range(L):
-            k, v = cache.update(layer, pos, ks[layer, :, :, pos], vs[layer, :, :, pos])
+            k, v = cache.update(layer, ks[layer, :, :, pos], vs[layer, :, :, pos])
             ref_k = reference_view(ks[layer], start, start + T, bits, G, R, GROUP_AXIS[key_axis])
             ref_v = reference_view(vs[layer], start, start + T, bits, G, R, -1)
             assert torch.equal(k, ref_k) and torch.equal(v, ref_v), (start, T, layer)
@@ -153,25 +158,59 @@ def test_quantized_cache_changes_the_logits_at_two_bits(tiny_llama):
     assert (score(model, ids, cfg, chunk_size=1).nll - score(model, ids).nll).abs().max() > 1e-3
 
 
-def test_nbytes_counts_codes_scales_zeros_and_the_window():
+@pytest.mark.parametrize("dtype, size", [(torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 2)])
+def test_nbytes_counts_codes_scales_zeros_and_the_window(dtype, size):
     L, B, Hkv, Dh, max_len, G, R = 3, 2, 2, 64, 100, 32, 40
-    cache = QuantizedKVCache(L, B, Hkv, max_len, Dh, bits=4, group_size=G, key_axis="channel", residual=R)
+    cache = QuantizedKVCache(L, B, Hkv, max_len, Dh, bits=4, group_size=G, key_axis="channel", residual=R,
+                             dtype=dtype)
     S_q = 64  # whole groups of the 100 - 40 = 60 positions that can leave the window
     codes = 2 * L * B * Hkv * S_q * Dh // 2  # K and V, two 4-bit codes per byte
-    key_meta = 2 * L * B * Hkv * (S_q // G) * Dh * 2  # scale and zero, fp16, per channel per group
-    value_meta = 2 * L * B * Hkv * S_q * (Dh // G) * 2  # per token per group of channels
-    window = 2 * L * B * Hkv * R * Dh * 4  # fp32 recent tokens
+    key_meta = 2 * L * B * Hkv * (S_q // G) * Dh * size  # scale and zero in the cache's dtype, per channel per group
+    value_meta = 2 * L * B * Hkv * S_q * (Dh // G) * size  # per token per group of channels
+    window = 2 * L * B * Hkv * R * Dh * size  # recent tokens in the cache's dtype
     assert cache.nbytes == codes + key_meta + value_meta + window
 
 
 def test_four_bit_cache_is_3x_smaller_than_fp16_at_4096_tokens(smollm2):
     model, _ = smollm2
-    cache = make_cache(model, GenerationConfig(quant_bits=4), batch=1, max_len=4096)
     fp16 = 4096 * model.config.kv_bytes_per_token(2)
     fp32 = 4096 * model.config.kv_bytes_per_token(4)
-    assert fp16 / cache.nbytes >= 3.0 and fp32 / cache.nbytes >= 6.0
-    # ... but not 4x: fp16 scale + zero per 32 elements is one more bit per element (5 bits, not 4).
-    assert fp16 / cache.nbytes < 3.2
+    # The article's comparison: an fp16 model's cache, with fp16 scales, zeros and window.
+    half = QuantizedKVCache(model.config.n_layers, 1, model.config.n_kv_heads, 4096, model.config.head_dim,
+                            bits=4, group_size=32, dtype=torch.float16, device="meta")
+    assert 3.0 <= fp16 / half.nbytes < 3.2  # not 4x: a 16-bit scale + zero per 32 elements is one more bit
+    # SmolLM2 in fp32: fp32 scales and zeros (two more bits per element) and an fp32 window.
+    cache = make_cache(model, GenerationConfig(quant_bits=4), batch=1, max_len=4096)
+    assert 5.0 <= fp32 / cache.nbytes < 16 / 3
+
+
+def test_keys_beyond_fp16_range_never_come_back_nan():
+    """Regression: scales and zeros were fp16, so a bf16 model's keys above 65,504 became inf, then NaN."""
+    hf = tiny_hf("llama")
+    model = minigen.from_hf(hf, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for block in model.blocks:  # the key rows of the fused q/k/v matrix, scaled up
+            H, Hkv, Dh = model.config.n_heads, model.config.n_kv_heads, model.config.head_dim
+            block.attn.wqkv[H * Dh:(H + Hkv) * Dh] *= 3e4
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(0))
+    cache = make_cache(model, GenerationConfig(quant_bits=4, quant_group_size=8), 1, 48)
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(48), cache)
+    assert cache.k.scales.dtype == torch.bfloat16
+    k_max = max(float(dequantize_store(cache, layer).abs().max()) for layer in range(model.config.n_layers))
+    assert k_max > 65504, k_max  # the keys really are beyond fp16's range ...
+    assert torch.isfinite(logits).all()  # ... and come back finite
+    out = minigen.generate(model, ids[:, :40], max_new_tokens=8, quant_bits=4, quant_group_size=8,
+                           stop_token_ids=[])
+    assert out.tokens.shape == (1, 48)
+
+
+def dequantize_store(cache, layer):
+    """Every quantized key of one layer, in full precision (the store's groups, dequantized)."""
+    from minigen.quant import QuantizedTensor
+    k = cache.k
+    return dequantize(QuantizedTensor(k.data[layer], k.scales[layer], k.zeros[layer], k.bits, k.group_size,
+                                      k.axis, k.dtype))
 
 
 def test_stats_report_the_quantized_bytes(tiny_llama):
@@ -185,11 +224,11 @@ def test_stats_report_the_quantized_bytes(tiny_llama):
 
 def test_cache_full_and_out_of_order_writes_raise():
     cache = QuantizedKVCache(1, 1, 1, 8, 8, bits=4, group_size=4, residual=4)
-    cache.key_positions(torch.arange(5))
-    with pytest.raises(ValueError, match="only appends"):
-        cache.key_positions(torch.tensor([3]))
+    cache.prepare(torch.arange(5))
+    with pytest.raises(ValueError, match="appends: it holds positions 0..4, so write position 5 next"):
+        cache.prepare(torch.tensor([3]))
     with pytest.raises(CacheFullError, match="at least 9"):
-        cache.key_positions(torch.arange(5, 9))
+        cache.prepare(torch.arange(5, 9))
 
 
 # ---------------------------------------------------------------- configuration
@@ -208,8 +247,9 @@ def test_bad_quant_config_raises(overrides, match):
 
 def test_group_size_must_divide_the_head_dim(tiny_llama):
     _, model = tiny_llama  # head dim 8
-    with pytest.raises(ConfigError, match="does not divide the head dim 8"):
+    with pytest.raises(ConfigError, match="does not divide this model's head dim 8") as e:
         make_cache(model, GenerationConfig(quant_bits=4, quant_group_size=32), 1, 10)
+    assert "quant_group_size=8" in str(e.value)  # a size that works
 
 
 # ---------------------------------------------------------------- quality on the real model
@@ -237,8 +277,10 @@ def test_quant_panel_shows_the_cache_bytes_and_updates_live():
     panel = quant_panel(keys, values, cfg, context=4096)
     (bits, group), (window, _), label = panel.children[0].children, panel.children[1].children, panel.children[2]
     four = panel.numbers()
-    assert four["bytes"] == QuantizedKVCache(30, 1, 3, 4096, 64, 4, 32, device="meta").nbytes
-    assert 0 < four["key_error"] < 0.2 and "3.07x smaller than fp16" in label.value
+    assert four["bytes"] == QuantizedKVCache(30, 1, 3, 4096, 64, 4, 32, dtype=torch.float16, device="meta").nbytes
+    fp16 = 4096 * cfg.kv_bytes_per_token(2)
+    assert 0 < four["key_error"] < 0.2 and f"{fp16 / four['bytes']:.2f}x smaller than fp16" in label.value
+    assert 3.0 < fp16 / four["bytes"] < 3.2
     shown = label.value
     bits.value = 2
     assert label.value != shown and panel.numbers()["key_error"] > 2 * four["key_error"]

@@ -11,7 +11,7 @@ import minigen
 from minigen.attention import AttentionPolicy, attention_scores, sparse_keep
 from minigen.errors import ConfigError
 from minigen.generate import make_policy
-from minigen.window import HeavyHitterCache
+from minigen.h2o import HeavyHitterCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -153,8 +153,8 @@ def test_heavy_hitters_long_prompt_compacts_to_budget(tiny_llama):
     policy = make_policy(minigen.GenerationConfig(kv_budget=8), cache)
     with torch.inference_mode():
         minigen.prefill(model, prompt, cache, policy)
-        held = cache.key_positions(torch.tensor([20]))
-    kept = sorted(p for p in held.tolist() if p >= 0)
+        held = cache.prepare(torch.tensor([20]))
+    kept = sorted(p for p in held[0].tolist() if p >= 0)  # [B, S]: row 0's positions
     assert len(kept) == 8 and kept[-5:] == [16, 17, 18, 19, 20], kept  # 4 newest of the prompt + the new one
     assert cache.nbytes == HeavyHitterCache.for_model(model, 1, kv_budget=8).nbytes
     assert cache.peak_nbytes > cache.nbytes  # the prefill held prompt + budget for a moment

@@ -69,8 +69,8 @@ def test_slot_rule_keeps_sinks_and_last_window():
     cache = WindowKVCache(1, 1, 1, 2, window_size=5, sink_tokens=2)
     assert cache.nbytes == cache.k.nbytes * 2 + cache.slot_pos.nbytes and cache.k.shape[3] == 7
     for p in range(23):
-        held = cache.key_positions(torch.tensor([p]))
-        cache.update(0, torch.tensor([p]), torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
+        held = cache.prepare(torch.tensor([p]))
+        cache.update(0, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
     expected = {0, 1} | set(range(23 - 5, 23))
     assert set(held.tolist()) == expected
 

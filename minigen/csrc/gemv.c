@@ -8,11 +8,22 @@
  *   - 8-wide vectors through GCC/Clang vector extensions (one AVX2 register; two NEON ones on ARM);
  *   - OpenMP splits the rows over the threads torch itself uses (same runtime, no second pool).
  * Each output is summed by one thread in a fixed order, so results do not depend on the thread
- * count. Built once per machine by minigen/cpu_kernel.py with `cc -O3 -march=native -fopenmp`.
- * fp32 only: for bf16 weights torch's own matrix-vector path measured as fast as a loop like this.
+ * count. Built once per machine by minigen/cpu_kernel.py with `cc -O3 -march=native -fopenmp`,
+ * or without -fopenmp (single-threaded) where the compiler has no OpenMP.
+ *
+ * A shared machine: a parallel region ends when its slowest thread ends. When another process
+ * holds a core, one of our two threads may wait a whole scheduler time slice (milliseconds) to
+ * run, and a decode step has ~120 regions: measured on a 2-core CPU next to two busy processes,
+ * always-parallel decoding fell from 37 to 0.5 tokens/s while one thread kept 3.7. So each
+ * region checks whether a thread arrived late; if one did, the next calls run on one thread
+ * (no one to wait for), twice as many after each late arrival, and then try two threads again.
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 typedef float f32x8 __attribute__((vector_size(32)));
 
@@ -39,8 +50,58 @@ static void rows_f32(const float *W, const float *x, float *y, int64_t i, int ro
     }
 }
 
+/* rows [4 * first_block, 4 * end_block) of y */
+static void blocks_f32(const float *W, const float *x, float *y, int64_t n, int64_t k,
+                       int64_t first_block, int64_t end_block) {
+    for (int64_t b = first_block; b < end_block; b++)
+        rows_f32(W, x, y, 4 * b, n - 4 * b < 4 ? (int)(n - 4 * b) : 4, k);
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#define MAX_THREADS 256
+#define LATE_S 200e-6        /* a thread ending this much (and a quarter of the region) after the */
+                             /* first one was not running: memory contention alone never does that */
+#define MAX_BACKOFF 4096     /* calls: about 30 decode steps of a 30-layer model */
+static int64_t single_calls_left = 0, backoff = 0;  /* only the calling (Python) thread writes these */
+static int64_t late_regions = 0;                    /* read by cpu_kernel.py for its report */
+
+int64_t gemv_late_regions(void) { return late_regions; }
+
 void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n; i += 4)
-        rows_f32(W, x, y, i, n - i < 4 ? (int)(n - i) : 4, k);
+    int64_t n_blocks = (n + 3) / 4;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+#ifdef _OPENMP
+    if (threads > 1 && single_calls_left == 0 && n_blocks >= threads) {
+        double ended[MAX_THREADS], start = now_s();
+        int team = 1;
+        #pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            if (t == 0) team = nt;
+            blocks_f32(W, x, y, n, k, n_blocks * t / nt, n_blocks * (t + 1) / nt);  /* fixed split */
+            ended[t] = now_s();
+        }
+        double first = ended[0], last = ended[0];
+        for (int t = 1; t < team; t++) {
+            first = ended[t] < first ? ended[t] : first;
+            last = ended[t] > last ? ended[t] : last;
+        }
+        double late = LATE_S > 0.25 * (first - start) ? LATE_S : 0.25 * (first - start);
+        if (last - first > late) {  /* a thread was descheduled: run alone for a while */
+            late_regions++;
+            backoff = backoff ? (2 * backoff < MAX_BACKOFF ? 2 * backoff : MAX_BACKOFF) : 64;
+            single_calls_left = backoff;
+        } else {  /* on time: trust two threads a little more */
+            backoff -= backoff / 16;
+        }
+        return;
+    }
+    if (single_calls_left > 0) single_calls_left--;
+#endif
+    blocks_f32(W, x, y, n, k, 0, n_blocks);
 }

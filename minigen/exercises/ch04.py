@@ -3,11 +3,12 @@
 1. `quantize_group(x, bits)`: asymmetric min-max quantization of one group x [G] (a 1-D float
    tensor) -> (codes, scale, zero), with integer codes in [0, 2^bits - 1] such that
    zero + codes * scale is within scale / 2 of x, and the smallest such scale.
-2. `quantized_cache_bytes(cfg, tokens, bits, group_size, residual)`: every byte a
-   `QuantizedKVCache` allocated for `tokens` positions of one sequence holds: packed codes (keys per
-   channel, values per token), an fp16 scale and zero per group, and the fp32 full-precision window
-   of `residual` tokens. Only whole groups are quantized, so the store is rounded up to whole
-   groups of the tokens beyond the window: group_size * ceil(max(0, tokens - residual) / group_size).
+2. `quantized_cache_bytes(cfg, tokens, bits, group_size, residual)`: every byte the
+   `QuantizedKVCache` of an fp16 model allocated for `tokens` positions of one sequence holds:
+   packed codes (keys per channel, values per token), an fp16 scale and zero per group, and the
+   fp16 full-precision window of `residual` tokens. Only whole groups are quantized, so the store
+   is rounded up to whole groups of the tokens beyond the window:
+   group_size * ceil(max(0, tokens - residual) / group_size).
 """
 
 from __future__ import annotations
@@ -80,24 +81,24 @@ def check_quantize_group(fn) -> bool:
 # ---------------------------------------------------------------- 2. bytes held
 def solution_quantized_cache_bytes(cfg: ModelConfig, tokens: int, bits: int, group_size: int,
                                    residual: int) -> int:
-    """Codes + scales and zeros (fp16) for the quantized store; fp32 for the window."""
+    """Codes + scales and zeros (fp16) for the quantized store; fp16 for the window."""
     G, channels = group_size, cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # per K (or V) per token
     stored = G * -(-max(0, tokens - residual) // G)  # whole groups beyond the window
     codes = 2 * stored * channels * bits // 8  # keys and values
     key_meta = (stored // G) * channels * 2 * 2  # one fp16 scale + zero per channel per G tokens
     value_meta = stored * (channels // G) * 2 * 2  # one fp16 scale + zero per token per G channels
-    window = 2 * min(residual, tokens) * channels * 4  # fp32 keys and values
+    window = 2 * min(residual, tokens) * channels * 2  # fp16 keys and values
     return codes + key_meta + value_meta + window
 
 
 def _reference_bytes(cfg: ModelConfig, tokens: int, bits: int, group_size: int, residual: int) -> int:
     cache = QuantizedKVCache(cfg.n_layers, 1, cfg.n_kv_heads, tokens, cfg.head_dim, bits, group_size,
-                             "channel", residual, torch.float32, device="meta")  # sizes only, no memory
+                             "channel", residual, torch.float16, device="meta")  # sizes only, no memory
     return cache.nbytes
 
 
 def _mistaken_bytes(cfg: ModelConfig, tokens: int, bits: int, G: int, R: int, whole_groups: bool = True,
-                    meta_numbers: int = 2, window_bytes: int = 4) -> int:
+                    meta_numbers: int = 2, window_bytes: int = 2) -> int:
     """The byte count with one common mistake switched on (for the hints)."""
     channels = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
     stored = G * -(-max(0, tokens - R) // G) if whole_groups else max(0, tokens - R)
@@ -117,7 +118,7 @@ def check_quantized_cache_bytes(fn) -> bool:
             (_mistaken_bytes(*args, meta_numbers=0), "count the fp16 scale and zero of every group"),
             (_mistaken_bytes(*args, meta_numbers=1), "each group has a scale and a zero: two fp16 numbers"),
             (_mistaken_bytes(*args, window_bytes=0), "count the full-precision window of `residual` tokens"),
-            (_mistaken_bytes(*args, window_bytes=2), "the window is in the model's dtype, fp32: 4 bytes a number"),
+            (_mistaken_bytes(*args, window_bytes=4), "the window is in the model's dtype, fp16: 2 bytes a number"),
             (_mistaken_bytes(*args, whole_groups=False), "only whole groups are quantized: round the store "
                                                          "up to a multiple of group_size"),
         ])
