@@ -1,0 +1,226 @@
+"""The cache contract (minigen/cache.py), checked the same way on every cache class.
+
+Oracle: the keys and values written, position by position, kept in a plain dict by the test; a
+cache must give back exactly those of the positions it says it holds (8-bit caches: within half a
+quantization step), and nothing of an older sequence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minigen
+from conftest import tiny_hf
+from minigen import CacheFullError, GenerationConfig
+from minigen.cache import CACHE_CLASSES, Cache, make_cache
+from minigen.generate import decode_step, make_policy, prefill
+from minigen.h2o import HeavyHitterCache
+from minigen.kv_cache import KVCache
+from minigen.offload import OffloadedKVCache
+from minigen.paged import PagedKVCache
+from minigen.quant import QuantizedKVCache, QuantizedPagedKVCache
+from minigen.window import WindowKVCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+L, B, Hkv, Dh = 2, 2, 2, 8
+FACTORIES = {  # small instances of every cache class, all holding at least 8 positions per row
+    "contiguous": lambda: KVCache(L, B, Hkv, 64, Dh),
+    "window": lambda: WindowKVCache(L, B, Hkv, Dh, window_size=8, sink_tokens=2),
+    "heavy hitters": lambda: HeavyHitterCache(L, B, Hkv, Dh, kv_budget=8),
+    "paged": lambda: PagedKVCache(L, B, Hkv, Dh, block_size=4, n_blocks=B * 16),
+    "quantized": lambda: QuantizedKVCache(L, B, Hkv, 64, Dh, bits=8, group_size=4, residual=4),
+    "quantized paged": lambda: QuantizedPagedKVCache(L, B, Hkv, Dh, block_size=4, n_blocks=B * 16, bits=8,
+                                                     group_size=4),
+    "offloaded": lambda: OffloadedKVCache(KVCache(L, B, Hkv, 64, Dh), n_layers=L + 1, prefetch_depth=1),
+}
+LAYERS = {"offloaded": L + 1}  # the offload tier serves more layers than its inner cache holds
+# 8-bit codes in groups of 4 of N(0, 1) values: an error of at most half a step, (max - min) / 255 / 2
+TOLERANCE = {"quantized": 0.05, "quantized paged": 0.05}
+
+
+def test_every_cache_class_is_covered():
+    built = {type(make()) for make in FACTORIES.values()}
+    assert built == set(CACHE_CLASSES)
+
+
+class Written:
+    """What the test wrote: position -> k, v [L, B, Hkv, Dh] of every layer and row."""
+
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def new(self, positions: range, layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh k, v [layers, B, Hkv, T, Dh] for these positions, remembered per position."""
+        T = len(positions)
+        k, v = (torch.randn(layers, B, Hkv, T, Dh, generator=self.g) for _ in range(2))
+        for i, p in enumerate(positions):
+            self.k[p], self.v[p] = k[:, :, :, i], v[:, :, :, i]
+        return k, v
+
+
+def step(cache, written: Written, positions: range, layers: int):
+    """One forward's worth of cache calls -> (key positions [B, S], k and v read [layers, B, Hkv, S, Dh])."""
+    k_new, v_new = written.new(positions, layers)
+    key_pos = cache.prepare(torch.tensor(list(positions)))
+    k_read, v_read = [], []
+    for layer in range(layers):
+        before = [t.clone() for t in cache.layer_tensors()]
+        k, v = cache.update(layer, k_new[layer], v_new[layer])
+        S = key_pos.shape[-1]
+        assert k.shape == v.shape == (B, Hkv, S, Dh), (k.shape, key_pos.shape)
+        k_read.append(k.clone())
+        v_read.append(v.clone())
+        if not isinstance(cache, OffloadedKVCache):  # (the tier's slots map layers differently)
+            for t, old in zip(cache.layer_tensors(), before):  # update(layer) touches only that layer
+                other = [i for i in range(t.shape[0]) if i != layer]
+                assert torch.equal(t[other], old[other]), "update() changed another layer's state"
+    return key_pos.expand(B, -1), torch.stack(k_read), torch.stack(v_read)
+
+
+def check_read(name, key_pos, k, v, written: Written, newest: range) -> None:
+    """Every slot a query of this step can see (holding a position p in [0, newest]) gives back what
+    was written at p; p at most once per row; this step's positions always there. (A slot holding
+    a later position, like the contiguous cache's slots not yet written, is hidden by causality.)"""
+    atol = TOLERANCE.get(name, 0.0)
+    for row in range(B):
+        visible = [int(p) for p in key_pos[row] if 0 <= p <= newest[-1]]
+        assert len(visible) == len(set(visible)), f"row {row} holds a position twice: {sorted(visible)}"
+        assert set(newest) <= set(visible)
+        for s, p in enumerate(key_pos[row].tolist()):
+            if 0 <= p <= newest[-1]:
+                torch.testing.assert_close(k[:, row, :, s], written.k[p][:, row], atol=atol, rtol=0)
+                torch.testing.assert_close(v[:, row, :, s], written.v[p][:, row], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_prepare_then_update_gives_back_what_was_written(name):
+    cache, layers = FACTORIES[name](), LAYERS.get(name, L)
+    assert isinstance(cache, Cache)
+    assert isinstance(cache.observers, tuple) and all(callable(o) for o in cache.observers)
+    written, start = Written(0), 0
+    for size in (5, 1, 3, 1, 1, 6, 1, 1, 4, 1):  # a prompt, then appends of several tokens and of one
+        positions = range(start, start + size)
+        key_pos, k, v = step(cache, written, positions, layers)
+        check_read(name, key_pos, k, v, written, positions)
+        assert cache.peak_nbytes >= cache.nbytes >= cache.device_nbytes > 0
+        if cache.blocks is not None:
+            used, pool = cache.blocks
+            assert 0 < used <= pool
+        start += size
+
+
+@pytest.mark.parametrize("how", ["position 0", "reset"])
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_new_sequence_never_sees_the_old_one(name, how):
+    """Regression: a ring buffer reused for a new prompt attended the old sequence's sinks."""
+    cache, layers = FACTORIES[name](), LAYERS.get(name, L)
+    old = Written(1)
+    for positions in (range(0, 12), range(12, 13), range(13, 20)):
+        step(cache, old, positions, layers)
+    if how == "reset":
+        cache.reset()
+    new = Written(2)
+    for positions in (range(0, 5), range(5, 6)):
+        key_pos, k, v = step(cache, new, positions, layers)
+        check_read(name, key_pos, k, v, new, positions)  # only positions of the new sequence, its values
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_peak_bytes_never_fall(name):
+    cache, layers = FACTORIES[name](), LAYERS.get(name, L)
+    written, peaks = Written(3), []
+    for positions in (range(0, 20), range(20, 21), range(21, 22)):
+        step(cache, written, positions, layers)
+        peaks.append(cache.peak_nbytes)
+    assert peaks == sorted(peaks) and peaks[-1] >= cache.nbytes
+
+
+# ---------------------------------------------------------------- the paged allocator's step
+def allocator_state(cache: PagedKVCache):
+    a = cache.allocator
+    return (list(a.free), list(a.refs), list(a.fill), {s: list(t) for s, t in a.tables.items()}, dict(a.lengths))
+
+
+@pytest.mark.parametrize("name", ["paged", "quantized paged"])
+def test_a_rejected_step_leaves_the_allocator_untouched(name):
+    """Regression: row 0 took its block before row 1 found the pool empty, and kept it."""
+    cache = FACTORIES[name]()
+    written = Written(4)
+    step(cache, written, range(0, 4 * 16 - 4), L)  # 15 of 16 blocks per row: 30 of 32 in use
+    step(cache, written, range(60, 64), L)
+    before = allocator_state(cache)
+    with pytest.raises(CacheFullError, match="needs 2 more blocks and 0 are free"):
+        cache.prepare(torch.tensor([64]))
+    assert allocator_state(cache) == before
+
+
+def test_a_window_frees_blocks_before_a_step_needs_them():
+    """A full pool is not full when the window gives blocks back in the same step."""
+    cache = PagedKVCache(L, B, Hkv, Dh, block_size=4, n_blocks=2 * B, window_size=4, sink_tokens=0)
+    written = Written(5)
+    for p in range(40):  # needs a new block every 4 positions; the window frees the old ones
+        step(cache, written, range(p, p + 1), L)
+    assert cache.blocks == (B, 2 * B)  # positions 36..39: one block per row; the rest went back
+
+
+# ---------------------------------------------------------------- no host sync, and torch.compile
+@pytest.fixture(scope="module")
+def tiny():
+    return minigen.from_hf(tiny_hf("llama"))
+
+
+SYNC_FREE = {"contiguous": GenerationConfig(), "window": GenerationConfig(window_size=6, sink_tokens=2)}
+
+
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_the_decode_step_reads_no_tensor_value_on_the_host(tiny, name):
+    """On the meta device, where tensors have shapes but no values, anything that reads a value
+    on the host (.item(), int(), bool(), a data-dependent shape) raises: the decode step runs."""
+    config = SYNC_FREE[name]
+    model = minigen.from_hf(tiny_hf("llama")).to("meta")
+    cache = make_cache(model, config, 2, 16)
+    policy = make_policy(config, cache)
+    with torch.inference_mode():
+        for p in range(3, 6):  # the prompt's step is allowed to sync; decode steps are not
+            logits = decode_step(model, torch.zeros(2, 1, dtype=torch.long, device="meta"),
+                                 torch.tensor([p], device="meta"), cache, policy)
+    assert logits.shape == (2, model.config.vocab_size)
+
+
+def test_the_meta_device_check_catches_a_cache_that_syncs(tiny):
+    """The paged cache plans its blocks on the host (one sync per step): the check above sees it."""
+    config = GenerationConfig(cache_chunk_size=4)
+    model = minigen.from_hf(tiny_hf("llama")).to("meta")
+    cache = make_cache(model, config, 1, 16)
+    with torch.inference_mode(), pytest.raises((RuntimeError, NotImplementedError)):
+        decode_step(model, torch.zeros(1, 1, dtype=torch.long, device="meta"), torch.tensor([0], device="meta"), cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_the_decode_step_compiles_as_one_graph(tiny, name):
+    """torch.compile(fullgraph=True) fails on any graph break (a host sync, a Python list of
+    positions); the compiled step must also give eager's logits, step after step, without recompiling."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    config, T, n = SYNC_FREE[name], 5, 10
+    ids = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(0))
+    eager_cache, compiled_cache = make_cache(tiny, config, 2, T + n), make_cache(tiny, config, 2, T + n)
+    policy = make_policy(config, eager_cache)
+    compiled = torch.compile(decode_step, fullgraph=True)
+    with torch.inference_mode():
+        tokens = [prefill(tiny, ids, c, policy).argmax(-1) for c in (eager_cache, compiled_cache)]
+        for i in range(n - 1):
+            pos = torch.tensor([T + i])
+            want = decode_step(tiny, tokens[0][:, None], pos, eager_cache, policy)
+            got = compiled(tiny, tokens[1][:, None], pos, compiled_cache, policy)
+            # the same fp32 math, fused differently by inductor: a few ulps on logits of size ~5
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+            tokens = [want.argmax(-1), got.argmax(-1)]
+            assert torch.equal(tokens[0], tokens[1])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled once, every step reused it
