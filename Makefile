@@ -1,4 +1,5 @@
-# minigen: `make lab` opens the course, `make test` proves it, `make book` renders it to _build/.
+# minigen: `make lab` opens the course, `make test` proves it, `make book` renders it to _build/,
+# `make figures` refreshes the committed figures/.
 # Everything runs from the virtual environment in .venv; `VENV=$CONDA_PREFIX` uses a conda env
 # made from environment.yml instead.
 
@@ -14,7 +15,7 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LIST_NOTEBOOKS = import os, sys; from minigen.book import load_book; \
   print(' '.join(os.path.relpath(p) for p in load_book(sys.argv[1]).notebook_paths() if p.exists()))
 
-.PHONY: venv model test lab book clean
+.PHONY: venv model test figures lab book clean
 
 venv: $(STAMP)
 
@@ -39,9 +40,18 @@ test: model
 	if [ -z "$$notebooks" ]; then \
 	  echo "make test: no chapter notebook exists yet; skipping nbval"; \
 	else \
-	  echo "MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks"; \
-	  MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks; \
+	  echo "MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks"; \
+	  MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks; \
 	fi
+
+# Runs every chapter with its figures written to figures/, the images committed with the course.
+# Chapters (and `make test`) otherwise write them to _build/figures/, which git ignores, so a test
+# run leaves the tree clean and refreshing figures/ is a deliberate act: run this on a quiet machine
+# (the timing figures show what it measured) and commit the PNGs it changed.
+figures: model
+	@notebooks="$$($(PY) -c "$(LIST_NOTEBOOKS)" $(BOOK))"; \
+	echo "MINIGEN_FIGURES=$(CURDIR)/figures: running $$notebooks"; \
+	MINIGEN_FIGURES=$(CURDIR)/figures MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks
 
 # Bound to this machine only; Jupyter's token stays on (open the URL with the token it prints).
 lab: model

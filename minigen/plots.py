@@ -1,6 +1,6 @@
 """The chapters' figures and display helpers (the course's layer: the core never imports this).
 
-    save_figure(fig, "01_step_time")   -> figures/01_step_time.png, next to notebooks/
+    save_figure(fig, "01_step_time")   -> _build/figures/01_step_time.png ($MINIGEN_FIGURES/ if set)
     fit_power_law(n, seconds)          -> exponent p and coefficient c of seconds ≈ c·n^p
     plot_power_law(ax, n, seconds)     -> the points and their fitted line, p in the legend
     plot_bench(results)                -> the bars of `python -m minigen bench --json`
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
 from pathlib import Path
 from types import ModuleType
@@ -21,15 +22,22 @@ import numpy as np
 
 # ---------------------------------------------------------------- files
 def figures_dir() -> Path:
-    """figures/ at the repository root (the folder that holds book.toml); ./figures otherwise."""
-    root = Path(__file__).resolve().parent.parent
-    folder = root / "figures" if (root / "book.toml").exists() else Path.cwd() / "figures"
+    """Where `save_figure` writes: $MINIGEN_FIGURES when set (`make figures` sets it to figures/,
+    the images committed with the course), else _build/figures/ beside book.toml (./_build/figures
+    outside a checkout). _build/ is ignored by git, so running a chapter or `make test` never
+    rewrites a tracked file; refreshing the committed figures is a deliberate `make figures`."""
+    chosen = os.environ.get("MINIGEN_FIGURES")
+    if chosen:  # relative to the working directory (a chapter runs in notebooks/): give an absolute path
+        folder = Path(chosen).expanduser().resolve()
+    else:
+        root = Path(__file__).resolve().parent.parent
+        folder = (root if (root / "book.toml").exists() else Path.cwd()) / "_build" / "figures"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 def save_figure(fig, name: str, dpi: int = 110) -> Path:
-    """Write `fig` to figures/<name>.png and return the path; name starts with the chapter: "01_..."."""
+    """Write `fig` to figures_dir()/<name>.png and return the path; name starts with the chapter: "01_..."."""
     path = figures_dir() / f"{name}.png"
     fig.savefig(path, dpi=dpi, bbox_inches="tight")
     return path

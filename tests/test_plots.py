@@ -4,6 +4,8 @@ the package map, all without the model."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+from pathlib import Path
 
 import matplotlib
 
@@ -71,6 +73,23 @@ def test_save_figure_writes_a_png(tmp_path, monkeypatch):
     path = plots.save_figure(fig, "99_test")
     assert path == tmp_path / "99_test.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     plt.close(fig)
+
+
+def test_figures_go_to_the_build_folder_unless_asked(tmp_path, monkeypatch):
+    """A chapter run (make test) must leave the committed figures/ alone: by default figures go to
+    _build/figures/, which git ignores; MINIGEN_FIGURES (make figures) chooses another folder."""
+    root = Path(plots.__file__).resolve().parent.parent
+    monkeypatch.delenv("MINIGEN_FIGURES", raising=False)
+    default = plots.figures_dir()
+    assert default == root / "_build" / "figures" and default.is_dir()
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(default / "99_test.png")], cwd=root)
+    if ignored.returncode != 128:  # 128: not a git checkout (an installed package), nothing to ignore
+        assert ignored.returncode == 0, "_build/figures/ must be ignored by git (.gitignore)"
+    monkeypatch.setenv("MINIGEN_FIGURES", str(tmp_path / "chosen"))
+    assert plots.figures_dir() == tmp_path / "chosen" and (tmp_path / "chosen").is_dir()
+    monkeypatch.chdir(tmp_path)  # a relative folder is taken from the working directory
+    monkeypatch.setenv("MINIGEN_FIGURES", "relative")
+    assert plots.figures_dir() == tmp_path / "relative"
 
 
 def test_package_map_lists_the_core_modules():
