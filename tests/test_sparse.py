@@ -160,6 +160,20 @@ def test_heavy_hitters_long_prompt_compacts_to_budget(tiny_llama):
     assert cache.peak_nbytes > cache.nbytes  # the prefill held prompt + budget for a moment
 
 
+def test_heavy_hitters_keep_each_rows_tokens_to_itself(tiny_llama):
+    """Regression: attention mass was summed over the batch and one set of positions kept for all
+    rows, so a row's tokens changed with its neighbour (6 of 8 random pairs). Now each row keeps
+    its own scores and positions: batched, every row generates what it generates alone."""
+    _, model = tiny_llama
+    g = torch.Generator().manual_seed(8)
+    for _ in range(8):
+        pair = torch.randint(0, 97, (2, 24), generator=g)
+        batched = minigen.generate(model, pair, max_new_tokens=12, kv_budget=8, stop_token_ids=[]).tokens
+        for row in range(2):
+            alone = minigen.generate(model, pair[row:row + 1], max_new_tokens=12, kv_budget=8, stop_token_ids=[])
+            assert torch.equal(batched[row], alone.tokens[0])
+
+
 # ---------------------------------------------------------------- SmolLM2 on real English text
 class KeptKeys:
     """An observer counting the keys that got nonzero probability, over every layer, head and query."""

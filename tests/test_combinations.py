@@ -1,0 +1,235 @@
+"""The whole space of GenerationConfig: a config either builds and runs every feature it names, or
+is refused up front with a ConfigError that names its keys (config.REFUSED and the settings that
+need a switch). Hypothesis draws every field.
+
+Oracles, per feature, on a tiny random model scoring a 48-token text teacher-forced:
+- exact features (paged blocks without quantization, an offload tier) leave every NLL as it is,
+  within fp32 rounding of a different summation order;
+- lossy features (quantized codes, a window, sparse selection, heavy hitters), each the only lossy
+  one switched on, change the NLLs when their setting bites (a window shorter than the text, a
+  budget smaller than it, ...) and leave them as they are when it cannot (a window as long as the
+  text, a threshold of 0);
+- batch rows never influence each other: greedy rows batched equal each row alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import minigen
+from conftest import tiny_hf
+from minigen import ConfigError, GenerationConfig
+from minigen.config import FEATURES, REFUSED, combination_table
+from minigen.metrics import score
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TEXT_LEN = 48
+EXACT_ATOL = 2e-5  # NLLs of ~5 nats, summed in another order (gathered blocks, offload slots): a few ulps
+CHANGE = 1e-4  # a lossy feature that bites moves some NLL by far more (measured: 1e-3 to 1)
+
+
+def maybe(strategy):
+    return st.none() | strategy
+
+
+# Every field of GenerationConfig, with values around the edges that matter for a 48-token text.
+FIELDS = {
+    "max_new_tokens": st.integers(0, 5),
+    "do_sample": st.booleans(),
+    "temperature": st.sampled_from([1.0, 0.7, 1e-3]),
+    "top_k": maybe(st.integers(1, 120)),
+    "top_p": maybe(st.sampled_from([0.05, 0.5, 1.0])),
+    "seed": maybe(st.integers(0, 2**64 - 1)),
+    "stop_token_ids": maybe(st.lists(st.integers(0, 96), max_size=2)),
+    "use_cache": st.booleans(),
+    "cache_chunk_size": maybe(st.sampled_from([1, 3, 4, 8, 16, 64])),
+    "prefetch_depth": maybe(st.integers(0, 3)),
+    "window_size": maybe(st.sampled_from([1, 5, 12, 30, 60])),
+    "sink_tokens": st.integers(0, 6),
+    "sparse_top_k": maybe(st.sampled_from([1, 8, 30, 100])),
+    "sparsity_threshold": maybe(st.sampled_from([0.0, 0.3, 0.6])),
+    "sparse_score": st.sampled_from(["abs", "signed"]),
+    "kv_budget": maybe(st.sampled_from([2, 10, 30, 100])),
+    "quant_bits": maybe(st.sampled_from([8, 4, 2])),
+    "quant_group_size": st.sampled_from([4, 8, 16, 32]),
+    "quant_key_axis": st.sampled_from(["channel", "token"]),
+    "quant_residual": maybe(st.sampled_from([4, 8, 16, 40])),
+}
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
+LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
+
+
+SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_size"],
+            "prefetch_depth": ["prefetch_depth"], "quant_bits": ["quant_bits"], "window_size": ["window_size"],
+            "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"]}
+NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
+         "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"]}
+
+
+@st.composite
+def configs(draw):
+    """Up to three cache features switched on (every pair, refused ones included, is reachable),
+    each with its own settings; a setting whose switch is off is sometimes set anyway, to be refused."""
+    fields = dict(DEFAULTS)
+    # a seeded Random picks the features: hypothesis's own draws favour empty sets, and every
+    # pair of features should come up
+    rnd = draw(st.randoms(use_true_random=False))
+    on = rnd.sample(list(SWITCHES), rnd.choice([1, 2, 2, 3]))
+    for feature in on:
+        if feature == "use_cache=False":
+            fields["use_cache"] = False
+        elif feature == "sparse":
+            fields["sparse_top_k"] = draw(FIELDS["sparse_top_k"])
+            fields["sparsity_threshold"] = draw(FIELDS["sparsity_threshold"] if fields["sparse_top_k"] is None
+                                                else FIELDS["sparsity_threshold"])
+            if fields["sparse_top_k"] is None and fields["sparsity_threshold"] is None:
+                fields["sparsity_threshold"] = 0.3
+        else:
+            fields[feature] = draw(FIELDS[feature].filter(lambda v: v is not None))
+    fields["do_sample"] = draw(FIELDS["do_sample"])
+    for switch, keys in NEEDS.items():
+        is_on = fields["do_sample"] if switch == "do_sample" else switch in on
+        for key in keys:
+            if is_on or draw(st.integers(0, 39)) == 0:  # now and then, a setting without its switch
+                fields[key] = draw(FIELDS[key])
+    for key in ("max_new_tokens", "stop_token_ids"):
+        fields[key] = draw(FIELDS[key])
+    return fields
+
+
+def test_the_strategies_cover_every_field():
+    assert set(FIELDS) == set(GenerationConfig.field_names())
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny random Llama with head dim 16 (so group sizes 4, 8, 16 fit and 32 does not)."""
+    return minigen.from_hf(tiny_hf("llama", hidden_size=64))
+
+
+@pytest.fixture(scope="module")
+def text():
+    return torch.randint(0, 97, (TEXT_LEN,), generator=torch.Generator().manual_seed(7))
+
+
+def off(config: GenerationConfig, feature: str) -> GenerationConfig:
+    """`config` with one feature switched off, and the settings that only it needed back at their defaults."""
+    keys = {"quant_bits": ("quant_bits", "quant_group_size", "quant_key_axis", "quant_residual"),
+            "window_size": ("window_size", "sink_tokens"),
+            "sparse": ("sparse_top_k", "sparsity_threshold", "sparse_score"),
+            "kv_budget": ("kv_budget",), "cache_chunk_size": ("cache_chunk_size", "quant_residual"),
+            "prefetch_depth": ("prefetch_depth",)}[feature]
+    return dataclasses.replace(config, **{k: DEFAULTS[k] for k in keys})
+
+
+def bites(config: GenerationConfig, feature: str) -> bool | None:
+    """True when the feature must change some NLL of the text, False when it cannot, None when
+    the test does not predict it (a lossy setting that may or may not round a logit differently)."""
+    c = config
+    if feature == "window_size":
+        return c.window_size + c.sink_tokens < TEXT_LEN - 1
+    if feature == "kv_budget":
+        return c.kv_budget < TEXT_LEN - 1
+    if feature == "sparse":
+        visible = TEXT_LEN if c.window_size is None else min(TEXT_LEN, c.window_size + c.sink_tokens)
+        top_k_bites = c.sparse_top_k is not None and c.sparse_top_k < visible - 1
+        threshold_bites = (c.sparsity_threshold or 0) >= 0.3
+        if top_k_bites or threshold_bites:
+            return True
+        return False if (c.sparsity_threshold or 0) == 0 and not top_k_bites else None
+    if feature == "quant_bits":  # 8-bit codes move the NLLs too little to promise a change
+        if c.quant_bits == 8:
+            return None
+        if c.cache_chunk_size is not None:  # whole blocks are quantized once full
+            return c.cache_chunk_size <= TEXT_LEN // 2 or None
+        residual = c.quant_residual or c.quant_group_size
+        return residual + c.quant_group_size <= TEXT_LEN // 2 or None
+    raise ValueError(feature)
+
+
+def run_nll(model, text, config):
+    return score(model, text, config, chunk_size=1 if config.use_cache else None).nll
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(fields=configs())
+@example(fields={**DEFAULTS, "cache_chunk_size": 256, "quant_bits": 4, "window_size": 128,
+                 "sparsity_threshold": 0.1, "prefetch_depth": 2})  # the article's generation_config.json
+@example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8,
+                 "window_size": 12, "prefetch_depth": 1})
+@example(fields={**DEFAULTS, "kv_budget": 10, "sparse_top_k": 8, "window_size": 30})
+def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
+    named = {k for k, v in fields.items() if v != DEFAULTS[k]}  # what the user wrote
+    try:
+        config = GenerationConfig(**fields)
+        nll = run_nll(tiny, text, config)
+    except ConfigError as e:
+        # Refused up front (by the config, or for this model's shapes by make_cache): the message
+        # names the value that cannot be applied.
+        assert any(f"{k}=" in str(e) for k in named), (str(e), named)
+        return
+    assert torch.isfinite(nll).all()
+
+    # It runs, through generate too (sampling, stops, stats), and its rows are independent.
+    prompts = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
+    both = minigen.generate(tiny, prompts, config)
+    assert both.tokens.shape[0] == 2 and both.tokens.shape[1] <= 20 + config.max_new_tokens
+    if not config.do_sample and config.max_new_tokens:
+        for row in range(2):
+            alone = minigen.generate(tiny, prompts[row:row + 1], config).tokens[0]
+            n = min(len(alone), both.tokens.shape[1])
+            assert torch.equal(both.tokens[row, :n], alone[:n]), f"row {row} depends on its neighbour"
+
+    on = config.features()
+    s = both.stats
+    if "cache_chunk_size" in on and config.max_new_tokens:
+        assert s.kv_blocks_in_pool is not None and 0 < s.kv_blocks_in_use <= s.kv_blocks_in_pool
+    if "prefetch_depth" in on and config.max_new_tokens and config.prefetch_depth + 1 < tiny.config.n_layers:
+        assert s.kv_device_bytes < s.kv_cache_bytes
+    # Exact features change nothing but where the bytes live.
+    for feature in ("prefetch_depth", "cache_chunk_size"):
+        if feature in on and not (feature == "cache_chunk_size" and "quant_bits" in on):
+            torch.testing.assert_close(nll, run_nll(tiny, text, off(config, feature)), atol=EXACT_ATOL, rtol=0)
+    # A lossy feature alone among the lossy ones changes the NLLs exactly when it bites.
+    lossy = [f for f in LOSSY if f in on]
+    if len(lossy) == 1:
+        expect = bites(config, lossy[0])
+        delta = (nll - run_nll(tiny, text, off(config, lossy[0]))).abs().max().item()
+        if expect is True:
+            assert delta > CHANGE, f"{lossy[0]} changed nothing ({delta:.2e}) although it bites"
+        elif expect is False:
+            assert delta < EXACT_ATOL, f"{lossy[0]} changed the NLLs ({delta:.2e}) where it cannot bite"
+
+
+# ---------------------------------------------------------------- the table
+def test_refused_pairs_name_both_keys_and_a_fix():
+    switch = {"use_cache=False": {"use_cache": False}, "cache_chunk_size": {"cache_chunk_size": 16},
+              "prefetch_depth": {"prefetch_depth": 1}, "quant_bits": {"quant_bits": 4},
+              "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16}}
+    assert set(switch) == set(FEATURES)
+    for pair, (why, fix) in REFUSED.items():
+        a, b = sorted(pair)
+        with pytest.raises(ConfigError) as e:
+            GenerationConfig(**switch[a], **switch[b])
+        msg = str(e.value)
+        for feature in (a, b):
+            key = next(iter(switch[feature]))
+            assert f"{key}=" in msg, msg
+        assert why in msg and fix in msg
+    for a in FEATURES:  # every other pair builds
+        for b in FEATURES:
+            if a < b and frozenset({a, b}) not in REFUSED:
+                GenerationConfig(**switch[a], **switch[b])
+
+
+def test_the_readme_shows_the_table():
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    assert combination_table() in readme, "run python scripts/update_readme.py"
