@@ -280,6 +280,22 @@ REFUSED: dict[frozenset[str], tuple[str, str]] = {
         "heavy-hitter eviction compacts every layer at once, but the offload tier holds only "
         "prefetch_depth + 1 layers on the device", "drop one: prefetch_depth=None or kv_budget=None"),
 }
+# How the less obvious pairs are applied (README's table shows these as notes).
+APPLIED: dict[frozenset[str], str] = {
+    frozenset({"use_cache=False", "window_size"}): "the window masks the recomputed sequence",
+    frozenset({"cache_chunk_size", "window_size"}): "blocks wholly outside the window go back to the pool",
+    frozenset({"cache_chunk_size", "quant_bits"}): "full blocks are stored quantized; each row's open block in "
+                                                   "full precision",
+    frozenset({"quant_bits", "window_size"}): "without cache_chunk_size the window is a mask and the quantized "
+                                              "cache keeps every token",
+    frozenset({"window_size", "kv_budget"}): "the window masks the tokens heavy hitters keep",
+    frozenset({"sparse", "kv_budget"}): "heavy hitters score the attention that sparse selection leaves",
+}
+for _other in ("cache_chunk_size", "quant_bits", "window_size", "sparse"):
+    APPLIED[frozenset({"prefetch_depth", _other})] = "the offload tier wraps the cache, whatever it stores"
+for _other in ("use_cache=False", "cache_chunk_size", "quant_bits", "window_size"):
+    APPLIED.setdefault(frozenset({"sparse", _other}), "sparse selection runs on the keys attention sees")
+
 # Settings of one feature that another refuses.
 _REFUSED_SETTINGS: list[tuple[str, str, Callable[[GenerationConfig], bool], str, str]] = [
     ("quant_residual", "cache_chunk_size", lambda c: c.quant_residual is not None and c.cache_chunk_size is not None,
@@ -312,29 +328,37 @@ def _describe(c: GenerationConfig, feature: str) -> str:
 
 
 def combination_table() -> str:
-    """The Markdown table of which cache features combine (README, 'How features combine')."""
+    """The Markdown table of which cache features combine (README, 'How the features combine')."""
     names = list(FEATURES)
-    notes: list[str] = []
+    refused: list[str] = []  # numbered notes
+    applied: list[str] = []  # lettered notes
     rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     for a in names:
         cells = []
         for b in names:
+            pair = frozenset({a, b})
             if a == b:
                 cells.append("")
-            elif frozenset({a, b}) in REFUSED:
-                why, fix = REFUSED[frozenset({a, b})]
-                note = f"{why}; {fix}"
-                if note not in notes:
-                    notes.append(note)
-                cells.append(f"no ({notes.index(note) + 1})")
+            elif pair in REFUSED:
+                note = "{}; {}".format(*REFUSED[pair])
+                refused += [note] if note not in refused else []
+                cells.append(f"no ({refused.index(note) + 1})")
+            elif pair in APPLIED:
+                applied += [APPLIED[pair]] if APPLIED[pair] not in applied else []
+                cells.append(f"yes ({'abcdefghij'[applied.index(APPLIED[pair])]})")
             else:
                 cells.append("yes")
         rows.append(f"| `{a}` | " + " | ".join(cells) + " |")
-    rows.append("")
-    rows += [f"{i}. {note}." for i, note in enumerate(notes, 1)]
-    rows.append("")
+    rows += ["", "Switched on by: " + "; ".join(f"`{n}`: {what}" for n, (_, what) in FEATURES.items()) + ".", ""]
+    rows += [f"{i}. Refused: {note}." for i, note in enumerate(refused, 1)]
+    rows += [""] + [f"- ({'abcdefghij'[i]}) {note}." for i, note in enumerate(applied)]
+    rows += ["", "Settings that need another:"]
     rows += [f"- `{key}` with `{other}`: refused: {why}; {fix}." for key, other, _, why, fix in _REFUSED_SETTINGS]
-    rows += [f"- `{key}` needs `{switch}`." for key, (switch, _, _) in _SWITCHES.items()]
+    needs: dict[str, list[str]] = {}
+    for key, (switch, _, _) in _SWITCHES.items():
+        needs.setdefault(switch, []).append(f"`{key}`")
+    rows += [f"- {', '.join(keys)} only with `{switch}`: set to anything but the default without it, refused."
+             for switch, keys in needs.items()]
     return "\n".join(rows)
 
 

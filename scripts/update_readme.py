@@ -1,10 +1,12 @@
-"""Rewrite the README's chapter list from book.toml.
+"""Rewrite the README's generated blocks: the chapter list from book.toml, and the table of which
+cache features combine from minigen/config.py.
 
-    python scripts/update_readme.py          # rewrite the block between the markers
-    python scripts/update_readme.py --check  # exit 1 if the block is out of date
+    python scripts/update_readme.py          # rewrite the blocks between the markers
+    python scripts/update_readme.py --check  # exit 1 if a block is out of date
 
-The list sits between `<!-- chapters:start -->` and `<!-- chapters:end -->`; everything else in
-the README is left as it is. tests/test_packaging.py fails when the two disagree.
+The list sits between `<!-- chapters:start -->` and `<!-- chapters:end -->`, the table between
+`<!-- combinations:start -->` and `<!-- combinations:end -->`; everything else in the README is
+left as it is. tests/test_packaging.py and tests/test_combinations.py fail when they disagree.
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a plain checkout works too, not only an installed minigen
 
 from minigen.book import load_book, readme_chapter_list  # noqa: E402
+from minigen.config import combination_table  # noqa: E402
 
 START, END = "<!-- chapters:start -->", "<!-- chapters:end -->"
+TABLE = ("<!-- combinations:start -->", "<!-- combinations:end -->")
 
 
-def replace_block(readme: str, block: str) -> str:
+def replace_block(readme: str, block: str, markers: tuple[str, str] = (START, END)) -> str:
     """The README text with the part between the markers replaced by `block`."""
-    head, start, rest = readme.partition(START)
-    body, end, tail = rest.partition(END)
+    head, start, rest = readme.partition(markers[0])
+    body, end, tail = rest.partition(markers[1])
     if not start or not end:
-        raise SystemExit(f"README.md: markers {START} and {END} not found (start first, then end)")
-    return f"{head}{START}\n{block}{END}{tail}"
+        raise SystemExit(f"README.md: markers {markers[0]} and {markers[1]} not found (start first, then end)")
+    return f"{head}{markers[0]}\n{block}{markers[1]}{tail}"
 
 
 def main() -> None:
@@ -39,14 +43,15 @@ def main() -> None:
 
     old = args.readme.read_text(encoding="utf-8")
     new = replace_block(old, readme_chapter_list(load_book(args.book)))
+    new = replace_block(new, combination_table() + "\n", TABLE)
     if new == old:
-        print(f"{args.readme.name}: chapter list is up to date")
+        print(f"{args.readme.name}: chapter list and combination table are up to date")
     elif args.check:
-        raise SystemExit(f"{args.readme.name}: chapter list is out of date; "
+        raise SystemExit(f"{args.readme.name}: a generated block is out of date; "
                          "run python scripts/update_readme.py")
     else:
         args.readme.write_text(new, encoding="utf-8")
-        print(f"{args.readme.name}: chapter list rewritten from {args.book.name}")
+        print(f"{args.readme.name}: chapter list and combination table rewritten")
 
 
 if __name__ == "__main__":
