@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .cache import make_cache
 from .config import GenerationConfig, resolve_config
+from .entropy import EntropyRecorder
 from .errors import PromptError
 from .generate import check_prompt, make_policy
 from .model import Model
@@ -98,7 +99,6 @@ def attention_entropy(model: Model, token_ids: Tensor, config: GenerationConfig 
     Runs `score` through the cache and attention policy that `config` selects (window, sinks,
     sparse), so the entropy is that of the attention the model really used. See entropy.py.
     """
-    from .entropy import EntropyRecorder  # entropy.py is the chapters' module; import it on use
     recorder = EntropyRecorder(model.config.n_layers)
     score(model, token_ids, config, chunk_size, observers=(recorder,), **overrides)
     return recorder.result()

@@ -91,3 +91,18 @@ def test_tolerance_can_fail():
     with torch.no_grad():
         diff = (model(ids, torch.arange(40)) - hf(ids).logits).abs().max()
     assert diff > 100 * ATOL
+
+
+def test_casting_a_model_keeps_rope_frequencies_in_fp32():
+    """Regression: model.to(torch.bfloat16) cast RoPE's inverse frequencies to bf16 (load(dtype=...)
+    kept them in fp32), and at positions 3,072-4,096 SmolLM2's top-1 agreement with fp32 fell to
+    0.30. A cast now keeps them fp32, so the two ways of making a bf16 model agree exactly."""
+    hf = tiny_hf("llama", max_position_embeddings=4096)
+    built = minigen.from_hf(hf, dtype=torch.bfloat16)
+    cast = minigen.from_hf(hf).to(torch.bfloat16)
+    assert cast.inv_freq.dtype == built.inv_freq.dtype == torch.float32
+    assert torch.equal(cast.inv_freq, built.inv_freq)
+    ids = torch.randint(0, 97, (1, 8), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(4000, 4008)
+    with torch.inference_mode():
+        assert torch.equal(cast(ids, pos), built(ids, pos))
