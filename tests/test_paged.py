@@ -245,3 +245,19 @@ def test_exercise_solutions_pass_and_wrong_answers_fail():
 
     with pytest.raises(ExerciseFailed, match="copied on write"):
         ch03.check_blocks_held(shares_the_partial_block_too)
+
+
+def test_stats_show_blocks_in_use_and_the_pool(tiny):
+    """Two rows, 10 prompt tokens + 7 new: positions 0..15 are written (the last token sampled is
+    never fed back), so each row holds ceil(16 / 4) = 4 blocks of a pool sized for 17 tokens a row."""
+    out = minigen.generate(tiny, random_ids(2, 10), max_new_tokens=7, stop_token_ids=[], cache_chunk_size=4)
+    s = out.stats
+    assert (s.kv_blocks_in_use, s.kv_blocks_in_pool) == (2 * 4, 2 * 5)
+    block = 2 * tiny.config.n_layers * 4 * tiny.config.n_kv_heads * tiny.config.head_dim * 4  # K and V, fp32
+    # The K and V buffers attention reads gathered blocks from grow by doubling: 2 rows x 3 blocks
+    # at the prefill, then 2 x 4 > 6 -> 12 blocks.
+    gather = 2 * 12 * 4 * tiny.config.n_kv_heads * tiny.config.head_dim * 4
+    assert s.kv_cache_bytes == 2 * 5 * block + 4 * 2 * 4 + gather  # pool + int32 table entries + gather buffers
+    assert s.kv_device_bytes == s.kv_cache_bytes and s.peak_kv_cache_bytes >= s.kv_cache_bytes
+    contiguous = minigen.generate(tiny, random_ids(2, 10), max_new_tokens=7, stop_token_ids=[]).stats
+    assert contiguous.kv_blocks_in_use is None and contiguous.kv_blocks_in_pool is None

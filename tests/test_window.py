@@ -233,3 +233,17 @@ def test_ch05_exercises():
         return window_attention(q, k, v, qp, kp, W, 0)
     with pytest.raises(ExerciseFailed, match="sink"):
         ch05.check_window_attention(no_sinks)
+
+
+def test_stats_count_the_buffer_and_the_prompts_moment(tiny_llama):
+    """kv_cache_bytes: the sinks + window slots of K and V and their int64 positions, whatever the
+    length; peak_kv_cache_bytes adds what the prompt's step held for a moment: one layer's old
+    buffer + the 30 new tokens, keys and values."""
+    _, model = tiny_llama
+    c = model.config
+    out = minigen.generate(model, torch.zeros(1, 30, dtype=torch.long), max_new_tokens=3, window_size=8,
+                           sink_tokens=2, stop_token_ids=[])
+    slots = 2 + 8
+    held = 2 * c.n_layers * c.n_kv_heads * slots * c.head_dim * 4 + slots * 8
+    assert out.stats.kv_cache_bytes == out.stats.kv_device_bytes == held
+    assert out.stats.peak_kv_cache_bytes == held + 2 * c.n_kv_heads * (slots + 30) * c.head_dim * 4
