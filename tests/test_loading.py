@@ -87,3 +87,31 @@ def test_sliding_window_caps_the_context():
     assert minigen.from_hf(tiny_hf("qwen2", sliding_window=8)).config.max_seq_len == 128
     qwen = tiny_hf("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0)
     assert minigen.from_hf(qwen).config.max_seq_len == 8
+
+
+@pytest.mark.parametrize("kind, tied", [("llama", False), ("llama", True), ("qwen2", False), ("gpt2", True)])
+def test_from_hf_shares_no_tensor_with_the_transformers_model(kind, tied):
+    """Regression: the embedding, o_proj and the norms were shared and the rest copied, so an
+    in-place change to one model changed the other's logits."""
+    hf = tiny_hf(kind, tie_word_embeddings=tied) if kind != "gpt2" else tiny_hf(kind)
+    model = minigen.from_hf(hf)
+    theirs = {p.untyped_storage().data_ptr() for p in hf.parameters()}
+    assert not any(p.untyped_storage().data_ptr() in theirs for p in model.parameters())
+    assert (model.head is model.embed) == tied  # minigen's own tie survives the copy
+
+
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16),
+                                         ("float16", torch.float16)])
+def test_dtype_by_name(tmp_path, name, dtype):
+    """Regression: dtype="bfloat16" failed with "Invalid device string"."""
+    tiny_hf("llama").save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    assert minigen.load(tmp_path, dtype=name)[0].dtype == dtype
+    assert minigen.from_hf(tiny_hf("llama"), dtype=name).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float64, "int8", "bf16", None])
+def test_other_dtypes_are_refused_before_loading(tmp_path, dtype):
+    """Regression: dtype=torch.int8 loaded every weight as 0 without a word."""
+    with pytest.raises(minigen.ConfigError, match="dtype=.* is not supported: use torch.float32"):
+        minigen.load(tmp_path / "not-even-there", dtype=dtype)
