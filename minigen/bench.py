@@ -9,6 +9,10 @@ are timed the same way from outside:
 
 A decode step must read every weight once (plus the KV cache), so on a memory-bound machine no
 engine can beat the roofline; the achieved fraction says how much is left on the table.
+
+The decode time is a difference of two measured times, so a run must be long enough for it to
+stand out of their noise: `run_bench` refuses fewer than MIN_NEW_TOKENS new tokens, and a
+difference that comes out zero or negative raises BenchError instead of printing a rate.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -24,9 +29,13 @@ import torch
 
 from . import cpu_kernel
 from .config import GenerationConfig
+from .errors import BenchError
 from .generate import generate
 
 TEXT = Path(__file__).parent / "data" / "english.txt"
+# Below this the N-token run is within a prefill's noise of the 1-token run: with 4 tokens on
+# SmolLM2 the 4-token run once took no longer than the 1-token run, reported as 3e9 tok/s.
+MIN_NEW_TOKENS = 8
 
 
 # ---------------------------------------------------------------- the machine
@@ -68,39 +77,50 @@ class PeakRSS:
     """This process's peak resident memory over a `with` block; `.added` is what the block added.
 
     On Linux the kernel keeps the peak itself (VmHWM) and lets a process reset it, so nothing
-    runs beside the engine being timed. Elsewhere a thread samples the RSS every 2 ms; on two
-    cores such a thread steals time from the run it measures.
+    runs beside the engine being timed. Elsewhere (macOS has no /proc) a thread samples the RSS
+    every 2 ms with psutil; on two cores such a thread steals time from the run it measures.
+    Without psutil either, getrusage's lifetime peak is all there is: `.added` is then what the
+    block raised that peak by, a lower bound (0 when an earlier moment of the process used more).
+    On a GPU it is the peak of torch's allocations on the device.
     """
 
     def __init__(self, interval_s: float = 0.002):
-        self.interval_s, self.start, self.peak = interval_s, _rss(), _rss()
+        self.interval_s, self.start, self.peak = interval_s, 0, 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._kernel_peak = False  # True once VmHWM is reset: it then holds this block's peak
+        self._source = ""  # set by __enter__: "cuda", "kernel" (VmHWM), "poll" or "rusage"
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss())
+            self.peak = max(self.peak, _rss() or 0)
             time.sleep(self.interval_s)
 
     def __enter__(self):
+        now = _rss()
         if torch.cuda.is_available():
+            self._source, self.start = "cuda", torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.memory_allocated()
+        elif now is None:
+            self._source, self.start = "rusage", _lifetime_peak_rss()
         elif _reset_peak_rss():
-            self._kernel_peak = True
+            self._source, self.start = "kernel", now
         else:
+            self._source, self.start = "poll", now
             self._thread = threading.Thread(target=self._run, daemon=True)
             self._thread.start()
+        self.peak = self.start
         return self
 
     def __exit__(self, *exc):
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        self.peak = max(self.peak, _rss(), _kernel_peak_rss() if self._kernel_peak else 0)
-        if torch.cuda.is_available():
+        if self._source == "cuda":
             self.peak = torch.cuda.max_memory_allocated()
+        elif self._source == "rusage":
+            self.peak = _lifetime_peak_rss()
+        else:
+            self.peak = max(self.peak, _rss() or 0, _kernel_peak_rss() if self._source == "kernel" else 0)
 
     @property
     def added(self) -> int:
@@ -129,9 +149,28 @@ def _kernel_peak_rss() -> int:
     return 0
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _rss() -> int | None:
+    """This process's resident memory now, from /proc or psutil; None where neither tells."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # macOS, or a container without /proc
+        pass
+    try:
+        import psutil  # not a dependency of minigen; used where it is installed
+        return psutil.Process().memory_info().rss
+    except Exception:  # not installed, or cannot tell (on Linux it reads /proc too): psutil.Error, OSError
+        return None
+
+
+def _lifetime_peak_rss() -> int:
+    """getrusage's peak RSS of this process since it started; 0 where there is no getrusage."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 # ---------------------------------------------------------------- bytes per token
@@ -158,8 +197,20 @@ def prompt_ids(tokenizer, prompt_len: int) -> torch.Tensor:
     text = TEXT.read_text(encoding="utf-8") if TEXT.exists() else "The quick brown fox jumps over the lazy dog. " * 200
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :prompt_len]
     if ids.shape[1] < prompt_len:
-        raise ValueError(f"the benchmark text has only {ids.shape[1]} tokens; use --prompt-len <= {ids.shape[1]}")
+        raise BenchError(f"--prompt-len {prompt_len} is longer than the benchmark text, which is "
+                         f"{ids.shape[1]} tokens for this tokenizer: use --prompt-len <= {ids.shape[1]}")
     return ids
+
+
+def check_bench_args(prompt_len: int, new_tokens: int, repeats: int) -> None:
+    """Refuse run sizes that cannot give a meaningful number, before anything is loaded."""
+    for flag, value, low, why in (
+            ("--prompt-len", prompt_len, 1, "the prompt needs a token"),
+            ("--new-tokens", new_tokens, MIN_NEW_TOKENS,
+             "the decode time is the N-token run minus the 1-token run, and needs enough tokens to be measurable"),
+            ("--repeats", repeats, 1, "the median needs at least one timed run")):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise BenchError(f"{flag} {value!r} is too small: use {flag} >= {low} ({why})")
 
 
 def exact(config: GenerationConfig) -> bool:
@@ -195,8 +246,12 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
     results = {}
     for name, r in times.items():
         ttft, total = statistics.median(r["ttft"]), statistics.median(r["total"])
+        if total <= ttft:
+            raise BenchError(f"{name}'s {new_tokens}-token run took {total * 1000:.2f} ms, no longer than its "
+                             f"1-token run ({ttft * 1000:.2f} ms), so its decode time cannot be measured: "
+                             "use more --new-tokens (e.g. 128) or more --repeats")
         results[name] = {"ttft_s": ttft, "total_s": total,
-                         "decode_tokens_per_s": (new_tokens - 1) / max(total - ttft, 1e-9),
+                         "decode_tokens_per_s": (new_tokens - 1) / (total - ttft),
                          "run_peak_added_bytes": max(r["peak"]), "tokens": tokens[name]}
     return results
 
@@ -204,13 +259,28 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
 def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None = None, prompt_len: int = 64,
               new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
               baseline: bool = True) -> dict:
-    """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict."""
+    """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict.
+
+    Every setting is checked before the weights load: the run sizes, then the model's context."""
     from tqdm.auto import tqdm
-    from .loading import load, resolve_folder
-    config = (config or GenerationConfig()).replace(max_new_tokens=new_tokens, stop_token_ids=[],
-                                                    do_sample=False)
-    model, tokenizer = load(model_name, dtype=dtype)
+    from .cache import check_for_model
+    from .loading import build_model, check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
+    check_bench_args(prompt_len, new_tokens, repeats)
+    dtype = check_dtype(dtype)
+    config = config or GenerationConfig()
+    if config.do_sample:
+        raise BenchError("bench times greedy decoding, on which minigen and transformers must agree token "
+                         "for token: drop do_sample and the sampling settings")
+    config = config.replace(max_new_tokens=new_tokens, stop_token_ids=[])
+    folder = resolve_folder(model_name)
+    model_config = read_config(folder)
+    if prompt_len + new_tokens > model_config.max_seq_len:
+        raise BenchError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
+                         f"{model_config.max_seq_len} tokens: lower one of them")
+    check_for_model(config, model_config)  # e.g. a quant_group_size that the head dim refuses
+    tokenizer = load_tokenizer(folder)
     ids = prompt_ids(tokenizer, prompt_len)
+    model = build_model(model_config, read_safetensors(folder), dtype)
     hw = hardware_info()
     progress = tqdm(total=repeats * (2 if baseline else 1), desc="bench", unit="run")
 
@@ -222,7 +292,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     runs, modules = {"minigen": run_minigen}, {"minigen": model}
     if baseline:
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(str(resolve_folder(model_name)), dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
         hf.generation_config.eos_token_id = None  # run exactly N tokens, as minigen does
         hf.generation_config.pad_token_id = 0
         mask = torch.ones_like(ids)

@@ -1,7 +1,7 @@
 """The errors minigen raises: each names the problem and the fix.
 
 They subclass ValueError (or RuntimeError for a full cache) so that callers who only catch the
-builtin types still catch them.
+builtin types still catch them. docs/bad_inputs.md lists the bad inputs and what each one gets.
 """
 
 
@@ -27,3 +27,7 @@ class CacheFullError(MinigenError, RuntimeError):
 
 class PositionError(MinigenError, ValueError):
     """Positions a cache cannot take: negative, not consecutive, or already freed."""
+
+
+class BenchError(MinigenError, ValueError):
+    """A benchmark that cannot give a meaningful number, or whose results cannot be written."""

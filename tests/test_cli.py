@@ -83,6 +83,72 @@ def test_prepare_prints_the_folder(cli):
     assert (Path(out.strip()) / "config.json").exists()
 
 
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny Llama folder with a 97-word tokenizer that has no chat template: runs in milliseconds."""
+    from conftest import tiny_hf
+    from test_loading import save_tiny_tokenizer
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_hf("llama").save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+def run_main(capsys, *argv: str):
+    status = main(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_chat_without_a_chat_template_exits_2(tiny_folder, capsys):
+    status, _, err = run_main(capsys, "generate", "w1 w2", "--model", str(tiny_folder), "--chat")
+    assert status == 2 and err.startswith("error: --chat") and "drop --chat" in err and "Traceback" not in err
+    status, out, _ = run_main(capsys, "generate", "w1 w2", "--model", str(tiny_folder), "--max-new-tokens", "2")
+    assert status == 0 and out.startswith("w1 w2")  # without --chat the same model runs
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--new-tokens", "4"], "--new-tokens >= 8"),  # regression: reported 3,000,000,000 tok/s
+    (["--new-tokens", "0"], "--new-tokens >= 8"),  # regression: reported -1e9 tok/s
+    (["--repeats", "0"], "--repeats >= 1"),  # regression: a raw statistics error after the run
+    (["--prompt-len", "0"], "--prompt-len >= 1"),
+    (["--prompt-len", "200"], "exceeds the model's context of 128"),
+    (["--set", "do_sample=true"], "greedy decoding"),
+])
+def test_bad_bench_sizes_exit_2_before_the_run(tiny_folder, capsys, argv, fragment):
+    status, _, err = run_main(capsys, "bench", "--model", str(tiny_folder), *argv)
+    assert status == 2 and err.startswith("error: ") and fragment in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["missing/bench.json", ".", "ro/bench.json"])
+def test_bench_json_that_cannot_be_written_exits_2_before_the_run(tiny_folder, tmp_path, capsys, monkeypatch,
+                                                                   where):
+    """Regression: the error came after the whole run, whose results were then lost."""
+    (tmp_path / "ro").mkdir()
+    real = os.access  # a read-only folder, as os.access reports it (root ignores a chmod)
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != tmp_path / "ro" and real(p, mode, **kw))
+    monkeypatch.setattr(minigen.bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran first"))
+    status, _, err = run_main(capsys, "bench", "--model", str(tiny_folder), "--json", str(tmp_path / where))
+    assert status == 2 and err.startswith("error: --json") and "Traceback" not in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["ro"]  # nothing written
+
+
+def test_bench_json_is_written_whole(tiny_folder, tmp_path, capsys):
+    status, out, _ = run_main(capsys, "bench", "--model", str(tiny_folder), "--prompt-len", "8", "--new-tokens",
+                              "8", "--repeats", "1", "--no-baseline", "--json", str(tmp_path / "bench.json"))
+    assert status == 0 and "wrote" in out
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["new_tokens"] == 8 and result["engines"]["minigen"]["decode_tokens_per_s"] > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left beside it
+
+
+def test_prepare_into_an_unwritable_cache_exits_2(tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "file"))
+    status, _, err = run_main(capsys, "prepare")
+    assert status == 2 and "MINIGEN_CACHE" in err and "is a file" in err and "Traceback" not in err
+
+
 def run_module(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "minigen", *argv], cwd=ROOT, env=env,
