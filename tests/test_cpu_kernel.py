@@ -4,6 +4,7 @@ benchmark that measures it against transformers."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -77,6 +78,54 @@ def test_without_a_compiler_decoding_falls_back_with_a_notice(monkeypatch, tmp_p
     model = minigen.from_hf(tiny_hf("llama"))
     out = generate(model, torch.tensor([[3, 1, 4]]), max_new_tokens=5)  # still runs, on F.linear
     assert out.tokens.shape == (1, 8)
+
+
+def fresh_kernel(monkeypatch) -> None:
+    """Forget the kernel this process loaded, so the next call builds or loads one anew."""
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
+
+
+@needs_cc
+def test_a_corrupt_cached_kernel_is_rebuilt(monkeypatch, tmp_path):
+    # The kernel's file name depends on the source, compiler, flags and CPU, not on the cache
+    # folder: build it once in one folder to learn the name, then plant garbage under that name
+    # in another. (Planting it over the file already loaded would prove nothing: the dynamic
+    # loader hands back a library it already holds without reading the file again.)
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "first"))
+    fresh_kernel(monkeypatch)
+    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    [built] = (tmp_path / "first" / "kernels").glob("*.so")
+    corrupt = tmp_path / "second" / "kernels" / built.name
+    corrupt.parent.mkdir(parents=True)
+    corrupt.write_bytes(built.read_bytes()[:100])  # a truncated copy: a half-written build
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "second"))
+    fresh_kernel(monkeypatch)
+    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    assert corrupt.stat().st_size > 100  # rebuilt in place, whole
+    w, x = torch.randn(37, 53), torch.randn(53)
+    torch.testing.assert_close(cpu_kernel.matvec(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+@pytest.mark.skipif(sys.platform != "linux", reason="the forced build without OpenMP is checked on Linux")
+def test_a_build_without_openmp_is_single_threaded_with_a_notice(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIGEN_CPU_KERNEL_OPENMP", "0")
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    fresh_kernel(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="without OpenMP"):
+        status = cpu_kernel.status()
+    assert status.startswith("built") and "without OpenMP" in status, status
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for n, k in ((1, 1), (7, 13), (64, 576), (1001, 96)):  # tails and full blocks of rows
+                w, x = torch.randn(n, k), torch.randn(k)
+                # fp32 sums of k <= 576 products of N(0, 1) values in another order: errors ~1e-6
+                torch.testing.assert_close(cpu_kernel.matvec(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_cc
