@@ -1,0 +1,582 @@
+"""Every row of docs/bad_inputs.md, run: the table of bad inputs is a test, not a promise.
+
+Each row names a case (its id) defined here with `@case`. A row whose outcome starts with an error
+class must raise exactly that class, with every quoted fragment in its message and no chained
+trace; any other row describes a behaviour, which its case asserts itself. Case functions take
+pytest fixtures by name (tmp_path, monkeypatch, tiny_model, ...), resolved when the row runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import minigen
+from conftest import tiny_hf
+from minigen import GenerationConfig, bench, errors, loading
+from minigen.__main__ import build_parser
+from minigen.kv_cache import KVCache
+from minigen.paged import BlockAllocator
+from test_loading import save_tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TABLE = Path(__file__).resolve().parent.parent / "docs" / "bad_inputs.md"
+
+
+# ---------------------------------------------------------------- the table
+def read_rows(path: Path = TABLE) -> list[dict]:
+    """Rows `| `id` | bad input | what you get |` -> [{id, error, fragments, outcome}]; error is None
+    for a behaviour row."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = re.fullmatch(r"\| `([a-z0-9-]+)` \|(.*)\|(.*)\|", line.strip())
+        if not m:
+            continue
+        outcome = m[3].strip()
+        first = re.match(r"`(\w+)`", outcome)
+        error = first[1] if first and first[1].endswith("Error") else None
+        rows.append({"id": m[1], "error": error, "outcome": outcome,
+                     "fragments": re.findall(r'"([^"]+)"', outcome) if error else []})
+    return rows
+
+
+ROWS = read_rows()
+CASES: dict[str, tuple] = {}  # id -> (function, pytest marks)
+
+
+def case(row_id: str, *marks):
+    def register(fn):
+        assert row_id not in CASES, f"two cases for {row_id}"
+        CASES[row_id] = (fn, marks)
+        return fn
+    return register
+
+
+def test_the_table_is_well_formed():
+    ids = [r["id"] for r in ROWS]
+    assert len(ids) >= 40 and len(set(ids)) == len(ids), "ids must be unique"
+    for r in ROWS:
+        if r["error"] is not None:
+            cls = getattr(errors, r["error"], None)
+            assert isinstance(cls, type) and issubclass(cls, errors.MinigenError), f"{r['id']}: {r['error']}?"
+            assert r["fragments"], f"{r['id']}: an error row quotes a fragment of the message"
+
+
+def test_every_row_has_a_case_and_every_case_a_row():
+    rows = {r["id"] for r in ROWS}
+    assert not rows - CASES.keys(), f"rows without a case: {sorted(rows - CASES.keys())}"
+    assert not CASES.keys() - rows, f"cases without a row: {sorted(CASES.keys() - rows)}"
+
+
+def run_case(row_id: str, request) -> None:
+    fn, _ = CASES[row_id]
+    fn(*[request.getfixturevalue(name) for name in inspect.signature(fn).parameters])
+
+
+# ---------------------------------------------------------------- fixtures the cases take
+@pytest.fixture(scope="module")
+def tiny_model():
+    """A tiny random Llama (vocabulary 97, context 128, head dim 8), converted by minigen."""
+    return minigen.from_hf(tiny_hf("llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny Llama saved as a Hugging Face folder with a 97-word tokenizer (no chat template)."""
+    folder = tmp_path_factory.mktemp("tiny")
+    tiny_hf("llama").save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A fresh copy of a tiny folder that a case may damage."""
+    folder = tmp_path / "tiny"
+    tiny_hf("llama").save_pretrained(folder)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def empty_cache(tmp_path, monkeypatch):
+    """MINIGEN_CACHE in an empty folder, and a conversion that fails the test if it starts."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MINIGEN_CACHE", str(cache))
+    monkeypatch.setattr(loading, "read_gguf", lambda path: pytest.fail("converted before checking the cache"))
+    return cache
+
+
+def cli(*argv: str) -> None:
+    """Run a command as `python -m minigen` does, but let its MinigenError out for the test to see."""
+    args = build_parser().parse_args(list(argv))
+    args.func(args)
+
+
+# ---------------------------------------------------------------- config
+@case("config-quant-bits-float")
+def _():
+    GenerationConfig(quant_bits=4.0)
+
+
+@case("config-temperature-zero")
+def _():
+    GenerationConfig(do_sample=True, temperature=0)
+
+
+@case("config-temperature-inf")
+def _():
+    GenerationConfig(do_sample=True, temperature=float("inf"))
+
+
+@case("config-temperature-tiny")
+def _(tiny_model):
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    greedy = minigen.generate(tiny_model, ids, max_new_tokens=6, stop_token_ids=[]).tokens
+    tiny = minigen.generate(tiny_model, ids, max_new_tokens=6, stop_token_ids=[], do_sample=True,
+                            temperature=1e-45, seed=0).tokens
+    assert torch.equal(tiny, greedy)
+
+
+@case("config-seed-past-64-bits")
+def _():
+    GenerationConfig(do_sample=True, seed=2**64)
+
+
+@case("config-stop-id-past-int64")
+def _():
+    GenerationConfig(stop_token_ids=[2**63])
+
+
+@case("config-assigned-later")
+def _():
+    cfg = GenerationConfig(do_sample=True)
+    try:
+        cfg.temperature = 0
+    finally:
+        assert cfg.temperature == 1.0  # the refused value was not stored
+
+
+@case("config-sampling-without-do-sample")
+def _():
+    GenerationConfig(temperature=0.7)
+
+
+@case("config-sinks-without-window")
+def _():
+    GenerationConfig(sink_tokens=2)
+
+
+@case("config-residual-with-paging")
+def _():
+    GenerationConfig(quant_bits=4, cache_chunk_size=32, quant_residual=64)
+
+
+@case("config-budget-with-quant")
+def _():
+    GenerationConfig(kv_budget=64, quant_bits=4)
+
+
+@case("config-unknown-key")
+def _():
+    GenerationConfig.from_dict({"max_new_token": 3})
+
+
+@case("config-file-not-json")
+def _(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 3,}')
+    GenerationConfig.from_json(tmp_path / "generation_config.json")
+
+
+@case("config-file-not-utf8")
+def _(tmp_path):
+    (tmp_path / "generation_config.json").write_bytes(b"\xff\xfe{")
+    GenerationConfig.from_json(tmp_path / "generation_config.json")
+
+
+# ---------------------------------------------------------------- prompts and texts
+@case("prompt-empty")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.empty(1, 0, dtype=torch.long))
+
+
+@case("prompt-out-of-vocab")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 97]]))
+
+
+@case("prompt-past-context")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.zeros(1, 129, dtype=torch.long), max_new_tokens=0)
+
+
+@case("perplexity-out-of-vocab")
+def _(tiny_model):
+    minigen.perplexity(tiny_model, torch.tensor([1, 97, 3]))
+
+
+@case("perplexity-negative-id")
+def _(tiny_model):
+    minigen.perplexity(tiny_model, torch.tensor([1, -1, 3]))
+
+
+@case("perplexity-sure-and-wrong")
+def _():
+    model = minigen.from_hf(tiny_hf("llama", seed=1))
+    with torch.no_grad():
+        model.lm_head.mul_(1e4)  # logits thousands apart: the model is sure of every prediction
+    ids = [0]
+    for _ in range(7):  # each next token is the one the model finds least likely
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1].argmin()))
+    ids = torch.tensor(ids)
+    assert minigen.score(model, ids).nll.mean() > 709  # exp of it overflows a float
+    assert minigen.perplexity(model, ids) == float("inf")
+
+
+# ---------------------------------------------------------------- checkpoints and the model cache
+@case("load-dtype-int8")
+def _(tiny_folder):
+    minigen.load(tiny_folder, dtype=torch.int8)
+
+
+@case("load-dtype-string")
+def _(tiny_folder):
+    model, _ = minigen.load(tiny_folder, dtype="bfloat16")
+    assert model.dtype == torch.bfloat16
+
+
+@case("checkpoint-config-array")
+def _(saved):
+    (saved / "config.json").write_text("[1, 2]")
+    minigen.load(saved)
+
+
+@case("checkpoint-config-missing-key")
+def _(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    del cfg["hidden_size"]
+    (saved / "config.json").write_text(json.dumps(cfg))
+    minigen.load(saved)
+
+
+@case("checkpoint-truncated-weights")
+def _(saved):
+    weights = saved / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    minigen.load(saved)
+
+
+@case("checkpoint-unsupported-architecture")
+def _(saved):
+    cfg = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**cfg, "model_type": "bert"}))
+    minigen.load(saved)
+
+
+@case("from-hf-in-place-change")
+def _():
+    hf = tiny_hf("llama", seed=2)
+    model = minigen.from_hf(hf)
+    ids = torch.tensor([[5, 17, 3, 96, 40]])
+    with torch.no_grad():
+        before = model(ids, torch.arange(5))
+        for p in hf.parameters():  # every tensor, the embedding, o_proj and norms included
+            p.mul_(-0.5)
+        assert torch.equal(model(ids, torch.arange(5)), before)
+
+
+@case("cache-dir-read-only")
+def _(empty_cache, monkeypatch):
+    # A chmod would not stop root (CI runs as root), so the refusal that a read-only or foreign
+    # folder gives is simulated where minigen asks for it.
+    empty_cache.mkdir()
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == empty_cache
+                        else real(path, mode, **kw))
+    try:
+        minigen.load("smollm2-135m")
+    finally:
+        assert list(empty_cache.iterdir()) == []  # not even a lock file
+
+
+@case("cache-dir-is-a-file")
+def _(empty_cache):
+    empty_cache.write_text("notes")
+    minigen.load("smollm2-135m")
+
+
+@case("cache-dir-under-a-file")
+def _(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("notes")
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "notes.txt" / "cache"))
+    monkeypatch.setattr(loading, "read_gguf", lambda path: pytest.fail("converted before checking the cache"))
+    minigen.load("smollm2-135m")
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (reused by another only after the pid space wraps)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+@case("cache-killed-conversion")
+def _(empty_cache):
+    done = empty_cache / loading.DEFAULT_MODEL
+    done.mkdir(parents=True)
+    (done / "model.safetensors").write_bytes(b"")  # a finished conversion: nothing to convert
+    killed = empty_cache / f".convert-{dead_pid()}-k1ll3d"
+    older = empty_cache / ".convert-x7q2"  # named before conversions carried their pid
+    live = empty_cache / f".convert-{os.getpid()}-busy"
+    for folder in (killed, older, live):
+        (folder / loading.DEFAULT_MODEL).mkdir(parents=True)
+        (folder / loading.DEFAULT_MODEL / "model.safetensors").write_bytes(b"\0" * 1024)
+    assert loading.prepare_default() == done
+    assert not killed.exists() and not older.exists() and live.exists()
+
+
+@case("cache-concurrent-prepare", pytest.mark.slow)
+def _(tmp_path, monkeypatch):
+    # Converts the real bundled GGUF once (~7 s); two threads take the lock as two processes would
+    # (flock locks belong to each open file, not to the process).
+    try:
+        loading.default_gguf_path()
+    except errors.ModelLoadError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    conversions, real = [], loading._convert
+    monkeypatch.setattr(loading, "_convert", lambda *a: conversions.append(a) or real(*a))
+    start, results = threading.Barrier(2), []
+
+    def prepare():
+        start.wait()
+        try:
+            results.append(loading.prepare_default())
+        except Exception as e:  # shown by the assert below
+            results.append(e)
+    threads = [threading.Thread(target=prepare) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    folder = tmp_path / loading.DEFAULT_MODEL
+    assert results == [folder, folder] and len(conversions) == 1
+    assert (folder / "model.safetensors").exists() and not list(tmp_path.glob(".convert-*"))
+
+
+# ---------------------------------------------------------------- generation and caches
+@case("generate-stop-id-outside-vocab")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), stop_token_ids=[97])
+
+
+@case("generate-group-size-vs-head-dim")
+def _(tiny_model):
+    assert tiny_model.config.head_dim == 8
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), quant_bits=4, quant_group_size=32)
+
+
+@case("generate-past-context")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.zeros(1, 100, dtype=torch.long), max_new_tokens=40)
+
+
+@case("kv-cache-write-past-end")
+def _():
+    KVCache(n_layers=1, batch=1, n_kv_heads=1, max_len=4, head_dim=8).prepare(torch.tensor([4]))
+
+
+@case("paged-pool-full")
+def _():
+    pool = BlockAllocator(n_blocks=1, block_size=2)
+    seq = pool.add_sequence()
+    try:
+        pool.write(seq, 0, 5)
+    finally:
+        assert pool.tables[seq] == [] and len(pool.free) == 1  # refused before anything changed
+
+
+@case("paged-write-freed-position")
+def _():
+    pool = BlockAllocator(n_blocks=4, block_size=2)
+    seq = pool.add_sequence()
+    pool.write(seq, 0, 4)
+    pool.free_block(seq, 0)
+    pool.write(seq, 0, 1)
+
+
+# ---------------------------------------------------------------- bench and the command line
+def no_run(monkeypatch) -> None:
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran before the check"))
+
+
+@case("bench-json-missing-folder")
+def _(tmp_path, monkeypatch):
+    no_run(monkeypatch)
+    try:
+        cli("bench", "--json", str(tmp_path / "no" / "such" / "folder" / "bench.json"))
+    finally:
+        assert list(tmp_path.iterdir()) == []
+
+
+@case("bench-json-is-a-folder")
+def _(tmp_path, monkeypatch):
+    no_run(monkeypatch)
+    cli("bench", "--json", str(tmp_path))
+
+
+@case("bench-json-read-only")
+def _(tmp_path, monkeypatch):
+    no_run(monkeypatch)
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == tmp_path
+                        else real(path, mode, **kw))
+    try:
+        cli("bench", "--json", str(tmp_path / "bench.json"))
+    finally:
+        assert list(tmp_path.iterdir()) == []
+
+
+@case("bench-new-tokens-too-few")
+def _(monkeypatch):
+    no_run(monkeypatch)
+    cli("bench", "--new-tokens", "4")
+
+
+@case("bench-new-tokens-zero")
+def _(monkeypatch):
+    no_run(monkeypatch)
+    cli("bench", "--new-tokens", "0")
+
+
+@case("bench-repeats-zero")
+def _(monkeypatch):
+    no_run(monkeypatch)
+    cli("bench", "--repeats", "0")
+
+
+def no_weights(monkeypatch) -> None:
+    monkeypatch.setattr(loading, "read_safetensors", lambda folder: pytest.fail("loaded the weights first"))
+
+
+@case("bench-prompt-past-context")
+def _(tiny_folder, monkeypatch):
+    no_weights(monkeypatch)
+    cli("bench", "--model", str(tiny_folder), "--prompt-len", "200", "--new-tokens", "8")
+
+
+@case("bench-prompt-past-text")
+def _(tmp_path, monkeypatch):
+    tiny_hf("llama", max_position_embeddings=8192).save_pretrained(tmp_path)
+    save_tiny_tokenizer(tmp_path)
+    no_weights(monkeypatch)
+    cli("bench", "--model", str(tmp_path), "--prompt-len", "5000")
+
+
+@case("bench-sampling")
+def _(tiny_folder, monkeypatch):
+    no_weights(monkeypatch)
+    cli("bench", "--model", str(tiny_folder), "--set", "do_sample=true")
+
+
+@case("bench-decode-not-measurable")
+def _():
+    def run(n: int):  # a 1-token run slower than the N-token one: a clock or a machine gone wrong
+        time.sleep(0.01 if n == 1 else 0)
+        return torch.zeros(1, n, dtype=torch.long)
+    from tqdm.auto import tqdm
+    bench._time_engines({"minigen": run}, new_tokens=8, repeats=1, progress=tqdm(disable=True))
+
+
+@case("bench-without-proc")
+def _(monkeypatch, tmp_path):
+    import builtins
+    import io
+
+    import psutil._common
+    from minigen import cpu_kernel
+    real_open = builtins.open
+
+    def no_proc(file, *args, **kwargs):
+        if str(file).startswith("/proc"):
+            raise FileNotFoundError(2, "No such file or directory", str(file))
+        return real_open(file, *args, **kwargs)
+    monkeypatch.setattr(builtins, "open", no_proc)
+    monkeypatch.setattr(io, "open", no_proc)  # what pathlib calls
+    # psutil reads /proc on Linux only; on macOS it asks the kernel, so let it stand for that
+    monkeypatch.setattr(psutil._common, "open", real_open, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU paths, on a GPU machine too
+    # hardware_info reports the C kernel: build it afresh, without /proc, in a cache of its own
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
+    with bench.PeakRSS() as mem:  # psutil polls
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed
+        del block
+    assert mem._source == "poll" and mem.added >= 48 * 2**20
+    monkeypatch.setitem(sys.modules, "psutil", None)  # psutil not installed: getrusage's peak
+    with bench.PeakRSS() as mem:
+        torch.ones(64 * 2**20 // 4)
+    assert mem._source == "rusage" and mem.peak >= mem.start > 0 and mem.added >= 0
+    info = bench.hardware_info()
+    assert info["cpu"] and info["memory_read_gb_s"] > 0 and info["cpu_kernel"]
+    assert bench.memory_read_bandwidth(nbytes=16 * 2**20, repeats=2) > 0
+
+
+@case("cli-chat-without-template")
+def _(tiny_folder):
+    cli("generate", "w1 w2 w3", "--model", str(tiny_folder), "--chat", "--max-new-tokens", "2")
+
+
+# ---------------------------------------------------------------- the C kernel
+# The same checks as the two tests in test_cpu_kernel.py, which hold them with the kernel's others.
+def needs_compiler() -> None:
+    from minigen import cpu_kernel
+    if cpu_kernel._compiler() is None:
+        pytest.skip("no C compiler on this machine")
+
+
+@case("kernel-corrupt-cache")
+def _(monkeypatch, tmp_path):
+    from test_cpu_kernel import test_a_corrupt_cached_kernel_is_rebuilt
+    needs_compiler()
+    test_a_corrupt_cached_kernel_is_rebuilt(monkeypatch, tmp_path)
+
+
+@case("kernel-no-openmp")
+def _(monkeypatch, tmp_path):
+    from test_cpu_kernel import test_a_build_without_openmp_is_single_threaded_with_a_notice
+    needs_compiler()
+    if sys.platform != "linux":
+        pytest.skip("the forced build without OpenMP is checked on Linux")
+    test_a_build_without_openmp_is_single_threaded_with_a_notice(monkeypatch, tmp_path)
+
+
+# ---------------------------------------------------------------- every row, run
+@pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=CASES[r["id"]][1] if r["id"] in CASES else ())
+                                 for r in ROWS])
+def test_row(row, request):
+    if row["id"] not in CASES:
+        pytest.fail(f"no case for row {row['id']}")
+    if row["error"] is None:  # a behaviour: the case asserts it, and raises nothing
+        run_case(row["id"], request)
+        return
+    with pytest.raises(errors.MinigenError) as excinfo:
+        run_case(row["id"], request)
+    e = excinfo.value
+    assert type(e).__name__ == row["error"], f"raised {type(e).__name__}: {e}"
+    assert e.__cause__ is None and (e.__context__ is None or e.__suppress_context__), \
+        f"{type(e).__name__} carries a chained trace: {e.__context__!r}"
+    assert "\n" not in str(e).strip(), "the message is one line"
+    for fragment in row["fragments"]:
+        assert fragment in str(e), f"{fragment!r} not in: {e}"
