@@ -135,10 +135,10 @@ def test_bench_json_that_cannot_be_written_exits_2_before_the_run(tiny_folder, t
 
 def test_bench_json_is_written_whole(tiny_folder, tmp_path, capsys):
     status, out, _ = run_main(capsys, "bench", "--model", str(tiny_folder), "--prompt-len", "8", "--new-tokens",
-                              "8", "--repeats", "1", "--no-baseline", "--json", str(tmp_path / "bench.json"))
+                              "32", "--repeats", "1", "--no-baseline", "--json", str(tmp_path / "bench.json"))
     assert status == 0 and "wrote" in out
     result = json.loads((tmp_path / "bench.json").read_text())
-    assert result["new_tokens"] == 8 and result["engines"]["minigen"]["decode_tokens_per_s"] > 0
+    assert result["new_tokens"] == 32 and result["engines"]["minigen"]["decode_tokens_per_s"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left beside it
 
 
