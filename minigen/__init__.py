@@ -2,7 +2,8 @@
 
 from .cache import Cache, make_cache
 from .config import GenerationConfig
-from .errors import CacheFullError, ConfigError, MinigenError, ModelLoadError, PositionError, PromptError
+from .errors import (BenchError, CacheFullError, ConfigError, MinigenError, ModelLoadError, PositionError,
+                     PromptError)
 from .generate import (GenerationOutput, GenerationStats, decode_step, generate, parallel_sample, prefill,
                        sample, stream)
 from .loading import from_hf, load
@@ -10,7 +11,7 @@ from .metrics import perplexity, score, top1_agreement
 from .model import Model, ModelConfig
 
 __all__ = ["Cache", "GenerationConfig", "GenerationOutput", "GenerationStats", "Model", "ModelConfig",
-           "CacheFullError", "ConfigError", "MinigenError", "ModelLoadError", "PositionError", "PromptError",
+           "BenchError", "CacheFullError", "ConfigError", "MinigenError", "ModelLoadError", "PositionError", "PromptError",
            "decode_step", "from_hf", "generate", "load", "make_cache", "parallel_sample", "perplexity",
            "prefill", "sample", "score", "stream", "top1_agreement"]
 __version__ = "0.1.0"

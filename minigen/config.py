@@ -59,7 +59,8 @@ class GenerationConfig:
             if not isinstance(ids, (list, tuple)) or not all(
                     isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= INT64_MAX for i in ids):
                 raise ConfigError(f"stop_token_ids={self.stop_token_ids!r} is invalid: use a list of token ids "
-                                  ">= 0 from the model's tokenizer, [] for none, or None for the model's eos")
+                                  ">= 0 (and below 2**63, an int64) from the model's tokenizer, [] for none, "
+                                  "or None for the model's eos")
             object.__setattr__(self, "stop_token_ids", tuple(ids))
         _check_values(self)
         _check_switches(self)

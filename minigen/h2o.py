@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
+
 
 class HeavyHitterCache:
     """At most `kv_budget` tokens per row: the `recent` newest, then the most attended.
@@ -35,7 +37,8 @@ class HeavyHitterCache:
         self.budget = kv_budget
         self.recent = kv_budget // 2 if recent is None else recent  # H2O's even split
         if not 1 <= self.recent < kv_budget:
-            raise ValueError(f"need 1 <= recent < kv_budget, got recent={self.recent}, kv_budget={kv_budget}")
+            raise ConfigError(f"kv_budget={kv_budget}, recent={self.recent} are invalid: need 1 <= recent < "
+                              "kv_budget (kv_budget >= 2 keeps at least one recent and one heavy-hitter slot)")
         self.k = torch.zeros(n_layers, batch, n_kv_heads, kv_budget, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)  # [L, B, Hkv, S, Dh]
         self.slot_pos = torch.full((batch, kv_budget), -1, dtype=torch.long, device=device)  # [B, S]; -1: empty

@@ -20,6 +20,8 @@ import contextlib
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
+
 
 class OffloadedKVCache:
     """Wraps a cache built with P + 1 layers (`inner`): its per-layer state becomes device slots, and
@@ -33,7 +35,7 @@ class OffloadedKVCache:
         self.slots = inner.layer_tensors()  # each [P + 1, ...] on the device
         self.n_slots = self.slots[0].shape[0]
         if self.n_slots != min(n_layers, prefetch_depth + 1):
-            raise ValueError(f"the inner cache has {self.n_slots} layers; build it with "
+            raise ConfigError(f"the inner cache has {self.n_slots} layers; build it with "
                              f"min(n_layers, prefetch_depth + 1) = {min(n_layers, prefetch_depth + 1)}")
         self.cuda = self.slots[0].device.type == "cuda"
         # The second tier: every layer's state [L, ...], pinned so that copies can be asynchronous.

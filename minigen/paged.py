@@ -316,7 +316,7 @@ class PagedKVCache:
     def fork(self, n: int) -> None:
         """Turn a batch of one sequence into n rows that share its blocks (parallel sampling)."""
         if len(self.rows) != 1:
-            raise ValueError(f"fork a batch of one sequence, not {len(self.rows)}")
+            raise PositionError(f"fork a batch of one sequence, not {len(self.rows)}: prefill one prompt, then fork")
         self.rows += self.allocator.fork(self.rows[0], n - 1)
 
     def free(self) -> None:

@@ -102,12 +102,12 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1,
     stored in `scale_dtype` (default: meta_dtype(x.dtype), which holds every finite x).
     """
     if bits not in (8, 4, 2):
-        raise ValueError(f"bits={bits}: use 8, 4 or 2")
+        raise ConfigError(f"bits={bits!r} is invalid: use 8, 4 or 2")
     ax = axis % x.dim()
     N, G, n = x.shape[ax], group_size, 8 // bits
     if G < 1 or N % G or G % n:
-        raise ValueError(f"group_size={G} must divide the {N} elements along axis {axis} and be a "
-                         f"multiple of {n} (the codes per byte at {bits} bits)")
+        raise ConfigError(f"group_size={G} must divide the {N} elements along axis {axis} and be a "
+                          f"multiple of {n} (the codes per byte at {bits} bits)")
     scale_dtype = scale_dtype or meta_dtype(x.dtype)
     g = x.float().unflatten(ax, (N // G, G))  # [.., N/G, G, ..]: a group runs along dim ax + 1
     lo, hi = g.amin(ax + 1), g.amax(ax + 1)  # [.., N/G, ..]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
 from .kv_cache import check_fits
 
 
@@ -33,8 +34,8 @@ class WindowKVCache:
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, window_size: int,
                  sink_tokens: int = 4, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         if window_size < 1 or not 0 <= sink_tokens <= window_size:
-            raise ValueError(f"need window_size >= 1 and 0 <= sink_tokens <= window_size, "
-                             f"got {window_size} and {sink_tokens}")
+            raise ConfigError(f"window_size={window_size}, sink_tokens={sink_tokens} are invalid: need "
+                              "window_size >= 1 and 0 <= sink_tokens <= window_size")
         self.window_size, self.sink_tokens = window_size, sink_tokens
         S = sink_tokens + window_size
         self.k = torch.zeros(n_layers, batch, n_kv_heads, S, head_dim, dtype=dtype, device=device)  # [L, B, Hkv, S, Dh]
