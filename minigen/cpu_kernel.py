@@ -108,8 +108,9 @@ def _build() -> tuple[ctypes.CDLL, bool]:
                 continue
             lib = ctypes.CDLL(str(lib_path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.gemv_f32.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
-        lib.gemv_f32.restype = None
+        for fn in (lib.gemv_f32, lib.gemv_bf16):
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
+            fn.restype = None
         lib.gemv_late_regions.restype = i64
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {complaint}")
@@ -162,24 +163,49 @@ def enabled(on: bool):
         _enabled = before
 
 
-def matvec(x: Tensor, w: Tensor) -> Tensor | None:
-    """w [n, k] @ x [k] -> [n], or None where the kernel does not apply.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # weights the kernel reads; activations are fp32
 
-    It applies to fp32 CPU tensors (in bf16, torch's own path measured as fast on this course's
-    CPU). It stands aside wherever torch must see the op: autograd, torch.compile tracing, and
-    dispatch modes such as FlopCounterMode (a C call is invisible to them). The sums run in fp32
-    in another order than torch's: results agree to about 1e-6 relative.
-    """
-    if not (_enabled and w.device.type == "cpu" and w.dtype == x.dtype == torch.float32
-            and w.dim() == 2 and w.is_contiguous() and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-        return None
-    lib = _load()
-    if lib is None:
-        return None
+
+def _gemv(x: Tensor, w: Tensor) -> Tensor:
+    """The C call: w [n, k] (fp32 or bf16) @ x [k] (fp32) -> y [n] fp32."""
     n, k = w.shape
     x = x.reshape(k).contiguous()
     y = torch.empty(n, dtype=torch.float32)
-    lib.gemv_f32(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    fn = _lib.gemv_f32 if w.dtype == torch.float32 else _lib.gemv_bf16
+    fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
     return y
+
+
+# The same call as a torch operator, so that torch.compile keeps it in its graph (chapter 8):
+# inductor cannot see into C, so the operator says what it returns (`register_fake`) and calls
+# the kernel as it is when the compiled step runs.
+@torch.library.custom_op("minigen::matvec", mutates_args=())
+def matvec_op(x: Tensor, w: Tensor) -> Tensor:
+    """w [n, k] @ x [.., k] with one row of x, on the C kernel -> [n] fp32."""
+    return _gemv(x, w)
+
+
+@matvec_op.register_fake
+def _(x: Tensor, w: Tensor) -> Tensor:
+    return torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+
+
+def matvec(x: Tensor, w: Tensor) -> Tensor | None:
+    """w [n, k] @ x [k] -> [n] fp32, or None where the kernel does not apply.
+
+    It applies to CPU tensors with fp32 activations and fp32 or bf16 weights (bf16 weights are
+    widened to fp32 in registers: half the bytes read, fp32 sums). Under torch.compile it returns
+    the `minigen::matvec` operator, which the compiled graph calls. It stands aside where torch
+    must see the op: autograd and dispatch modes such as FlopCounterMode (a C call is invisible
+    to them). The sums run in fp32 in another order than torch's: results agree to about 1e-6
+    relative.
+    """
+    if not (_enabled and w.device.type == "cpu" and x.dtype == torch.float32 and w.dtype in KERNEL_DTYPES
+            and w.dim() == 2 and w.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return None
+    if torch.compiler.is_compiling():  # the kernel was built by the eager steps before the trace
+        return matvec_op(x, w) if _lib is not None else None
+    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+        return None
+    return _gemv(x, w)

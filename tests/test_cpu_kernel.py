@@ -164,3 +164,43 @@ def test_roofline_counts_a_tied_head_once_in_full(smollm2):
     assert model.lm_head is None
     every_weight = sum(p.nbytes for p in model.parameters())  # embed counted once: it is the head
     assert bench.bytes_per_decode_step(model, context=0) == every_weight
+
+
+@needs_cc
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 100), seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2]))
+def test_bf16_weights_give_fp32_sums_of_the_widened_weights(n, k, seed, threads):
+    """bf16 weights are widened exactly (a bf16 is the top half of an fp32), so the kernel equals
+    fp32 arithmetic on w.float(); the sums run in another order: ~1e-6 relative."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(k, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = cpu_kernel.matvec(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert y is not None and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+def test_compiled_graphs_call_the_kernel_as_an_operator(monkeypatch):
+    """Under torch.compile the kernel is the `minigen::matvec` operator: the graph keeps it (no
+    graph break, fullgraph=True holds) and calls the C code when it runs."""
+    calls = []
+    real = cpu_kernel._gemv
+    monkeypatch.setattr(cpu_kernel, "_gemv", lambda x, w: calls.append(w.shape) or real(x, w))
+    torch._dynamo.reset()
+    w, x = torch.randn(40, 24), torch.randn(1, 24)
+
+    def step(x, w):
+        return torch.relu(cpu_kernel.matvec(x, w)) + 1
+
+    compiled = torch.compile(step, fullgraph=True)
+    cpu_kernel.matvec(x, w)  # built before the trace, as the eager prefill does
+    calls.clear()
+    with torch.inference_mode():
+        got = compiled(x, w)
+    assert calls == [(40, 24)]
+    torch.testing.assert_close(got, torch.relu(F.linear(x, w).reshape(40)) + 1, atol=1e-5, rtol=1e-5)

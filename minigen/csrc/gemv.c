@@ -11,6 +11,10 @@
  * count. Built once per machine by minigen/cpu_kernel.py with `cc -O3 -march=native -fopenmp`,
  * or without -fopenmp (single-threaded) where the compiler has no OpenMP.
  *
+ * bf16 weights (chapter 7): the same loop reads 2 bytes a weight instead of 4 and widens each to
+ * fp32 in a register (a bf16 number is the top half of an fp32 one: shift it left by 16 bits), so
+ * the activations and every sum stay fp32 while memory delivers half the bytes.
+ *
  * A shared machine: a parallel region ends when its slowest thread ends. When another process
  * holds a core, one of our two threads may wait a whole scheduler time slice (milliseconds) to
  * run, and a decode step has ~120 regions: measured on a 2-core CPU next to two busy processes,
@@ -26,13 +30,24 @@
 #endif
 
 typedef float f32x8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 /* memcpy: an unaligned vector load, which any compiler turns into one move */
 static inline f32x8 load_f32(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
 static inline float sum8(f32x8 v) { float s = 0.0f; for (int l = 0; l < 8; l++) s += v[l]; return s; }
 
+/* 8 bf16 numbers -> 8 fp32 ones: widen each 16-bit pattern to 32 bits, then shift it to the top */
+static inline f32x8 load_bf16(const uint16_t *p) {
+    u16x8 h; memcpy(&h, p, sizeof h);
+    u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
+    f32x8 v; memcpy(&v, &bits, sizeof v); return v;
+}
+static inline float bf16_to_f32(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
+
 /* fp32: y[i..i+3] = W[i..i+3, :] @ x; rows past n (the last block) read row i again, unused. */
-static void rows_f32(const float *W, const float *x, float *y, int64_t i, int rows, int64_t k) {
+static void rows_f32(const void *Wv, const float *x, float *y, int64_t i, int rows, int64_t k) {
+    const float *W = Wv;
     const float *w0 = W + i * k, *w1 = rows > 1 ? w0 + k : w0,
                 *w2 = rows > 2 ? w0 + 2 * k : w0, *w3 = rows > 3 ? w0 + 3 * k : w0;
     f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
@@ -50,13 +65,39 @@ static void rows_f32(const float *W, const float *x, float *y, int64_t i, int ro
     }
 }
 
-/* rows [4 * first_block, 4 * end_block) of y */
-static void blocks_f32(const float *W, const float *x, float *y, int64_t n, int64_t k,
-                       int64_t first_block, int64_t end_block) {
-    for (int64_t b = first_block; b < end_block; b++)
-        rows_f32(W, x, y, 4 * b, n - 4 * b < 4 ? (int)(n - 4 * b) : 4, k);
+/* bf16 weights, fp32 x and sums: the loop above with load_bf16 for the weights. */
+static void rows_bf16(const void *Wv, const float *x, float *y, int64_t i, int rows, int64_t k) {
+    const uint16_t *W = Wv;
+    const uint16_t *w0 = W + i * k, *w1 = rows > 1 ? w0 + k : w0,
+                   *w2 = rows > 2 ? w0 + 2 * k : w0, *w3 = rows > 3 ? w0 + 3 * k : w0;
+    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    int64_t j = 0;
+    for (; j + 8 <= k; j += 8) {
+        f32x8 xv = load_f32(x + j);
+        a0 += load_bf16(w0 + j) * xv; a1 += load_bf16(w1 + j) * xv;
+        a2 += load_bf16(w2 + j) * xv; a3 += load_bf16(w3 + j) * xv;
+    }
+    float s[4] = {sum8(a0), sum8(a1), sum8(a2), sum8(a3)};
+    const uint16_t *w[4] = {w0, w1, w2, w3};
+    for (int r = 0; r < rows; r++) {
+        for (int64_t t = j; t < k; t++) s[r] += bf16_to_f32(w[r][t]) * x[t];
+        y[i + r] = s[r];
+    }
 }
 
+typedef void (*rows_fn)(const void *W, const float *x, float *y, int64_t i, int rows, int64_t k);
+
+/* rows [4 * first_block, 4 * end_block) of y */
+static void blocks(rows_fn rows, const void *W, const float *x, float *y, int64_t n, int64_t k,
+                   int64_t first_block, int64_t end_block) {
+    for (int64_t b = first_block; b < end_block; b++)
+        rows(W, x, y, 4 * b, n - 4 * b < 4 ? (int)(n - 4 * b) : 4, k);
+}
+
+static int64_t late_regions = 0;  /* read by cpu_kernel.py for its report */
+int64_t gemv_late_regions(void) { return late_regions; }
+
+#ifdef _OPENMP
 static double now_s(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -68,14 +109,12 @@ static double now_s(void) {
                              /* first one was not running: memory contention alone never does that */
 #define MAX_BACKOFF 4096     /* calls: about 30 decode steps of a 30-layer model */
 static int64_t single_calls_left = 0, backoff = 0;  /* only the calling (Python) thread writes these */
-static int64_t late_regions = 0;                    /* read by cpu_kernel.py for its report */
+#endif
 
-int64_t gemv_late_regions(void) { return late_regions; }
-
-void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
+static void gemv(rows_fn rows, const void *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
     int64_t n_blocks = (n + 3) / 4;
-    if (threads > MAX_THREADS) threads = MAX_THREADS;
 #ifdef _OPENMP
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > 1 && single_calls_left == 0 && n_blocks >= threads) {
         double ended[MAX_THREADS], start = now_s();
         int team = 1;
@@ -83,7 +122,7 @@ void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
         {
             int t = omp_get_thread_num(), nt = omp_get_num_threads();
             if (t == 0) team = nt;
-            blocks_f32(W, x, y, n, k, n_blocks * t / nt, n_blocks * (t + 1) / nt);  /* fixed split */
+            blocks(rows, W, x, y, n, k, n_blocks * t / nt, n_blocks * (t + 1) / nt);  /* fixed split */
             ended[t] = now_s();
         }
         double first = ended[0], last = ended[0];
@@ -102,6 +141,16 @@ void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
         return;
     }
     if (single_calls_left > 0) single_calls_left--;
+#else
+    (void)threads;
 #endif
-    blocks_f32(W, x, y, n, k, 0, n_blocks);
+    blocks(rows, W, x, y, n, k, 0, n_blocks);
+}
+
+void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
+    gemv(rows_f32, W, x, y, n, k, threads);
+}
+
+void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
+    gemv(rows_bf16, W, x, y, n, k, threads);
 }
