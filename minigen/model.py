@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from . import cpu_kernel
 from .attention import AttentionPolicy, attend, causal_mask
+from .precision import Precision
 
 
 @dataclass
@@ -71,19 +72,21 @@ class ModelConfig:
 
 # ---------------------------------------------------------------- norms
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 as Llama does."""
+    """x / sqrt(mean(x^2) + eps) * weight, computed in fp32 as Llama does (fp32=False: in x's dtype)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fp32: bool = True) -> Tensor:
         # One torch op instead of five: a decode step runs 61 norms, and at batch 1 the cost of
         # a small op is its dispatch, not its arithmetic.
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        if x.dtype == torch.float32:  # fp32 activations (a 16-bit weight is widened: 576 numbers)
+            return F.rms_norm(x, (x.shape[-1],), self.weight.float(), self.eps)
+        if fp32:  # normalize in fp32, then scale in x's dtype, as Llama's reference does
+            return self.weight.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # left in 16 bits
 
 
 class LayerNorm(nn.Module):
@@ -95,8 +98,10 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+    def forward(self, x: Tensor, fp32: bool = True) -> Tensor:
+        if fp32 and x.dtype != torch.float32:
+            return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
+        return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
 # ---------------------------------------------------------------- rotary positions
@@ -131,17 +136,21 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 
 # ---------------------------------------------------------------- attention and MLP
-def matmul(x: Tensor, w: Tensor) -> Tensor:
-    """x [..., in] times w [out, in] -> [..., out], i.e. x @ w.T.
+def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T.
 
     A single row (a decode step at batch 1) on the CPU goes through minigen's C matrix-vector
-    kernel, which streams the weights about 1.7x faster than torch's fp32 path; everything else
-    (prefill, batches, GPUs) is torch's F.linear.
+    kernel, which streams fp32 or bf16 weights faster than torch's paths and sums in fp32;
+    everything else (prefill, batches, GPUs) is torch's F.linear. fp32 activations against 16-bit
+    weights stay fp32: several rows widen the weights for the product (chapter 7).
     """
+    out_dtype = out_dtype or x.dtype
     if x.numel() == x.shape[-1]:
-        y = cpu_kernel.matvec(x, w)
+        y = cpu_kernel.matvec(x.float(), w)
         if y is not None:
-            return y.view(*x.shape[:-1], w.shape[0])
+            return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
+    if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
+        return F.linear(x.float(), w.float()).to(out_dtype)  # fp32 sums and result
     return F.linear(x, w)
 
 
@@ -156,12 +165,12 @@ class Attention(nn.Module):
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache,
-                policy: AttentionPolicy | None = None) -> Tensor:
+                policy: AttentionPolicy | None = None, fp32_softmax: bool = True) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         qkv = matmul(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
         if self.bqkv is not None:
-            qkv = qkv + self.bqkv
+            qkv = qkv + self.bqkv.to(qkv.dtype)
         qk, v = qkv.split([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
         qk = qk.view(B, T, H + Hkv, Dh)  # queries and keys side by side: one rotation for both
         if rope is not None:
@@ -170,10 +179,11 @@ class Attention(nn.Module):
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 7)
         # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
-        out = attend(q, k, v, mask) if policy is None else policy.attend(q, k, v, mask, self.layer)
+        out = attend(q, k, v, mask, fp32_softmax) if policy is None else policy.attend(q, k, v, mask, self.layer)
         out = matmul(out.transpose(1, 2).reshape(B, T, H * Dh), self.wo)  # [B, T, D]
-        return out + self.bo if self.bo is not None else out
+        return out + self.bo.to(out.dtype) if self.bo is not None else out
 
 
 class GatedMLP(nn.Module):
@@ -200,7 +210,8 @@ class GeluMLP(nn.Module):
         self.b_proj = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return matmul(F.gelu(matmul(x, self.w_fc) + self.b_fc, approximate="tanh"), self.w_proj) + self.b_proj
+        hidden = F.gelu(matmul(x, self.w_fc) + self.b_fc.to(x.dtype), approximate="tanh")
+        return matmul(hidden, self.w_proj) + self.b_proj.to(x.dtype)
 
 
 class Block(nn.Module):
@@ -213,9 +224,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = GatedMLP(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
 
-    def forward(self, x, rope, mask, cache, policy=None):
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache, policy)
-        return x + self.mlp(self.mlp_norm(x))
+    def forward(self, x, rope, mask, cache, policy=None, precision: Precision = Precision()):
+        p = precision
+        x = x + self.attn(self.attn_norm(x, p.fp32_norms), rope, mask, cache, policy, p.fp32_softmax)
+        return x + self.mlp(self.mlp_norm(x, p.fp32_norms))
 
 
 # ---------------------------------------------------------------- the model
@@ -233,6 +245,7 @@ class Model(nn.Module):
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim), requires_grad=False))
         if cfg.arch == "llama":
             self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self.precision = Precision()  # fp32 activations; loading.py sets the default for the weights' dtype
 
     def _apply(self, fn, recurse=True):
         """`model.to(...)` casts every tensor; RoPE's inverse frequencies stay fp32 whatever the
@@ -260,14 +273,16 @@ class Model(nn.Module):
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]), fp32.
 
         With `cache`, the new keys/values are written at `input_pos` and attention reads every
-        cached position; without, attention sees only these T tokens (the naive loop).
+        cached position; without, attention sees only these T tokens (the naive loop). Numbers
+        flow in `self.precision` (precision.py): fp32 by default.
         """
         assert tokens.dim() == 2 and input_pos.shape == (tokens.shape[1],), \
             f"tokens must be [B, T] and input_pos [T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
-        x = self.embed[tokens]  # [B, T, D]
+        p = self.precision
+        x = self.embed[tokens].to(p.compute)  # [B, T, D]
         rope = None
         if self.pos_embed is not None:
-            x = x + self.pos_embed[input_pos]
+            x = x + self.pos_embed[input_pos].to(p.compute)
         else:
             angles = input_pos.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
             cos, sin = angles.cos(), angles.sin()
@@ -283,7 +298,8 @@ class Model(nn.Module):
         if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         for block in self.blocks:
-            x = block(x, rope, mask, cache, policy)
+            x = block(x, rope, mask, cache, policy, p)
         if last_only:
             x = x[:, -1:]
-        return matmul(self.norm(x), self.head).float()  # [B, T, V]
+        logits_dtype = torch.float32 if p.fp32_logits else p.compute
+        return matmul(self.norm(x, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]

@@ -13,7 +13,7 @@ from minigen.model import Model, ModelConfig, rope_frequencies
 
 
 # ---------------------------------------------------------------- the oracle behind the checkers
-def dense_attend(q, k, v, mask):
+def dense_attend(q, k, v, mask, fp32_softmax=True):
     """Attention written the obvious way, so FlopCounterMode sees its two matmuls (the fused SDPA
     kernel on CPU is invisible to it): q [B, H, T, Dh], k, v [B, Hkv, S, Dh], mask [T, S] bool
     or additive float."""
