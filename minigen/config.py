@@ -18,7 +18,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from .errors import ConfigError
+
+KV_DTYPES = ("float32", "bfloat16", "float16")
 
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
@@ -51,6 +55,10 @@ class GenerationConfig:
     quant_group_size: int = 32  # elements that share one scale and zero (KIVI: 32)
     quant_key_axis: str = "channel"  # keys grouped per "channel" (over tokens, KIVI) or per "token" (over channels)
     quant_residual: int | None = None  # most recent tokens kept in full precision (>= group size); None: one group
+    # --- precision and compilation (chapters 7-8) ---
+    kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the weights' dtype
+    compile: bool = False  # torch.compile the decode step (the contiguous cache or the window's ring buffer)
+    cuda_graphs: bool = False  # capture the decode step in a CUDA graph and replay it (CUDA only)
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -219,6 +227,15 @@ def _check_values(c: GenerationConfig) -> None:
         _check_int("quant_residual", c.quant_residual, low=c.quant_group_size,
                    hint=f"(>= quant_group_size={c.quant_group_size}: a group is quantized only once it is "
                         "full, so the full-precision window holds at least one group), or None for one group")
+    # precision and compilation (chapters 7-8)
+    if c.kv_dtype is not None and c.kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={c.kv_dtype!r} is invalid: use one of {', '.join(map(repr, KV_DTYPES))}, "
+                          "or None to store the cache in the weights' dtype")
+    _check_bool("compile", c.compile)
+    _check_bool("cuda_graphs", c.cuda_graphs)
+    if c.cuda_graphs and not torch.cuda.is_available():
+        raise ConfigError("cuda_graphs=True needs CUDA, and torch.cuda.is_available() is False on this machine: "
+                          "use compile=True, which compiles the decode step on a CPU too")
 
 
 # ---------------------------------------------------------------- settings that need a switch
@@ -235,6 +252,7 @@ _SWITCHES: dict[str, tuple[str, Callable[[GenerationConfig], bool], str]] = {
     "quant_group_size": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
     "quant_key_axis": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
     "quant_residual": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
+    "kv_dtype": ("use_cache=True", lambda c: c.use_cache, "set use_cache=True (the naive loop keeps no cache)"),
 }
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 
@@ -258,6 +276,8 @@ FEATURES: dict[str, tuple[Callable[[GenerationConfig], bool], str]] = {
     "window_size": (lambda c: c.window_size is not None, "a window with sinks (chapter 5)"),
     "sparse": (lambda c: c.sparse, "sparse_top_k / sparsity_threshold: sparse key selection (chapter 6)"),
     "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 6)"),
+    "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 8)"),
+    "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 8)"),
 }
 
 # The pairs that do not combine: why, and the fix. Every pair not listed combines, and each
@@ -280,7 +300,20 @@ REFUSED: dict[frozenset[str], tuple[str, str]] = {
     frozenset({"prefetch_depth", "kv_budget"}): (
         "heavy-hitter eviction compacts every layer at once, but the offload tier holds only "
         "prefetch_depth + 1 layers on the device", "drop one: prefetch_depth=None or kv_budget=None"),
+    frozenset({"compile", "cuda_graphs"}): (
+        "cuda_graphs captures the eager step; a compiled step is captured by torch.compile(mode='reduce-overhead')",
+        "pick one: compile=False or cuda_graphs=False"),
 }
+# Compiling and capturing need a decode step of fixed shapes and addresses, with no host sync and
+# no Python bookkeeping inside: the contiguous cache and the ring buffer have one.
+for _step, _why in (("use_cache=False", "the naive loop feeds a longer sequence every step: a new shape each time"),
+                    ("cache_chunk_size", "the paged cache plans its blocks on the host every step"),
+                    ("prefetch_depth", "the offload tier moves layers with Python bookkeeping between them"),
+                    ("quant_bits", "the quantized cache's step changes shape as groups leave its window"),
+                    ("kv_budget", "heavy hitters evict on the host and observe attention from Python")):
+    _off = "use_cache=True" if _step == "use_cache=False" else f"{_step}=None"
+    REFUSED[frozenset({"compile", _step})] = (_why, f"drop one: compile=False or {_off}")
+    REFUSED[frozenset({"cuda_graphs", _step})] = (_why, f"drop one: cuda_graphs=False or {_off}")
 # How the less obvious pairs are applied (README's table shows these as notes).
 APPLIED: dict[frozenset[str], str] = {
     frozenset({"use_cache=False", "window_size"}): "the window masks the recomputed sequence",
@@ -322,6 +355,8 @@ def _check_combinations(c: GenerationConfig) -> None:
 def _describe(c: GenerationConfig, feature: str) -> str:
     if feature == "use_cache=False":
         return feature
+    if feature in ("compile", "cuda_graphs"):
+        return f"{feature}=True"
     if feature == "sparse":
         keys = [k for k in ("sparse_top_k", "sparsity_threshold") if getattr(c, k) is not None]
         return " and ".join(f"{k}={getattr(c, k)!r}" for k in keys)

@@ -20,6 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from . import graphs
 from .attention import AttentionObserver, AttentionPolicy
 from .cache import Cache, make_cache
 from .config import GenerationConfig, resolve_config
@@ -42,6 +43,11 @@ class GenerationStats:
     kv_blocks_in_use: int | None = None  # paged cache: blocks held by the rows at the end; None: not paged
     kv_blocks_in_pool: int | None = None  # paged cache: blocks in the preallocated pool
     token_latencies_s: list[float] = field(default_factory=list)  # wall time of each new token
+    # Percentiles of the decode tokens' latencies (every token after the first): jitter (chapter 8).
+    latency_p50_s: float = 0.0
+    latency_p90_s: float = 0.0
+    latency_p99_s: float = 0.0
+    compile_s: float = 0.0  # compile=True / cuda_graphs=True: seconds spent compiling or capturing (0: reused)
 
 
 @dataclass
@@ -98,7 +104,10 @@ def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: Cache,
 def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator | None = None) -> Tensor:
     """Pick the next token [B] from logits [B, V]: greedy, or temperature / top-k / top-p sampling.
 
-    Stays on the device (no .item()), so it adds no host sync to a decode step.
+    Stays on the device (no .item()), so it adds no host sync to a decode step. Sampling is the
+    exponential race: argmax over p_i / E_i with E_i ~ Exp(1) drawn independently picks token i
+    with probability p_i (the first of independent exponential clocks with rates p_i to ring), with
+    fixed-shape tensor ops only, so a CUDA graph can hold it (graphs.py).
     """
     if not config.do_sample:
         return logits.argmax(dim=-1)
@@ -115,8 +124,9 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
         drop_sorted = probs.cumsum(dim=-1) - probs >= config.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    probs = logits.softmax(dim=-1)  # [B, V]
+    clocks = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] ~ Exp(1)
+    return (probs / clocks).argmax(dim=-1)
 
 
 def _generator(config: GenerationConfig, device: torch.device) -> torch.Generator | None:
@@ -142,6 +152,7 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             stats: GenerationStats, observers: tuple[AttentionObserver, ...] = ()) -> Iterator[Tensor]:
     """The loop itself: yields the next tokens [B] and fills `stats` as it goes."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
+    check_step(model, config, observers)
     B, T = input_ids.shape
     n = config.max_new_tokens
     if n == 0:
@@ -155,11 +166,13 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
     with torch.inference_mode():
         cache = make_cache(model, config, B, T + n)
         policy = make_policy(config, cache, observers)
+        step = graphs.compiled(decode_step, model) if config.compile else decode_step
+        replay = None  # cuda_graphs: the captured step, which samples inside the graph
         seq = input_ids
         logits = prefill(model, input_ids, cache, policy)
         stats.prefill_s = time.perf_counter() - start
         for i in range(n):
-            token = sample(logits, config, generator)  # [B]
+            token = sample(logits, config, generator) if replay is None or i == 0 else logits  # [B]
             token = torch.where(finished, torch.full_like(token, pad), token)
             now = time.perf_counter()
             if i == 0:
@@ -176,12 +189,45 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
                 seq = torch.cat([seq, token[:, None]], dim=1)
                 pos = torch.arange(seq.shape[1], device=seq.device)
                 logits = model(seq, pos, None, last_only=True, policy=policy)[:, -1]
+            elif config.cuda_graphs:  # `logits` holds the next tokens, sampled inside the graph
+                if replay is None:
+                    captured = time.perf_counter()
+                    replay = graphs.CudaGraphDecoder(decode_step, sample, model, cache, policy, config, B, T + i,
+                                                     generator)
+                    stats.compile_s = time.perf_counter() - captured
+                logits = replay(token, T + i)
             else:
                 pos = torch.tensor([T + i], device=input_ids.device)
-                logits = decode_step(model, token[:, None], pos, cache, policy)
+                if config.compile and i == 0:  # the first call compiles (unless an earlier one did)
+                    before, began = _graphs_compiled(), time.perf_counter()
+                    logits = step(model, token[:, None], pos, cache, policy)
+                    stats.compile_s = time.perf_counter() - began if _graphs_compiled() > before else 0.0
+                else:
+                    logits = step(model, token[:, None], pos, cache, policy)
     stats.decode_s = time.perf_counter() - start - stats.ttft_s
     if stats.new_tokens > 1 and stats.decode_s > 0:
         stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
+    decode = sorted(stats.token_latencies_s[1:])
+    if decode:
+        stats.latency_p50_s, stats.latency_p90_s, stats.latency_p99_s = (
+            decode[min(len(decode) - 1, int(q * len(decode)))] for q in (0.5, 0.9, 0.99))
+
+
+def _graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def check_step(model: Model, config: GenerationConfig, observers: tuple) -> None:
+    """Refuse up front what compiling or capturing the decode step cannot take."""
+    if (config.compile or config.cuda_graphs) and observers:
+        key = "compile=True" if config.compile else "cuda_graphs=True"
+        raise ConfigError(f"{key} with observers: an observer runs Python in every layer, which a compiled or "
+                          "captured step cannot call. Run the observers without compiling.")
+    if config.cuda_graphs and model.device.type != "cuda":
+        raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
+                          "model.to('cuda'), or compile=True on a CPU")
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,

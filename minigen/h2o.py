@@ -89,6 +89,7 @@ class HeavyHitterCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh]; return the keys/values that match the positions of prepare."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # stored in the cache's dtype (kv_dtype)
         if self._pending is None:
             index = self._slots[:, None, :, None].expand_as(k)  # [B, Hkv, T, Dh]: each row its own slots
             self.k[layer].scatter_(2, index, k)

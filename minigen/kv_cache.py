@@ -60,9 +60,10 @@ class KVCache:
         return self.slot_pos
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Write k, v [B, Hkv, T, Dh] at this step's slots; return all slots [B, Hkv, S, Dh]."""
-        self.k[layer].index_copy_(2, self._input_pos, k)
-        self.v[layer].index_copy_(2, self._input_pos, v)
+        """Write k, v [B, Hkv, T, Dh] at this step's slots; return all slots [B, Hkv, S, Dh], in the
+        cache's own dtype (kv_dtype)."""
+        self.k[layer].index_copy_(2, self._input_pos, k.to(self.k.dtype))
+        self.v[layer].index_copy_(2, self._input_pos, v.to(self.v.dtype))
         return self.k[layer], self.v[layer]
 
     def reset(self) -> None:

@@ -288,6 +288,7 @@ class PagedKVCache:
 
     def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
         B, Hkv, T, Dh = x.shape
+        x = x.to(pool.dtype)  # stored in the cache's dtype (kv_dtype)
         if self._copies is not None:  # copy-on-write: give each writer its own copy of a shared block
             pool[self._copies[1]] = pool[self._copies[0]]
         slots = pool.view(-1, Hkv, Dh)  # [N*bs, Hkv, Dh]

@@ -253,6 +253,7 @@ class QuantizedKVCache:
         Tokens of earlier calls come back as stored (dequantized once they left the window); the
         T tokens of this call are attended in full precision, as a prefill computes them.
         """
+        k, v = k.to(self.dtype), v.to(self.dtype)  # the window and the codes' source in the cache's dtype
         return (self._update_one(self.k, self.k_window, layer, k),
                 self._update_one(self.v, self.v_window, layer, v))
 
@@ -351,6 +352,7 @@ class QuantizedPagedKVCache(PagedKVCache):
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         # Copy-on-write of a shared open block needs no data copy here: open blocks live in the
         # rows' private tails (copied at fork), and a full block is never written again.
+        k, v = k.to(self.dtype), v.to(self.dtype)  # the tail and the codes' source in the cache's dtype
         return (self._update_one_q(self.k, self.k_tail[layer], layer, k),
                 self._update_one_q(self.v, self.v_tail[layer], layer, v))
 

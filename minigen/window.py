@@ -82,6 +82,7 @@ class WindowKVCache:
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh]; return the keys/values that match the positions of prepare."""
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # stored in the cache's dtype (kv_dtype)
         if self._keep is None:
             self.k[layer].index_copy_(2, self._slots, k)
             self.v[layer].index_copy_(2, self._slots, v)

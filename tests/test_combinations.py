@@ -60,6 +60,9 @@ FIELDS = {
     "quant_group_size": st.sampled_from([4, 8, 16, 32]),
     "quant_key_axis": st.sampled_from(["channel", "token"]),
     "quant_residual": maybe(st.sampled_from([4, 8, 16, 40])),
+    "kv_dtype": maybe(st.sampled_from(["float32", "bfloat16", "float16"])),
+    "compile": st.booleans(),
+    "cuda_graphs": st.booleans(),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
@@ -67,7 +70,9 @@ LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
 
 SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_size"],
             "prefetch_depth": ["prefetch_depth"], "quant_bits": ["quant_bits"], "window_size": ["window_size"],
-            "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"]}
+            "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"],
+            "compile": ["compile"], "cuda_graphs": ["cuda_graphs"]}
+RARE = {"compile": 0.08, "cuda_graphs": 0.04}  # a compile costs seconds; cuda_graphs is refused on a CPU
 NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
          "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"]}
 
@@ -80,10 +85,13 @@ def configs(draw):
     # a seeded Random picks the features: hypothesis's own draws favour empty sets, and every
     # pair of features should come up
     rnd = draw(st.randoms(use_true_random=False))
-    on = rnd.sample(list(SWITCHES), rnd.choice([1, 2, 2, 3]))
+    common = [f for f in SWITCHES if f not in RARE]
+    on = rnd.sample(common, rnd.choice([1, 2, 2, 3])) + [f for f, p in RARE.items() if rnd.random() < p]
     for feature in on:
         if feature == "use_cache=False":
             fields["use_cache"] = False
+        elif feature in RARE:
+            fields[feature] = True
         elif feature == "sparse":
             fields["sparse_top_k"] = draw(FIELDS["sparse_top_k"])
             fields["sparsity_threshold"] = draw(FIELDS["sparsity_threshold"] if fields["sparse_top_k"] is None
@@ -98,7 +106,7 @@ def configs(draw):
         for key in keys:
             if is_on or draw(st.integers(0, 39)) == 0:  # now and then, a setting without its switch
                 fields[key] = draw(FIELDS[key])
-    for key in ("max_new_tokens", "stop_token_ids"):
+    for key in ("max_new_tokens", "stop_token_ids", "kv_dtype"):
         fields[key] = draw(FIELDS[key])
     return fields
 
@@ -193,6 +201,10 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
         assert s.kv_blocks_in_pool is not None and 0 < s.kv_blocks_in_use <= s.kv_blocks_in_pool
     if "prefetch_depth" in on and config.max_new_tokens and config.prefetch_depth + 1 < tiny.config.n_layers:
         assert s.kv_device_bytes < s.kv_cache_bytes
+    # Compiling changes how the step runs, never its tokens.
+    if config.compile and not config.do_sample:
+        torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, config.replace(compile=False)).tokens,
+                                   atol=0, rtol=0)
     # Exact features change nothing but where the bytes live.
     for feature in ("prefetch_depth", "cache_chunk_size"):
         if feature in on and not (feature == "cache_chunk_size" and "quant_bits" in on):
@@ -212,10 +224,13 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
 def test_refused_pairs_name_both_keys_and_a_fix():
     switch = {"use_cache=False": {"use_cache": False}, "cache_chunk_size": {"cache_chunk_size": 16},
               "prefetch_depth": {"prefetch_depth": 1}, "quant_bits": {"quant_bits": 4},
-              "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16}}
+              "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16},
+              "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True}}
     assert set(switch) == set(FEATURES)
     for pair, (why, fix) in REFUSED.items():
         a, b = sorted(pair)
+        if "cuda_graphs" in pair and not torch.cuda.is_available():
+            continue  # refused on this machine whatever it is paired with (below)
         with pytest.raises(ConfigError) as e:
             GenerationConfig(**switch[a], **switch[b])
         msg = str(e.value)
@@ -225,8 +240,11 @@ def test_refused_pairs_name_both_keys_and_a_fix():
         assert why in msg and fix in msg
     for a in FEATURES:  # every other pair builds
         for b in FEATURES:
-            if a < b and frozenset({a, b}) not in REFUSED:
+            if a < b and frozenset({a, b}) not in REFUSED and (torch.cuda.is_available() or "cuda_graphs" not in (a, b)):
                 GenerationConfig(**switch[a], **switch[b])
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="cuda_graphs=True needs CUDA.*compile=True"):
+            GenerationConfig(cuda_graphs=True)
 
 
 def test_the_readme_shows_the_table():
