@@ -25,6 +25,8 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="a generation_config.json; flags below override its values")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default float32)")
+    p.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the activations (default: float32 on a CPU, the weights' dtype on a GPU)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any GenerationConfig field, VALUE parsed as JSON (e.g. quant_bits=4)")
 
@@ -55,6 +57,8 @@ def cmd_generate(args) -> None:
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
     model, tok = load(args.model, dtype=args.dtype)
+    if args.compute_dtype:
+        model.precision = model.precision.replace(compute=args.compute_dtype)
     if args.chat and tok.chat_template is None:
         raise PromptError(f"--chat: the tokenizer of {args.model} has no chat template, so the prompt cannot "
                           "be wrapped as a conversation; drop --chat to continue it as plain text")
@@ -92,7 +96,8 @@ def cmd_bench(args) -> None:
                          "folder you can write")
     config = _config(args)
     result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                       repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline)
+                       repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
+                       compute_dtype=args.compute_dtype)
     print_report(result)
     if args.json:
         try:

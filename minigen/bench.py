@@ -31,6 +31,7 @@ from . import cpu_kernel
 from .config import GenerationConfig
 from .errors import BenchError
 from .generate import generate
+from .precision import DTYPES, dtype_of
 
 TEXT = Path(__file__).parent / "data" / "english.txt"
 # Below this the N-token run is within a prefill's noise of the 1-token run: with 4 tokens on
@@ -216,7 +217,7 @@ def check_bench_args(prompt_len: int, new_tokens: int, repeats: int) -> None:
 def exact(config: GenerationConfig) -> bool:
     """True when the config changes speed or memory but never the greedy tokens."""
     lossy = {"quant_bits": None, "window_size": None, "sparse_top_k": None, "sparsity_threshold": 0,
-             "kv_budget": None}
+             "kv_budget": None, "kv_dtype": "float32"}
     values = config.to_dict()
     return all(values.get(k) in (None, ok) for k, ok in lossy.items())
 
@@ -258,15 +259,18 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
 
 def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None = None, prompt_len: int = 64,
               new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
-              baseline: bool = True) -> dict:
+              baseline: bool = True, compute_dtype: torch.dtype | str | None = None) -> dict:
     """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict.
 
-    Every setting is checked before the weights load: the run sizes, then the model's context."""
+    compute_dtype: minigen's activations (precision.py; default fp32 on a CPU). transformers runs
+    in the weights' dtype. Every setting is checked before the weights load: the run sizes, then
+    the model's context."""
     from tqdm.auto import tqdm
     from .cache import check_for_model
     from .loading import build_model, check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)
     dtype = check_dtype(dtype)
+    compute = dtype_of(compute_dtype, "compute_dtype") if compute_dtype is not None else None
     config = config or GenerationConfig()
     if config.do_sample:
         raise BenchError("bench times greedy decoding, on which minigen and transformers must agree token "
@@ -281,12 +285,16 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     tokenizer = load_tokenizer(folder)
     ids = prompt_ids(tokenizer, prompt_len)
     model = build_model(model_config, read_safetensors(folder), dtype)
+    if compute is not None:
+        model.precision = model.precision.replace(compute=compute)
     hw = hardware_info()
     progress = tqdm(total=repeats * (2 if baseline else 1), desc="bench", unit="run")
+    compile_s = []
 
     def run_minigen(n: int):
         out = generate(model, ids, config, max_new_tokens=n)
         run_minigen.kv = out.stats.kv_cache_bytes
+        compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
         return out.tokens
 
     runs, modules = {"minigen": run_minigen}, {"minigen": model}
@@ -311,10 +319,11 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
         r.update(weight_bytes=weight_bytes(modules[name]), kv_cache_bytes=runs[name].kv,
                  peak_memory_bytes=weight_bytes(modules[name]) + r["run_peak_added_bytes"])
 
-    kv_elem = torch.tensor([], dtype=dtype).element_size()
+    kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
     per_token = bytes_per_decode_step(model, prompt_len + new_tokens // 2, kv_elem)
     roofline = hw["memory_read_gb_s"] * 1e9 / per_token
     result = {"hardware": hw, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
+              "precision": model.precision.describe(model.dtype), "compile_s": max(compile_s),
               "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
               "config": config.to_dict(), "exact": exact(config), "bytes_per_token": per_token,
               "roofline_tokens_per_s": roofline, "engines": {}}
@@ -341,6 +350,10 @@ def print_report(result: dict) -> None:
         print(f"minigen's batch-1 matrix-vector kernel: {hw['cpu_kernel']}")
     print(f"model {result['model']} ({result['dtype']}), prompt {result['prompt_len']} tokens, "
           f"{result['new_tokens']} new tokens, median of {result['repeats']}")
+    if "precision" in result:
+        print(f"minigen's precision: {result['precision']}"
+              + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
+                 if result.get("compile_s") else ""))
     print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'peak MiB':>10}{'KV MiB':>9}{'of roofline':>13}")
     for name, r in result["engines"].items():
         print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}"
