@@ -1,10 +1,14 @@
-"""The checks that need CUDA: run them on a GPU machine, get one JSON file naming the hardware.
+"""The one GPU acceptance script: run it on a CUDA machine, get one JSON file (and a figure) naming
+the hardware, under figures/gpu/.
 
-    python scripts/gpu_check.py [--out gpu_check.json]
+    python scripts/gpu_check.py [--only decode offload] [--out figures/gpu]
+    python scripts/gpu_check.py --smoke     # the same code on tiny shapes on the CPU (CI runs this)
 
-Each check is a function `check_<name>() -> dict` registered in CHECKS; add yours there. On a
-machine without CUDA the script prints a notice and exits 0 (the CPU tests prove correctness; these
-checks only time what needs a GPU).
+No network: the models are Llama-family models with the real shapes of SmolLM2-135M, Llama-3.2-1B
+and Llama-3.1-8B and random bf16 weights (speed does not depend on the values). Each check is a
+function `check_<name>(device, smoke) -> dict` registered in CHECKS; add yours there. Without CUDA
+(and without --smoke) the script prints a notice and exits 0: the CPU test suite proves
+correctness, this script times what needs a GPU. Budget: under 8 minutes on one GPU.
 """
 
 from __future__ import annotations
@@ -19,53 +23,145 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
-from minigen.generate import decode_step, make_cache, prefill  # noqa: E402
+from minigen.cache import make_cache  # noqa: E402
+from minigen.generate import decode_step, prefill  # noqa: E402
+from minigen.model import Model, ModelConfig  # noqa: E402
+from minigen.precision import Precision  # noqa: E402
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+# The shapes of the real checkpoints (their config.json), with random weights.
+SHAPES = {
+    "SmolLM2-135M": dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                         hidden_dim=1536, max_seq_len=8192, rope_theta=100000.0, tie_embeddings=True),
+    "Llama-3.2-1B": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
+                         hidden_dim=8192, max_seq_len=131072, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                         tie_embeddings=True),
+    "Llama-3.1-8B": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         hidden_dim=14336, max_seq_len=131072, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                         tie_embeddings=False),
+}
+SMOKE_SHAPE = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
+                   max_seq_len=512, tie_embeddings=True)
 
 
-def hardware() -> dict:
-    return {"gpu": torch.cuda.get_device_name(0), "cuda": torch.version.cuda, "torch": torch.__version__,
+def hardware(device: str) -> dict:
+    gpu = torch.cuda.get_device_name(0) if device == "cuda" else None
+    return {"gpu": gpu, "cuda": torch.version.cuda, "torch": torch.__version__,
             "cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
 
 
-def _decode_ms(model, prompt: torch.Tensor, config: GenerationConfig, steps: int) -> tuple[float, torch.Tensor]:
-    """Median ms of a decode step (CUDA-synchronized) and the greedy tokens [B, steps]."""
+def random_model(shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> Model:
+    """A Llama-family model with these shapes and random weights (std 0.02, norms 1), built on the device."""
+    model = Model(ModelConfig(arch="llama", eos_token_ids=(), **shape)).to(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.data = (torch.ones(p.shape, device=device) if p.dim() == 1 else
+                      torch.randn(p.shape, generator=g, device=device) * 0.02).to(dtype)
+    model.precision = Precision.default(dtype, device)
+    return model.eval()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def read_bandwidth_gb_s(device: str, nbytes: int = 2**30) -> float:
+    """Device memory bandwidth measured by a large copy (reads + writes), best of 5."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        t = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * x.nbytes / best / 1e9
+
+
+# ---------------------------------------------------------------- chapters 7-8: decode, compiled, graphed
+def check_decode(device: str, smoke: bool) -> dict:
+    """Eager, compiled and CUDA-graph decode of each model shape in bf16: tok/s, TTFT, compile or
+    capture time, peak memory, and the fraction of the device's bandwidth the step uses."""
+    shapes = {"smoke": SMOKE_SHAPE} if smoke else SHAPES
+    prompt_len, new = (16, 8) if smoke else (128, 64)
+    bandwidth = read_bandwidth_gb_s(device, 2**22 if smoke else 2**30)
+    results = {"bandwidth_gb_s": bandwidth, "prompt_len": prompt_len, "new_tokens": new, "models": {}}
+    modes = {"eager": {}, "compile": {"compile": True}}
+    if device == "cuda":
+        modes["cuda_graphs"] = {"cuda_graphs": True}
+    for name, shape in shapes.items():
+        model = random_model(shape, torch.bfloat16, device)
+        ids = torch.randint(0, shape["vocab_size"], (1, prompt_len), device=device,
+                            generator=torch.Generator(device=device).manual_seed(1))
+        weights = sum(p.nbytes for p in model.parameters())
+        per_token = weights + (prompt_len + new // 2) * model.config.kv_bytes_per_token(2)
+        row = {"weights_bytes": weights, "bytes_per_token": per_token, "modes": {}}
+        tokens = {}
+        for mode, overrides in modes.items():
+            config = GenerationConfig(max_new_tokens=new, stop_token_ids=[], **overrides)
+            warm = minigen.generate(model, ids, config)  # compiles or captures
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            out = minigen.generate(model, ids, config)
+            s = out.stats
+            tokens[mode] = out.tokens
+            row["modes"][mode] = {
+                "decode_tokens_per_s": s.decode_tokens_per_s, "ttft_s": s.ttft_s,
+                "compile_s": warm.stats.compile_s, "latency_p50_s": s.latency_p50_s, "latency_p99_s": s.latency_p99_s,
+                "peak_memory_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else None,
+                "bandwidth_fraction": s.decode_tokens_per_s * per_token / (bandwidth * 1e9),
+                "tokens_equal_eager": bool(torch.equal(out.tokens, tokens["eager"]))}
+        results["models"][name] = row
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+# ---------------------------------------------------------------- chapter 3: paged cache and offload
+def _decode_ms(model, prompt: torch.Tensor, config: GenerationConfig, steps: int, device: str):
+    """Median ms of a decode step (synchronized) and the greedy tokens [B, steps]."""
     B, T = prompt.shape
     times, tokens = [], []
     with torch.inference_mode():
         cache = make_cache(model, config, B, T + steps + 1)
         token = prefill(model, prompt, cache).argmax(-1)
         for i in range(steps):
-            torch.cuda.synchronize()
+            _sync(device)
             t = time.perf_counter()
-            token = decode_step(model, token[:, None], torch.tensor([T + i], device=prompt.device), cache).argmax(-1)
-            torch.cuda.synchronize()
+            token = decode_step(model, token[:, None], torch.tensor([T + i], device=device), cache).argmax(-1)
+            _sync(device)
             times.append(time.perf_counter() - t)
             tokens.append(token)
     return 1e3 * statistics.median(times[2:]), torch.stack(tokens, dim=1)
 
 
-# ---------------------------------------------------------------- chapter 3: paged cache and offload
-def check_offload(batch: int = 8, prompt_len: int = 1024, steps: int = 32) -> dict:
+def check_offload(device: str, smoke: bool) -> dict:
     """Decode with the KV cache resident, paged, and offloaded to pinned CPU memory with prefetch
     depths 0..4: step time, tokens identical to resident, device bytes and bytes moved per step.
     Depth 0 fetches each layer just in time; deeper prefetch should hide the copies behind compute."""
-    model, _ = minigen.load("smollm2-135m")
-    model = model.to("cuda")
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=g).cuda()
-    base_ms, base_tokens = _decode_ms(model, prompt, GenerationConfig(), steps)
-    results = {"batch": batch, "prompt_len": prompt_len, "steps": steps,
-               "resident": {"step_ms": base_ms}}
-    paged_ms, paged_tokens = _decode_ms(model, prompt, GenerationConfig(cache_chunk_size=16), steps)
+    shape = SMOKE_SHAPE if smoke else SHAPES["SmolLM2-135M"]
+    batch, prompt_len, steps = (2, 32, 6) if smoke else (8, 1024, 32)
+    model = random_model(shape, torch.float32 if smoke else torch.bfloat16, device)
+    prompt = torch.randint(0, shape["vocab_size"], (batch, prompt_len), device=device,
+                           generator=torch.Generator(device=device).manual_seed(0))
+    base_ms, base_tokens = _decode_ms(model, prompt, GenerationConfig(), steps, device)
+    results = {"batch": batch, "prompt_len": prompt_len, "steps": steps, "resident": {"step_ms": base_ms}}
+    paged_ms, paged_tokens = _decode_ms(model, prompt, GenerationConfig(cache_chunk_size=16), steps, device)
     results["paged_16"] = {"step_ms": paged_ms, "speed_vs_resident": base_ms / paged_ms,
                            "tokens_identical": bool(torch.equal(paged_tokens, base_tokens))}
     for depth in (0, 1, 2, 4):
         config = GenerationConfig(prefetch_depth=depth)
-        ms, tokens = _decode_ms(model, prompt, config, steps)
+        ms, tokens = _decode_ms(model, prompt, config, steps, device)
         cache = make_cache(model, config, batch, prompt_len + steps + 1)
         results[f"offload_depth_{depth}"] = {
             "step_ms": ms, "slowdown_vs_resident": ms / base_ms,
@@ -75,23 +171,56 @@ def check_offload(batch: int = 8, prompt_len: int = 1024, steps: int = 32) -> di
     return results
 
 
-CHECKS = {"offload": check_offload}
+CHECKS = {"decode": check_decode, "offload": check_offload}
 
 
-def main() -> int:
+def plot(report: dict, path: Path) -> None:
+    """Decode tok/s per model and mode, with the share of the bandwidth roofline on each bar."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    decode = report["checks"].get("decode")
+    if not decode:
+        return
+    models = list(decode["models"])
+    modes = list(next(iter(decode["models"].values()))["modes"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for i, mode in enumerate(modes):
+        rates = [decode["models"][m]["modes"][mode]["decode_tokens_per_s"] for m in models]
+        bars = ax.bar([j + 0.27 * (i - 1) for j in range(len(models))], rates, 0.27, label=mode)
+        ax.bar_label(bars, labels=[f"{decode['models'][m]['modes'][mode]['bandwidth_fraction']:.0%}" for m in models],
+                     fontsize=7)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s, batch 1, bf16 (bar label: share of the bandwidth roofline)")
+    ax.set_title(f"measured by scripts/gpu_check.py on {report['hardware']['gpu'] or 'the CPU (smoke run)'}",
+                 fontsize=9)
+    ax.legend()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="gpu_check.json", help="where to write the JSON results")
+    parser.add_argument("--out", default=str(ROOT / "figures" / "gpu"), help="folder for <device>.json and .png")
     parser.add_argument("--only", nargs="*", choices=sorted(CHECKS), help="run only these checks")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script itself")
+    args = parser.parse_args(argv)
+    if not (torch.cuda.is_available() or args.smoke):
         print("Notice: CUDA is not available on this machine, so the GPU checks are skipped "
               "(the CPU test suite proves correctness; run this script on a GPU to time them).")
         return 0
-    report = {"hardware": hardware(), "checks": {}}
+    device = "cpu" if args.smoke else "cuda"
+    report = {"hardware": hardware(device), "smoke": args.smoke, "checks": {}}
+    started = time.perf_counter()
     for name in args.only or CHECKS:
         print(f"running {name} ...", flush=True)
-        report["checks"][name] = CHECKS[name]()
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        report["checks"][name] = CHECKS[name](device, args.smoke)
+    report["seconds"] = time.perf_counter() - started
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "smoke" if args.smoke else report["hardware"]["gpu"].replace(" ", "_").replace("/", "_")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, out / f"{stem}.png")
     print(json.dumps(report, indent=2))
     return 0
 
