@@ -1,5 +1,6 @@
-"""Chapters 1-2 exercises: each worked solution passes its checker, common wrong answers fail it
-with their hint, and the package formulas the checkers trust match an independent count."""
+"""The chapters' exercises: each worked solution passes its checker, common wrong answers fail it
+with their hint, and the package formulas the checkers trust match an independent count (chapters
+1-2 in depth; chapters 3-6 through their checkers, which call the package's caches and attention)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import minigen.model
-from minigen.exercises import ExerciseFailed, ch01, ch02
+from minigen.exercises import ExerciseFailed, ch01, ch02, ch03, ch04, ch05, ch06
 from minigen.model import Model, ModelConfig, rope_frequencies
 
 
@@ -135,3 +136,31 @@ def test_greedy_by_hand():
         ch00.check_greedy_by_hand(off_by_one, model, ids, n=8)
     with pytest.raises(ExerciseFailed, match="shape"):
         ch00.check_greedy_by_hand(lambda m, i, n: i, model, ids, n=8)
+
+
+# ---------------------------------------------------------------- chapters 3-6
+@pytest.mark.parametrize("check, solution", [
+    (ch03.check_slot_of, ch03.solution_slot_of), (ch03.check_blocks_held, ch03.solution_blocks_held),
+    (ch04.check_quantize_group, ch04.solution_quantize_group),
+    (ch04.check_quantized_cache_bytes, ch04.solution_quantized_cache_bytes),
+    (ch05.check_slot_of, ch05.solution_slot_of), (ch05.check_window_attention, ch05.solution_window_attention),
+    (ch06.check_keep_keys, ch06.solution_keep_keys), (ch06.check_attention_entropy, ch06.solution_attention_entropy),
+], ids=lambda f: f.__module__.rsplit(".", 1)[-1] + "." + f.__name__)
+def test_worked_solutions_pass_their_checkers(check, solution):
+    """The checkers ask the package itself (paged and ring-buffer caches, quantized stores,
+    attention), so this also catches a change of the package that the chapters' cells would hit."""
+    assert check(solution)
+
+
+def test_quantized_cache_bytes_counts_an_fp16_models_cache():
+    """Chapter 4's exercise is about an fp16 model: fp16 scales, zeros and window. 4,096 tokens at
+    4 bits in groups of 32 with a 32-token window: 4,064 tokens quantized at 4 + 1 bits per element
+    (keys per channel and values per token each add an fp16 scale and zero per 32 elements), and
+    32 tokens at 16 bits, for each of K and V in every layer, KV head and channel."""
+    cfg = ch04.SMOLLM2_135M
+    channels = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    assert ch04.solution_quantized_cache_bytes(cfg, 4096, 4, 32, 32) == 2 * channels * (4064 * 5 // 8 + 32 * 2)
+    with pytest.raises(ExerciseFailed, match="fp16: 2 bytes"):  # an fp32 window is the old answer
+        ch04.check_quantized_cache_bytes(lambda *args: ch04._mistaken_bytes(*args, window_bytes=4))
+    with pytest.raises(ExerciseFailed, match="scale and zero"):
+        ch04.check_quantized_cache_bytes(lambda *args: ch04._mistaken_bytes(*args, meta_numbers=0))
