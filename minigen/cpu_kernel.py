@@ -178,16 +178,19 @@ def _gemv(x: Tensor, w: Tensor) -> Tensor:
 
 # The same call as a torch operator, so that torch.compile keeps it in its graph (chapter 8):
 # inductor cannot see into C, so the operator says what it returns (`register_fake`) and calls
-# the kernel as it is when the compiled step runs.
-@torch.library.custom_op("minigen::matvec", mutates_args=())
-def matvec_op(x: Tensor, w: Tensor) -> Tensor:
-    """w [n, k] @ x [.., k] with one row of x, on the C kernel -> [n] fp32."""
-    return _gemv(x, w)
+# the kernel as it is when the compiled step runs. Registered on the CPU dispatch key directly:
+# a call costs ~7 us, half of what torch.library.custom_op's wrapper costs, 121 times a step.
+_ops = torch.library.Library("minigen", "DEF")
+_ops.define("matvec(Tensor x, Tensor w) -> Tensor")  # w [n, k] @ x [.., k], one row of x -> [n] fp32
+_ops.impl("matvec", lambda x, w: _gemv(x, w), "CPU")  # looked up at each call (tests may wrap _gemv)
 
 
-@matvec_op.register_fake
+@torch.library.register_fake("minigen::matvec")
 def _(x: Tensor, w: Tensor) -> Tensor:
     return torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+
+
+matvec_op = torch.ops.minigen.matvec
 
 
 def matvec(x: Tensor, w: Tensor) -> Tensor | None:

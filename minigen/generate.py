@@ -163,7 +163,9 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     pad = stop[0] if stop else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
-    with torch.inference_mode():
+    # inference_mode is the fastest eager mode; a compiled step wants no_grad, under which inductor
+    # writes the cache in place (under inference_mode it copied every layer's cache each step).
+    with torch.no_grad() if config.compile else torch.inference_mode():
         cache = make_cache(model, config, B, T + n)
         policy = make_policy(config, cache, observers)
         step = graphs.compiled(decode_step, model) if config.compile else decode_step

@@ -40,6 +40,10 @@ class KVCache:
         shape = (n_layers, batch, n_kv_heads, max_len, head_dim)  # [L, B, Hkv, S, Dh]
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One view per layer, made here: a compiled step that wrote through self.k[layer] would
+        # write into a view of one large input, which torch.compile turns into a copy of all of it
+        # (measured: 10 ms a step instead of 0.4); views it receives ready-made are written in place.
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
         self.max_len = max_len
         self.slot_pos = torch.arange(max_len, device=device)  # [S]: slot s holds position s
         self._input_pos = torch.zeros(1, dtype=torch.long, device=device)  # this step's slots, set by prepare
@@ -62,9 +66,9 @@ class KVCache:
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh] at this step's slots; return all slots [B, Hkv, S, Dh], in the
         cache's own dtype (kv_dtype)."""
-        self.k[layer].index_copy_(2, self._input_pos, k.to(self.k.dtype))
-        self.v[layer].index_copy_(2, self._input_pos, v.to(self.v.dtype))
-        return self.k[layer], self.v[layer]
+        self.k_layers[layer].index_copy_(2, self._input_pos, k.to(self.k.dtype))
+        self.v_layers[layer].index_copy_(2, self._input_pos, v.to(self.v.dtype))
+        return self.k_layers[layer], self.v_layers[layer]
 
     def reset(self) -> None:
         """Nothing to forget: slot s always holds position s (see prepare)."""

@@ -40,6 +40,7 @@ class WindowKVCache:
         S = sink_tokens + window_size
         self.k = torch.zeros(n_layers, batch, n_kv_heads, S, head_dim, dtype=dtype, device=device)  # [L, B, Hkv, S, Dh]
         self.v = torch.zeros_like(self.k)
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views: see kv_cache.py
         self.slot_pos = torch.full((S,), -1, dtype=torch.long, device=device)  # [S]; -1: empty
         self._slots = torch.zeros(1, dtype=torch.long, device=device)  # where this step's tokens go
         self._keep: Tensor | None = None  # a prompt: which of its tokens stay in the buffer
@@ -84,9 +85,9 @@ class WindowKVCache:
         """Write k, v [B, Hkv, T, Dh]; return the keys/values that match the positions of prepare."""
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # stored in the cache's dtype (kv_dtype)
         if self._keep is None:
-            self.k[layer].index_copy_(2, self._slots, k)
-            self.v[layer].index_copy_(2, self._slots, v)
-            return self.k[layer], self.v[layer]
+            self.k_layers[layer].index_copy_(2, self._slots, k)
+            self.v_layers[layer].index_copy_(2, self._slots, v)
+            return self.k_layers[layer], self.v_layers[layer]
         # copy the old buffer before overwriting it: [B, Hkv, S + T, Dh]
         k_all, v_all = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
         self.k[layer].index_copy_(2, self._slots, k[:, :, self._keep])

@@ -12,8 +12,10 @@
  * or without -fopenmp (single-threaded) where the compiler has no OpenMP.
  *
  * bf16 weights (chapter 7): the same loop reads 2 bytes a weight instead of 4 and widens each to
- * fp32 in a register (a bf16 number is the top half of an fp32 one: shift it left by 16 bits), so
- * the activations and every sum stay fp32 while memory delivers half the bytes.
+ * fp32 in a register (a bf16 number is the top half of an fp32 one), so the activations and every
+ * sum stay fp32 while memory delivers half the bytes. 16 weights are loaded as 8 32-bit words:
+ * shifting each word left by 16 gives the even weights as fp32, masking its low half gives the
+ * odd ones, two instructions for 16 weights; x is reordered once per call to match (evens, odds).
  *
  * A shared machine: a parallel region ends when its slowest thread ends. When another process
  * holds a core, one of our two threads may wait a whole scheduler time slice (milliseconds) to
@@ -21,8 +23,13 @@
  * always-parallel decoding fell from 37 to 0.5 tokens/s while one thread kept 3.7. So each
  * region checks whether a thread arrived late; if one did, the next calls run on one thread
  * (no one to wait for), twice as many after each late arrival, and then try two threads again.
+ * One late region is not enough: on a quiet machine about 1 region in 1,500 has a thread a
+ * millisecond late (an interrupt, the hypervisor), while a busy neighbour makes it happen every
+ * few regions. So the kernel backs off at the second late region within 32. A region that starts
+ * after a pause is not judged at all: its threads went to sleep, and waking a core takes time.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #ifdef _OPENMP
@@ -30,18 +37,17 @@
 #endif
 
 typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 /* memcpy: an unaligned vector load, which any compiler turns into one move */
 static inline f32x8 load_f32(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
 static inline float sum8(f32x8 v) { float s = 0.0f; for (int l = 0; l < 8; l++) s += v[l]; return s; }
 
-/* 8 bf16 numbers -> 8 fp32 ones: widen each 16-bit pattern to 32 bits, then shift it to the top */
-static inline f32x8 load_bf16(const uint16_t *p) {
-    u16x8 h; memcpy(&h, p, sizeof h);
-    u32x8 bits = __builtin_convertvector(h, u32x8) << 16;
-    f32x8 v; memcpy(&v, &bits, sizeof v); return v;
+/* 16 bf16 numbers at p -> the 8 even ones and the 8 odd ones as fp32 (little-endian words) */
+static inline void load_bf16x16(const uint16_t *p, f32x8 *even, f32x8 *odd) {
+    u32x8 w; memcpy(&w, p, sizeof w);
+    u32x8 e = w << 16, o = w & 0xFFFF0000u;
+    memcpy(even, &e, sizeof e); memcpy(odd, &o, sizeof o);
 }
 static inline float bf16_to_f32(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
 
@@ -65,22 +71,26 @@ static void rows_f32(const void *Wv, const float *x, float *y, int64_t i, int ro
     }
 }
 
-/* bf16 weights, fp32 x and sums: the loop above with load_bf16 for the weights. */
-static void rows_bf16(const void *Wv, const float *x, float *y, int64_t i, int rows, int64_t k) {
+/* bf16 weights, fp32 x and sums: the loop above, 16 weights a pass. xp is x with each block of 16
+ * reordered as its 8 even then 8 odd elements (gemv_bf16 does it once); the tail is x itself. */
+static void rows_bf16(const void *Wv, const float *xp, float *y, int64_t i, int rows, int64_t k) {
     const uint16_t *W = Wv;
     const uint16_t *w0 = W + i * k, *w1 = rows > 1 ? w0 + k : w0,
                    *w2 = rows > 2 ? w0 + 2 * k : w0, *w3 = rows > 3 ? w0 + 3 * k : w0;
-    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    /* even and odd sums apart: 8 independent chains of multiply-adds keep the FMA units busy */
+    f32x8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, e, o;
     int64_t j = 0;
-    for (; j + 8 <= k; j += 8) {
-        f32x8 xv = load_f32(x + j);
-        a0 += load_bf16(w0 + j) * xv; a1 += load_bf16(w1 + j) * xv;
-        a2 += load_bf16(w2 + j) * xv; a3 += load_bf16(w3 + j) * xv;
+    for (; j + 16 <= k; j += 16) {
+        f32x8 xe = load_f32(xp + j), xo = load_f32(xp + j + 8);
+        load_bf16x16(w0 + j, &e, &o); a0 += e * xe; b0 += o * xo;
+        load_bf16x16(w1 + j, &e, &o); a1 += e * xe; b1 += o * xo;
+        load_bf16x16(w2 + j, &e, &o); a2 += e * xe; b2 += o * xo;
+        load_bf16x16(w3 + j, &e, &o); a3 += e * xe; b3 += o * xo;
     }
-    float s[4] = {sum8(a0), sum8(a1), sum8(a2), sum8(a3)};
+    float s[4] = {sum8(a0 + b0), sum8(a1 + b1), sum8(a2 + b2), sum8(a3 + b3)};
     const uint16_t *w[4] = {w0, w1, w2, w3};
     for (int r = 0; r < rows; r++) {
-        for (int64_t t = j; t < k; t++) s[r] += bf16_to_f32(w[r][t]) * x[t];
+        for (int64_t t = j; t < k; t++) s[r] += bf16_to_f32(w[r][t]) * xp[t];
         y[i + r] = s[r];
     }
 }
@@ -105,10 +115,14 @@ static double now_s(void) {
 }
 
 #define MAX_THREADS 256
-#define LATE_S 200e-6        /* a thread ending this much (and a quarter of the region) after the */
+#define LATE_S 1e-3          /* a thread ending this much (and a quarter of the region) after the */
                              /* first one was not running: memory contention alone never does that */
 #define MAX_BACKOFF 4096     /* calls: about 30 decode steps of a 30-layer model */
+#define PAUSE_S 300e-6       /* since the last region: longer, and the threads may be asleep */
+#define STRIKE_WINDOW 32     /* regions: two late ones this close mean a neighbour, not a hiccup */
 static int64_t single_calls_left = 0, backoff = 0;  /* only the calling (Python) thread writes these */
+static int64_t regions_since_late = STRIKE_WINDOW;
+static double last_end = 0;
 #endif
 
 static void gemv(rows_fn rows, const void *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
@@ -131,10 +145,18 @@ static void gemv(rows_fn rows, const void *W, const float *x, float *y, int64_t 
             last = ended[t] > last ? ended[t] : last;
         }
         double late = LATE_S > 0.25 * (first - start) ? LATE_S : 0.25 * (first - start);
-        if (last - first > late) {  /* a thread was descheduled: run alone for a while */
+        int after_pause = start - last_end > PAUSE_S;
+        last_end = last;
+        regions_since_late++;
+        if (after_pause) {
+            /* not judged (see the top of this file) */
+        } else if (last - first > late) {  /* a thread was not running */
             late_regions++;
-            backoff = backoff ? (2 * backoff < MAX_BACKOFF ? 2 * backoff : MAX_BACKOFF) : 64;
-            single_calls_left = backoff;
+            if (regions_since_late < STRIKE_WINDOW) {  /* twice in a row: run alone for a while */
+                backoff = backoff ? (2 * backoff < MAX_BACKOFF ? 2 * backoff : MAX_BACKOFF) : 64;
+                single_calls_left = backoff;
+            }
+            regions_since_late = 0;
         } else {  /* on time: trust two threads a little more */
             backoff -= backoff / 16;
         }
@@ -152,5 +174,12 @@ void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
 }
 
 void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
-    gemv(rows_bf16, W, x, y, n, k, threads);
+    float *xp = malloc((size_t)k * sizeof *xp);  /* x reordered to match load_bf16x16 */
+    if (!xp) return;
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16)
+        for (int l = 0; l < 8; l++) { xp[j + l] = x[j + 2 * l]; xp[j + 8 + l] = x[j + 2 * l + 1]; }
+    for (; j < k; j++) xp[j] = x[j];
+    gemv(rows_bf16, W, xp, y, n, k, threads);
+    free(xp);
 }
