@@ -244,10 +244,59 @@ def _():
     assert minigen.perplexity(model, ids) == float("inf")
 
 
+@case("perplexity-quantized-default-chunk")
+def _(tiny_model):
+    ids = torch.randint(0, 97, (60,), generator=torch.Generator().manual_seed(0))
+    quantized = minigen.perplexity(tiny_model, ids, quant_bits=4, quant_group_size=8)
+    assert quantized == minigen.perplexity(tiny_model, ids, quant_bits=4, quant_group_size=8, chunk_size=1)
+    assert quantized != minigen.perplexity(tiny_model, ids)
+
+
+# ---------------------------------------------------------------- precision and compilation
+@case("precision-kv-dtype-unknown")
+def _():
+    GenerationConfig(kv_dtype="int8")
+
+
+@case("precision-compute-dtype-unknown")
+def _(tiny_model):
+    tiny_model.precision.replace(compute="float64")
+
+
+@case("compile-not-a-bool")
+def _():
+    GenerationConfig(compile=1)
+
+
+@case("compile-with-paged-cache")
+def _():
+    GenerationConfig(compile=True, cache_chunk_size=16)
+
+
+@case("compile-with-observers")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), compile=True, observers=(lambda layer, probs: None,))
+
+
+@case("cuda-graphs-without-cuda", pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"))
+def _():
+    GenerationConfig(cuda_graphs=True)
+
+
 # ---------------------------------------------------------------- checkpoints and the model cache
 @case("load-dtype-int8")
 def _(tiny_folder):
     minigen.load(tiny_folder, dtype=torch.int8)
+
+
+@case("model-cast-to-bf16")
+def _():
+    hf = tiny_hf("llama", max_position_embeddings=4096)
+    cast, built = minigen.from_hf(hf).to(torch.bfloat16), minigen.from_hf(hf, dtype=torch.bfloat16)
+    assert cast.inv_freq.dtype == torch.float32 and torch.equal(cast.inv_freq, built.inv_freq)
+    ids, pos = torch.tensor([[1, 2, 3]]), torch.arange(4000, 4003)
+    with torch.no_grad():
+        assert torch.equal(cast(ids, pos), built(ids, pos))
 
 
 @case("load-dtype-string")
