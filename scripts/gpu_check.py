@@ -218,9 +218,10 @@ def plot(report: dict, path: Path) -> None:
     models = list(decode["models"])
     modes = list(next(iter(decode["models"].values()))["modes"])
     fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         rates = [decode["models"][m]["modes"][mode]["decode_tokens_per_s"] for m in models]
-        bars = ax.bar([j + 0.27 * (i - 1) for j in range(len(models))], rates, 0.27, label=mode)
+        bars = ax.bar([j + width * (i - (len(modes) - 1) / 2) for j in range(len(models))], rates, width, label=mode)
         ax.bar_label(bars, labels=[f"{decode['models'][m]['modes'][mode]['bandwidth_fraction']:.0%}" for m in models],
                      fontsize=7)
     ax.set_xticks(range(len(models)), models)
