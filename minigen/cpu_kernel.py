@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from .paths import cache_dir
+from .weight_quant import QuantizedWeight
 
 SOURCE = Path(__file__).parent / "csrc" / "gemv.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
@@ -111,6 +112,9 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         for fn in (lib.gemv_f32, lib.gemv_bf16):
             fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
             fn.restype = None
+        lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
+        lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
+        lib.gemv_q8.restype = lib.gemv_q4.restype = None
         lib.gemv_late_regions.restype = i64
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {complaint}")
@@ -190,6 +194,37 @@ def _(x: Tensor, w: Tensor) -> Tensor:
     return torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
 
 
+def _gemv_q(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, group_size: int) -> Tensor:
+    """The C call for int8 codes [n, k] or int4 codes [n, k / 2] with fp16 scales (and minimums)."""
+    n = codes.shape[0]
+    k = codes.shape[1] * (2 if mins is not None else 1)
+    x = x.reshape(k).contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    if mins is None:
+        _lib.gemv_q8(codes.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, group_size,
+                     torch.get_num_threads())
+    else:
+        _lib.gemv_q4(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), x.data_ptr(), y.data_ptr(), n, k,
+                     group_size, torch.get_num_threads())
+    return y
+
+
+_ops.define("matvec_q8(Tensor x, Tensor codes, Tensor scales, int group_size) -> Tensor")
+_ops.define("matvec_q4(Tensor x, Tensor codes, Tensor scales, Tensor mins, int group_size) -> Tensor")
+_ops.impl("matvec_q8", lambda x, codes, scales, G: _gemv_q(x, codes, scales, None, G), "CPU")
+_ops.impl("matvec_q4", lambda x, codes, scales, mins, G: _gemv_q(x, codes, scales, mins, G), "CPU")
+
+
+@torch.library.register_fake("minigen::matvec_q8")
+def _(x: Tensor, codes: Tensor, scales: Tensor, group_size: int) -> Tensor:
+    return torch.empty(codes.shape[0], dtype=torch.float32, device=codes.device)
+
+
+@torch.library.register_fake("minigen::matvec_q4")
+def _(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor, group_size: int) -> Tensor:
+    return torch.empty(codes.shape[0], dtype=torch.float32, device=codes.device)
+
+
 matvec_op = torch.ops.minigen.matvec
 
 
@@ -203,6 +238,8 @@ def matvec(x: Tensor, w: Tensor) -> Tensor | None:
     to them). The sums run in fp32 in another order than torch's: results agree to about 1e-6
     relative.
     """
+    if isinstance(w, QuantizedWeight):  # int8 / int4 codes (chapter 14)
+        return _matvec_quantized(x, w)
     if not (_enabled and w.device.type == "cpu" and x.dtype == torch.float32 and w.dtype in KERNEL_DTYPES
             and w.dim() == 2 and w.is_contiguous()
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
@@ -212,3 +249,19 @@ def matvec(x: Tensor, w: Tensor) -> Tensor | None:
     if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
         return None
     return _gemv(x, w)
+
+
+def _matvec_quantized(x: Tensor, w: QuantizedWeight) -> Tensor | None:
+    """matvec for a QuantizedWeight: the codes meet x in registers (gemv_q8 / gemv_q4)."""
+    if not (_enabled and w.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad):
+        return None
+    mins = w.mins
+    if torch.compiler.is_compiling():
+        if _lib is None:
+            return None
+        if mins is None:
+            return torch.ops.minigen.matvec_q8(x, w.codes, w.scales, w.group_size)
+        return torch.ops.minigen.matvec_q4(x, w.codes, w.scales, mins, w.group_size)
+    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+        return None
+    return _gemv_q(x, w.codes, w.scales, mins, w.group_size)

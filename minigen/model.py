@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from . import cpu_kernel
 from .attention import AttentionPolicy, attend, causal_mask
 from .precision import Precision
+from .weight_quant import QuantizedWeight
 
 
 @dataclass
@@ -149,6 +150,8 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor
         y = cpu_kernel.matvec(x.float(), w)
         if y is not None:
             return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
+    if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): dequantize for the product
+        w = w.dequantize()
     if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
         return F.linear(x.float(), w.float()).to(out_dtype)  # fp32 sums and result
     return F.linear(x, w)

@@ -85,7 +85,7 @@ def meta_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float32
 
 
-def _round(x: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
+def round_to(x: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
     """The closest value of `dtype` <= x (down) or >= x (up); a plain cast rounds to nearest, either way."""
     h = x.to(dtype)
     if dtype == x.dtype:
@@ -114,8 +114,8 @@ def quantize(x: Tensor, bits: int, group_size: int, axis: int = -1,
     # The zero is rounded down and the scale up, so that the grid zero + [0, 2^bits-1] * scale
     # still covers [lo, hi] after rounding: this is what keeps every error within scale / 2. The
     # range is taken in fp64, where hi - lo cannot overflow.
-    zeros = _round(lo, scale_dtype, down=True)
-    scales = _round((hi.double() - zeros.double()) / (2**bits - 1), scale_dtype, down=False)
+    zeros = round_to(lo, scale_dtype, down=True)
+    scales = round_to((hi.double() - zeros.double()) / (2**bits - 1), scale_dtype, down=False)
     step = torch.where(scales > 0, scales.float(), 1.0)  # a constant group has scale 0: every code 0
     codes = ((g - zeros.float().unsqueeze(ax + 1)) / step.unsqueeze(ax + 1)).round_()
     codes = codes.clamp_(0, 2**bits - 1).to(torch.uint8).flatten(ax, ax + 1)  # x's shape

@@ -19,6 +19,13 @@
  * shifting each word left by 16 gives the even weights as fp32, masking its low half gives the
  * odd ones, two instructions for 16 weights; x is reordered once per call to match (evens, odds).
  *
+ * int8 and int4 weights (chapter 14): groups of G weights along a row share a scale (int8, as
+ * GGUF's Q8_0: w = scale * q, q in [-127, 127]) or a scale and a minimum (int4, as GGUF's Q4_1:
+ * w = min + scale * q, q in [0, 15]); int4 codes sit two to a byte, and in each block of 32 weights
+ * byte j holds weight j in its low nibble and weight j + 16 in its high one. The codes become fp32
+ * in registers and meet x there: sum over a group of q * x, times its scale, plus its minimum
+ * times the sum of x over the group (worked out once per call). Scales and minimums are fp16.
+ *
  * A shared machine: a parallel region ends when its slowest thread ends. When another process
  * holds a core, one of our two threads may wait a whole scheduler time slice (milliseconds) to
  * run, and a decode step has ~120 regions: measured on a 2-core CPU next to two busy processes,
@@ -34,12 +41,28 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+
+/* One matrix-vector product: y = W @ x, W [n, k] stored as `kind` says, x [k] fp32. */
+typedef struct {
+    const void *W;             /* fp32 or bf16 weights, or int8 / int4 codes */
+    const uint16_t *scales;    /* int8 / int4: fp16 scale of each group [n, k / G] */
+    const uint16_t *mins;      /* int4: fp16 minimum of each group [n, k / G] */
+    const float *x;            /* fp32 activations [k] (bf16: reordered, see gemv_bf16) */
+    const float *xsum;         /* int4: the sum of x over each group [k / G] */
+    int64_t k, G;
+} Mat;
 
 /* memcpy: an unaligned vector load, which any compiler turns into one move */
 static inline f32x8 load_f32(const float *p) { f32x8 v; memcpy(&v, p, sizeof v); return v; }
@@ -53,11 +76,24 @@ static inline void load_bf16x16(const uint16_t *p, f32x8 *even, f32x8 *odd) {
 }
 static inline float bf16_to_f32(uint16_t h) { uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f; }
 
+/* IEEE fp16 bits -> float, subnormals included (scales of tiny groups can be subnormal); one
+ * instruction where the CPU has F16C (x86 since 2012), a few integer operations elsewhere */
+static inline float f16_to_f32(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#endif
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) bits = sign | 0x7F800000u | (man << 13);               /* inf, nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);        /* normal */
+    else { float f = (float)man * (1.0f / 16777216.0f); memcpy(&bits, &f, 4); bits |= sign; }  /* 2^-24 */
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
 /* fp32: y[i] = W[i, :] @ x, 32 weights a pass into four sums (independent multiply-add chains) */
-static void row_f32(const void *Wv, const float *x, float *y, int64_t i, int64_t k) {
-    const float *w = (const float *)Wv + i * k;
+static void row_f32(const Mat *m, float *y, int64_t i) {
+    const float *w = (const float *)m->W + i * m->k, *x = m->x;
+    int64_t k = m->k, j = 0;
     f32x8 a = {0}, b = {0}, c = {0}, d = {0};
-    int64_t j = 0;
     for (; j + 32 <= k; j += 32) {
         a += load_f32(w + j) * load_f32(x + j);
         b += load_f32(w + j + 8) * load_f32(x + j + 8);
@@ -70,12 +106,13 @@ static void row_f32(const void *Wv, const float *x, float *y, int64_t i, int64_t
     y[i] = s;
 }
 
-/* bf16 weights, fp32 x and sums: 32 weights a pass. xp is x with each block of 16 reordered as its
- * 8 even then 8 odd elements (gemv_bf16 does it once); the tail past the last block is x itself. */
-static void row_bf16(const void *Wv, const float *xp, float *y, int64_t i, int64_t k) {
-    const uint16_t *w = (const uint16_t *)Wv + i * k;
+/* bf16 weights, fp32 x and sums: 32 weights a pass. x is reordered: each block of 16 as its 8 even
+ * then 8 odd elements (gemv_bf16 does it once); the tail past the last block is x itself. */
+static void row_bf16(const Mat *m, float *y, int64_t i) {
+    const uint16_t *w = (const uint16_t *)m->W + i * m->k;
+    const float *xp = m->x;
+    int64_t k = m->k, j = 0;
     f32x8 a = {0}, b = {0}, c = {0}, d = {0}, e, o;
-    int64_t j = 0;
     for (; j + 32 <= k; j += 32) {
         load_bf16x16(w + j, &e, &o);
         a += e * load_f32(xp + j); b += o * load_f32(xp + j + 8);
@@ -91,11 +128,77 @@ static void row_bf16(const void *Wv, const float *xp, float *y, int64_t i, int64
     y[i] = s;
 }
 
-typedef void (*row_fn)(const void *W, const float *x, float *y, int64_t i, int64_t k);
+/* 8 codes -> 8 fp32 numbers, through 32-bit integers (two vector instructions; a direct 8-bit to
+ * float conversion compiles to eight scalar ones) */
+static inline f32x8 i8_to_f32(const int8_t *p) {
+#ifdef __AVX2__  /* GCC lowers the generic form below to eight inserts here: say vpmovsxbd directly */
+    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    f32x8 f; memcpy(&f, &v, sizeof f); return f;
+#else
+    i8x8 q; memcpy(&q, p, 8);
+    return __builtin_convertvector(__builtin_convertvector(q, i32x8), f32x8);
+#endif
+}
+static inline f32x8 u8_to_f32(u8x8 q) { return __builtin_convertvector(__builtin_convertvector(q, i32x8), f32x8); }
+
+/* int8 weights: a group of G codes, summed against x, then scaled once (G a multiple of 32) */
+static void row_q8(const Mat *m, float *y, int64_t i) {
+    const int8_t *q = (const int8_t *)m->W + i * m->k;
+    const uint16_t *scale = m->scales + i * (m->k / m->G);
+    const float *x = m->x;
+    f32x8 acc = {0};
+    for (int64_t g = 0, j = 0; j < m->k; g++) {
+        f32x8 a = {0}, b = {0};
+        for (int64_t end = j + m->G; j < end; j += 16) {
+            a += i8_to_f32(q + j) * load_f32(x + j);
+            b += i8_to_f32(q + j + 8) * load_f32(x + j + 8);
+        }
+        acc += (a + b) * f16_to_f32(scale[g]);
+    }
+    y[i] = sum8(acc);
+}
+
+/* A block of 32 int4 codes (16 bytes) -> 4 x 8 fp32 numbers: weights 0-7, 8-15, 16-23, 24-31 */
+static inline void load_q4x32(const uint8_t *p, f32x8 *w0, f32x8 *w1, f32x8 *w2, f32x8 *w3) {
+#ifdef __AVX2__  /* x86 has no byte shift: shift 16-bit lanes and mask, then widen 8 bytes at a time */
+    __m128i b = _mm_loadu_si128((const __m128i *)p), nib = _mm_set1_epi8(0x0F);
+    __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    __m256 v0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), v1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    __m256 v2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), v3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    memcpy(w0, &v0, 32); memcpy(w1, &v1, 32); memcpy(w2, &v2, 32); memcpy(w3, &v3, 32);
+#else
+    u8x8 lo, hi;
+    memcpy(&lo, p, 8); memcpy(&hi, p + 8, 8);  /* bytes 0-7 and 8-15 */
+    *w0 = u8_to_f32(lo & 0xF); *w1 = u8_to_f32(hi & 0xF); *w2 = u8_to_f32(lo >> 4); *w3 = u8_to_f32(hi >> 4);
+#endif
+}
+
+/* int4 weights: each block of 32 is 16 bytes, weight j in the low nibble of byte j and weight
+ * j + 16 in its high one; per group, scale * sum(q * x) + min * sum(x) */
+static void row_q4(const Mat *m, float *y, int64_t i) {
+    const uint8_t *q = (const uint8_t *)m->W + i * (m->k / 2);
+    const uint16_t *scale = m->scales + i * (m->k / m->G), *mins = m->mins + i * (m->k / m->G);
+    const float *x = m->x;
+    f32x8 acc = {0}, w0, w1, w2, w3;
+    float from_mins = 0.0f;
+    for (int64_t g = 0, j = 0; j < m->k; g++) {
+        f32x8 a = {0}, b = {0}, c = {0}, d = {0};  /* four multiply-add chains */
+        for (int64_t end = j + m->G; j < end; j += 32) {
+            load_q4x32(q + j / 2, &w0, &w1, &w2, &w3);
+            a += w0 * load_f32(x + j); b += w1 * load_f32(x + j + 8);
+            c += w2 * load_f32(x + j + 16); d += w3 * load_f32(x + j + 24);
+        }
+        acc += ((a + b) + (c + d)) * f16_to_f32(scale[g]);
+        from_mins += f16_to_f32(mins[g]) * m->xsum[g];
+    }
+    y[i] = sum8(acc) + from_mins;
+}
+
+typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
 
 /* rows [first, end) of y */
-static void rows(row_fn row, const void *W, const float *x, float *y, int64_t k, int64_t first, int64_t end) {
-    for (int64_t i = first; i < end; i++) row(W, x, y, i, k);
+static void rows(row_fn row, const Mat *m, float *y, int64_t first, int64_t end) {
+    for (int64_t i = first; i < end; i++) row(m, y, i);
 }
 
 static int64_t late_regions = 0;  /* read by cpu_kernel.py for its report */
@@ -119,7 +222,7 @@ static int64_t regions_since_late = STRIKE_WINDOW;
 static double last_end = 0;
 #endif
 
-static void gemv(row_fn row, const void *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
+static void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads) {
 #ifdef _OPENMP
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     if (threads > 1 && single_calls_left == 0 && n >= 16 * threads) {
@@ -129,7 +232,7 @@ static void gemv(row_fn row, const void *W, const float *x, float *y, int64_t n,
         {
             int t = omp_get_thread_num(), nt = omp_get_num_threads();
             if (t == 0) team = nt;
-            rows(row, W, x, y, k, n * t / nt, n * (t + 1) / nt);  /* a fixed split: each thread its own rows */
+            rows(row, m, y, n * t / nt, n * (t + 1) / nt);  /* a fixed split: each thread its own rows */
             ended[t] = now_s();
         }
         double first = ended[0], last = ended[0];
@@ -159,11 +262,12 @@ static void gemv(row_fn row, const void *W, const float *x, float *y, int64_t n,
 #else
     (void)threads;
 #endif
-    rows(row, W, x, y, k, 0, n);
+    rows(row, m, y, 0, n);
 }
 
 void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
-    gemv(row_f32, W, x, y, n, k, threads);
+    Mat m = {W, NULL, NULL, x, NULL, k, 0};
+    gemv(row_f32, &m, y, n, threads);
 }
 
 void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
@@ -173,6 +277,29 @@ void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k
     for (; j + 16 <= k; j += 16)
         for (int l = 0; l < 8; l++) { xp[j + l] = x[j + 2 * l]; xp[j + 8 + l] = x[j + 2 * l + 1]; }
     for (; j < k; j++) xp[j] = x[j];
-    gemv(row_bf16, W, xp, y, n, k, threads);
+    Mat m = {W, NULL, NULL, xp, NULL, k, 0};
+    gemv(row_bf16, &m, y, n, threads);
     free(xp);
+}
+
+/* int8 codes [n, k], fp16 scales [n, k / G]; G a multiple of 32 that divides k */
+void gemv_q8(const int8_t *codes, const uint16_t *scales, const float *x, float *y, int64_t n, int64_t k,
+             int64_t G, int threads) {
+    Mat m = {codes, scales, NULL, x, NULL, k, G};
+    gemv(row_q8, &m, y, n, threads);
+}
+
+/* int4 codes [n, k / 2], fp16 scales and minimums [n, k / G]; G a multiple of 32 that divides k */
+void gemv_q4(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y,
+             int64_t n, int64_t k, int64_t G, int threads) {
+    float *xsum = malloc((size_t)(k / G) * sizeof *xsum);  /* sum of x over each group, for the minimums */
+    if (!xsum) return;
+    for (int64_t g = 0; g < k / G; g++) {
+        float s = 0.0f;
+        for (int64_t j = g * G; j < (g + 1) * G; j++) s += x[j];
+        xsum[g] = s;
+    }
+    Mat m = {codes, scales, mins, x, xsum, k, G};
+    gemv(row_q4, &m, y, n, threads);
+    free(xsum);
 }

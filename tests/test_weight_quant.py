@@ -1,0 +1,139 @@
+"""Weight-only int8 / int4 quantization (minigen/weight_quant.py) and its C kernels.
+
+Oracles: each weight written back the obvious way (zero + code * scale) within half a step; the
+kernel against F.linear on the dequantized matrix; SmolLM2's perplexity with a stated bound; the
+GGUF the course ships (its linear layers are Q4_1, its embedding Q8_0), whose values int4 and int8
+groups of 32 reproduce.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minigen
+from conftest import tiny_hf
+from minigen import ConfigError, cpu_kernel
+from minigen.weight_quant import QuantizedWeight, pack4, quantize_matrix, quantize_weights, unpack4, weight_bytes
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+needs_cc = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
+
+
+@settings(max_examples=40, deadline=None)
+@given(bits=st.sampled_from([8, 4]), n=st.integers(1, 40), groups=st.integers(1, 4),
+       group_size=st.sampled_from([32, 64]), scale=st.sampled_from([1e-3, 1.0, 50.0]), seed=st.integers(0, 2**16))
+def test_every_weight_comes_back_within_half_a_step(bits, n, groups, group_size, scale, seed):
+    w = torch.randn(n, groups * group_size, generator=torch.Generator().manual_seed(seed)) * scale
+    q = quantize_matrix(w, bits, group_size)
+    back = q.dequantize()
+    step = q.scales.float().repeat_interleave(group_size, dim=1)
+    # half a step, plus fp32 rounding of min + code * scale (2^-22 of the larger magnitude)
+    bound = step / 2 + 2**-22 * (w.abs() + (q.mins.float().abs().repeat_interleave(group_size, 1)
+                                            if q.mins is not None else 0)) + 1e-30
+    assert ((back - w).abs() <= bound).all()
+    assert q.codes.dtype == (torch.int8 if bits == 8 else torch.uint8) and q.scales.dtype == torch.float16
+    assert q.nbytes == n * groups * group_size * bits // 8 + (2 if bits == 8 else 4) * n * groups
+
+
+def test_pack4_puts_weight_j_and_j_plus_16_in_one_byte():
+    codes = torch.arange(32, dtype=torch.uint8) % 16  # [0..15, 0..15]
+    packed = pack4(codes[None])[0]
+    assert packed.tolist() == [j | (j << 4) for j in range(16)]
+    rnd = torch.randint(0, 16, (3, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack4(pack4(rnd)), rnd)
+
+
+@needs_cc
+@settings(max_examples=30, deadline=None)
+@given(bits=st.sampled_from([8, 4]), n=st.integers(1, 70), groups=st.integers(1, 5),
+       group_size=st.sampled_from([32, 64]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_kernel_equals_the_dequantized_product(bits, n, groups, group_size, threads, seed):
+    """Every shape class: n not a multiple of anything (each thread's share of rows ends anywhere),
+    one group or several per row; 1 and 2 threads. fp32 sums in another order: ~1e-6 relative."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, groups * group_size, generator=g), torch.randn(groups * group_size, generator=g)
+    q = quantize_matrix(w, bits, group_size)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = cpu_kernel.matvec(x, q)
+    finally:
+        torch.set_num_threads(before)
+    assert y is not None and y.dtype == torch.float32
+    torch.testing.assert_close(y, F.linear(x, q.dequantize()), atol=1e-4, rtol=1e-5)
+
+
+def test_a_quantized_model_decodes_through_the_kernel_and_prefills_dequantized():
+    hf = tiny_hf("llama", hidden_size=64)
+    model = quantize_weights(minigen.from_hf(hf), bits=4)
+    assert isinstance(model.blocks[0].attn.wqkv, QuantizedWeight) and isinstance(model.lm_head, QuantizedWeight)
+    assert model.lm_head.bits == 8 and model.blocks[0].mlp.w_down.bits == 4
+    # the oracle: the float model holding exactly the dequantized weights
+    ref = minigen.from_hf(hf)
+    with torch.no_grad():
+        for (m, name), (rm, _) in zip(minigen.weight_quant.linear_weights(model), minigen.weight_quant.linear_weights(ref)):
+            getattr(rm, name).copy_(getattr(m, name).dequantize())
+        ref.lm_head.copy_(model.lm_head.dequantize())
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids, torch.arange(10)), ref(ids, torch.arange(10)), atol=1e-4, rtol=1e-4)
+    out = minigen.generate(model, ids, max_new_tokens=12, stop_token_ids=[]).tokens
+    assert torch.equal(out, minigen.generate(ref, ids, max_new_tokens=12, stop_token_ids=[]).tokens)
+
+
+def test_a_tied_head_is_the_embedding_quantized_once():
+    hf = tiny_hf("llama", hidden_size=64, tie_word_embeddings=True)
+    model = quantize_weights(minigen.from_hf(hf), bits=4)
+    assert model.lm_head is None and isinstance(model.embed, QuantizedWeight) and model.head is model.embed
+    ids = torch.tensor([[3, 7]])
+    torch.testing.assert_close(model.embed[ids], model.embed.dequantize()[ids])  # lookups dequantize rows
+    linear = sum(getattr(m, n).nbytes for m, n in minigen.weight_quant.linear_weights(model))
+    norms = sum(p.nbytes for p in model.parameters())
+    assert weight_bytes(model) == linear + model.embed.nbytes + norms
+
+
+@pytest.mark.parametrize("call, fragment", [
+    (lambda m: quantize_weights(m, bits=3), "bits=3 is invalid: weights are quantized to 8 or 4 bits"),
+    (lambda m: quantize_weights(m, bits=4, group_size=48), "group_size=48 is invalid: use a multiple of 32"),
+    (lambda m: quantize_weights(m, bits=4, group_size=128), "group_size=128 does not divide the input width 64"),
+    (lambda m: quantize_weights(quantize_weights(m, bits=4), bits=8), "already quantized"),
+])
+def test_bad_quantization_settings_name_the_fix(call, fragment):
+    model = minigen.from_hf(tiny_hf("llama", hidden_size=64))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=fragment):
+        call(model)
+    if "already" not in fragment:  # a refusal changes nothing
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_load_takes_weight_bits():
+    with pytest.raises(ConfigError, match="weight_bits=2 is invalid"):
+        minigen.load("smollm2-135m", weight_bits=2)
+
+
+# ---------------------------------------------------------------- SmolLM2
+@pytest.mark.slow
+def test_smollm2_quality_and_the_shipped_values(smollm2, english_text_ids):
+    """Perplexity on 512 tokens of English: int8 within +0.5% of fp32, int4 within +3%. The fp32
+    weights are the shipped GGUF's Q4_1 (linear layers) and Q8_0 (embedding) values, so int4 and
+    int8 groups of 32 give most of them back exactly."""
+    from minigen.loading import build_model, read_config, read_safetensors, resolve_folder
+    folder = resolve_folder("smollm2-135m")
+    cfg, state = read_config(folder), read_safetensors(folder)
+    fp32, _ = smollm2
+    ids = english_text_ids[:512]
+    base = minigen.score(fp32, ids)
+    for bits, bound in ((8, 0.005), (4, 0.03)):
+        model = quantize_weights(build_model(cfg, state), bits)
+        s = minigen.score(model, ids)
+        assert s.perplexity <= base.perplexity * (1 + bound), (bits, s.perplexity, base.perplexity)
+        assert (s.top1 == base.top1).float().mean() >= 0.95
+        if bits == 4:  # the Q4_1 values come back: at most half of the smallest step off
+            w = fp32.blocks[0].mlp.w_down
+            assert (model.blocks[0].mlp.w_down.dequantize() - w).abs().max() < 1e-3
+            assert torch.equal(model.embed.dequantize(), fp32.embed)  # Q8_0: every value exactly
