@@ -56,7 +56,7 @@ def cmd_generate(args) -> None:
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
-    model, tok = load(args.model, dtype=args.dtype)
+    model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)
     if args.chat and tok.chat_template is None:
@@ -97,7 +97,8 @@ def cmd_bench(args) -> None:
     config = _config(args)
     result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
-                       compute_dtype=args.compute_dtype)
+                       compute_dtype=args.compute_dtype, weight_bits=args.weight_bits,
+                       llama_cpp="llama.cpp" in args.engine)
     print_report(result)
     if args.json:
         try:
@@ -142,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
     g.add_argument("--seed", type=int, help="seed of the sampler")
+    g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
     _add_config_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -156,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median is reported)")
     b.add_argument("--json", help="write the results to this JSON file")
     b.add_argument("--no-baseline", action="store_true", help="skip transformers (minigen only)")
+    b.add_argument("--weight-bits", type=int, choices=[8, 4],
+                   help="quantize minigen's weights to int8 or int4 (the run also times minigen unquantized)")
+    b.add_argument("--engine", action="append", default=[], choices=["llama.cpp"],
+                   help="add an engine: llama.cpp (llama-cpp-python, on the bundled GGUF), when installed")
     _add_config_args(b)
     b.set_defaults(func=cmd_bench)
 

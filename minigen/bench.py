@@ -17,6 +17,7 @@ difference that comes out zero or negative raises BenchError instead of printing
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import statistics
@@ -32,6 +33,10 @@ from .config import GenerationConfig
 from .errors import BenchError
 from .generate import generate
 from .precision import DTYPES, dtype_of
+from .weight_quant import check_weight_bits, quantize_weights
+from .weight_quant import weight_bytes as packed_weight_bytes
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 TEXT = Path(__file__).parent / "data" / "english.txt"
 # Below this the N-token run is within a prefill's noise of the 1-token run: with 4 tokens on
@@ -176,7 +181,8 @@ def _lifetime_peak_rss() -> int:
 
 # ---------------------------------------------------------------- bytes per token
 def weight_bytes(module: torch.nn.Module) -> int:
-    return sum(p.nbytes for p in module.parameters())
+    """Bytes of the weights, packed ones included (weight_quant.weight_bytes), each tensor once."""
+    return packed_weight_bytes(module)
 
 
 def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) -> int:
@@ -184,7 +190,7 @@ def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) ->
     cached tokens. Of the embedding table a step reads one row, unless the output head is tied
     to it: then the head's matrix-vector product reads all of it."""
     cfg = model.config
-    weights = weight_bytes(model)
+    weights = weight_bytes(model)  # int8 / int4 weights: their packed bytes
     if model.lm_head is not None:
         weights -= model.embed.nbytes - model.embed[0].nbytes
     if model.pos_embed is not None:
@@ -259,17 +265,24 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
 
 def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None = None, prompt_len: int = 64,
               new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
-              baseline: bool = True, compute_dtype: torch.dtype | str | None = None) -> dict:
+              baseline: bool = True, compute_dtype: torch.dtype | str | None = None,
+              weight_bits: int | None = None, llama_cpp: bool = False) -> dict:
     """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict.
 
     compute_dtype: minigen's activations (precision.py; default fp32 on a CPU). transformers runs
-    in the weights' dtype. Every setting is checked before the weights load: the run sizes, then
-    the model's context."""
+    in the weights' dtype. weight_bits (8 or 4) quantizes minigen's weights (weight_quant.py) and
+    adds minigen in the unquantized dtype to the same run, for the ratio. llama_cpp adds llama.cpp
+    (llama-cpp-python) on the bundled GGUF. Every setting is checked before the weights load: the
+    run sizes, then the model's context."""
     from tqdm.auto import tqdm
     from .cache import check_for_model
     from .loading import build_model, check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)
     dtype = check_dtype(dtype)
+    if weight_bits is not None:
+        check_weight_bits(weight_bits, "--weight-bits")
+    if llama_cpp:
+        check_llama_cpp(model_name)
     compute = dtype_of(compute_dtype, "compute_dtype") if compute_dtype is not None else None
     config = config or GenerationConfig()
     if config.do_sample:
@@ -284,20 +297,28 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     check_for_model(config, model_config)  # e.g. a quant_group_size that the head dim refuses
     tokenizer = load_tokenizer(folder)
     ids = prompt_ids(tokenizer, prompt_len)
-    model = build_model(model_config, read_safetensors(folder), dtype)
+    state = read_safetensors(folder)
+    model = build_model(model_config, state, dtype)
     if compute is not None:
         model.precision = model.precision.replace(compute=compute)
     hw = hardware_info()
-    progress = tqdm(total=repeats * (2 if baseline else 1), desc="bench", unit="run")
     compile_s = []
 
-    def run_minigen(n: int):
-        out = generate(model, ids, config, max_new_tokens=n)
-        run_minigen.kv = out.stats.kv_cache_bytes
-        compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
-        return out.tokens
+    def minigen_engine(m):
+        def run(n: int):
+            out = generate(m, ids, config, max_new_tokens=n)
+            run.kv = out.stats.kv_cache_bytes
+            compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
+            return out.tokens
+        return run
 
-    runs, modules = {"minigen": run_minigen}, {"minigen": model}
+    runs, modules = {}, {}
+    if weight_bits is not None:  # the same run holds minigen unquantized, for the ratio
+        runs[f"minigen {_DTYPE_NAMES[dtype]}"], modules[f"minigen {_DTYPE_NAMES[dtype]}"] = minigen_engine(model), model
+        model = quantize_weights(build_model(model_config, state, dtype), weight_bits)
+        if compute is not None:
+            model.precision = model.precision.replace(compute=compute)
+    runs["minigen"], modules["minigen"] = minigen_engine(model), model
     if baseline:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
@@ -313,23 +334,36 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
             return out.sequences
 
         runs["transformers"], modules["transformers"] = run_hf, hf
+    if llama_cpp:
+        runs["llama.cpp"] = llama_cpp_engine(ids, prompt_len + new_tokens)
+    progress = tqdm(total=repeats * len(runs), desc="bench", unit="run")
     engines = _time_engines(runs, new_tokens, repeats, progress)
     progress.close()
     for name, r in engines.items():  # `run(n)` leaves its KV bytes in `run.kv`
-        r.update(weight_bytes=weight_bytes(modules[name]), kv_cache_bytes=runs[name].kv,
-                 peak_memory_bytes=weight_bytes(modules[name]) + r["run_peak_added_bytes"])
+        held = weight_bytes(modules[name]) if name in modules else runs[name].weights
+        r.update(weight_bytes=held, kv_cache_bytes=runs[name].kv, peak_memory_bytes=held + r["run_peak_added_bytes"])
 
     kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
-    per_token = bytes_per_decode_step(model, prompt_len + new_tokens // 2, kv_elem)
+    context = prompt_len + new_tokens // 2
+    per_token = bytes_per_decode_step(model, context, kv_elem)  # minigen's: packed weights when quantized
     roofline = hw["memory_read_gb_s"] * 1e9 / per_token
     result = {"hardware": hw, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
-              "precision": model.precision.describe(model.dtype), "compile_s": max(compile_s),
-              "prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
-              "config": config.to_dict(), "exact": exact(config), "bytes_per_token": per_token,
-              "roofline_tokens_per_s": roofline, "engines": {}}
-    for name, r in engines.items():
-        r["roofline_fraction"] = r["decode_tokens_per_s"] / roofline
+              "weight_bits": weight_bits, "precision": model.precision.describe(model.dtype),
+              "compile_s": max(compile_s), "prompt_len": prompt_len, "new_tokens": new_tokens,
+              "repeats": repeats, "config": config.to_dict(), "exact": exact(config) and weight_bits is None,
+              "bytes_per_token": per_token, "roofline_tokens_per_s": roofline, "engines": {}}
+    for name, r in engines.items():  # each engine against the bytes its own step reads
+        step_bytes = bytes_per_decode_step(modules[name], context, kv_elem) if name in modules \
+            else runs[name].weights + context * model.config.kv_bytes_per_token(2)
+        r["bytes_per_token"] = step_bytes
+        r["roofline_fraction"] = r["decode_tokens_per_s"] * step_bytes / (hw["memory_read_gb_s"] * 1e9)
         result["engines"][name] = {k: v for k, v in r.items() if k != "tokens"}
+    if weight_bits is not None:
+        reference = result["engines"][f"minigen {_DTYPE_NAMES[dtype]}"]["decode_tokens_per_s"]
+        result["speedup_vs_unquantized"] = result["engines"]["minigen"]["decode_tokens_per_s"] / reference
+    if llama_cpp:
+        result["speedup_vs_llama_cpp"] = (result["engines"]["minigen"]["decode_tokens_per_s"]
+                                          / result["engines"]["llama.cpp"]["decode_tokens_per_s"])
     if baseline:
         a, b = engines["minigen"]["tokens"], engines["transformers"]["tokens"]
         match = (a[:, prompt_len:] == b[:, prompt_len:]).float().mean().item()
@@ -343,6 +377,39 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     return result
 
 
+# ---------------------------------------------------------------- llama.cpp, as an optional engine
+def check_llama_cpp(model_name: str) -> None:
+    """llama.cpp runs the bundled GGUF through llama-cpp-python, when it is installed."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise BenchError("--engine llama.cpp needs llama-cpp-python, which is not installed: pip install "
+                         "llama-cpp-python (it builds llama.cpp from source; minigen's tests do not need it)")
+    if model_name.lower() not in ("smollm2-135m", "smollm2-135m-instruct"):
+        raise BenchError(f"--engine llama.cpp runs the bundled GGUF of 'smollm2-135m', not {model_name!r}")
+
+
+def llama_cpp_engine(ids: torch.Tensor, context: int):
+    """run(n) -> tokens [1, T + n]: llama.cpp's greedy decoding of the prompt, on the Q4_1 GGUF file."""
+    from llama_cpp import Llama
+    from .loading import default_gguf_path
+    path = default_gguf_path()
+    llm = Llama(model_path=str(path), n_ctx=context + 8, n_threads=torch.get_num_threads(),
+                n_threads_batch=torch.get_num_threads(), verbose=False)
+    prompt = ids[0].tolist()
+
+    def run(n: int):
+        llm.reset()
+        out = list(prompt)
+        for i, token in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            out.append(int(token))
+            if i + 1 == n:
+                break
+        return torch.tensor([out])
+
+    run.kv = 0  # llama.cpp sizes its own cache; not counted here
+    run.weights = path.stat().st_size
+    return run
+
+
 def print_report(result: dict) -> None:
     hw = result["hardware"]
     print(f"\nhardware: {hw['cpu']} | {hw['threads']} threads | torch {hw['torch']} | GPU: {hw['gpu'] or 'none'}")
@@ -354,14 +421,23 @@ def print_report(result: dict) -> None:
         print(f"minigen's precision: {result['precision']}"
               + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
                  if result.get("compile_s") else ""))
-    print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'peak MiB':>10}{'KV MiB':>9}{'of roofline':>13}")
+    if result.get("weight_bits"):
+        print(f"minigen's weights: int{result['weight_bits']} (linear layers; the output head int8), "
+              f"packed: the roofline counts the packed bytes")
+    print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'peak MiB':>10}{'KV MiB':>9}{'MB/step':>9}"
+          f"{'of roofline':>13}")
     for name, r in result["engines"].items():
         print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}"
               f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['kv_cache_bytes'] / 2**20:>9.2f}"
-              f"{r['roofline_fraction']:>12.0%}")
+              f"{r.get('bytes_per_token', result['bytes_per_token']) / 1e6:>9.0f}{r['roofline_fraction']:>12.0%}")
     print(f"memory read bandwidth (measured now): {hw['memory_read_gb_s']:.1f} GB/s; "
-          f"bytes per decode step: {result['bytes_per_token'] / 1e6:.0f} MB; "
+          f"bytes per decode step (minigen): {result['bytes_per_token'] / 1e6:.0f} MB; "
           f"roofline: {result['roofline_tokens_per_s']:.1f} tok/s")
+    if "speedup_vs_unquantized" in result:
+        print(f"minigen int{result['weight_bits']} / minigen {result['dtype']} decode: "
+              f"{result['speedup_vs_unquantized']:.2f}x (same run)")
+    if "speedup_vs_llama_cpp" in result:
+        print(f"minigen / llama.cpp decode: {result['speedup_vs_llama_cpp']:.2f}x")
     if "speedup" in result:
         print(f"minigen / transformers decode: {result['speedup']:.2f}x; greedy tokens agree: "
               f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'}"

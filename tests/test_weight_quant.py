@@ -137,3 +137,26 @@ def test_smollm2_quality_and_the_shipped_values(smollm2, english_text_ids):
             w = fp32.blocks[0].mlp.w_down
             assert (model.blocks[0].mlp.w_down.dequantize() - w).abs().max() < 1e-3
             assert torch.equal(model.embed.dequantize(), fp32.embed)  # Q8_0: every value exactly
+
+
+def test_bench_times_the_quantized_model_beside_the_float_one(tmp_path):
+    from minigen import bench
+    from test_loading import save_tiny_tokenizer
+    tiny_hf("llama", hidden_size=64).save_pretrained(tmp_path / "tiny")
+    save_tiny_tokenizer(tmp_path / "tiny")
+    result = bench.run_bench(str(tmp_path / "tiny"), prompt_len=8, new_tokens=96, repeats=3, baseline=False,
+                             weight_bits=4)
+    engines = result["engines"]
+    assert set(engines) == {"minigen fp32", "minigen"} and result["speedup_vs_unquantized"] > 0
+    # the roofline counts each engine's own bytes: the packed weights are far fewer
+    assert engines["minigen"]["bytes_per_token"] < 0.5 * engines["minigen fp32"]["bytes_per_token"]
+    assert not result["exact"]
+
+
+def test_llama_cpp_engine_needs_its_package():
+    import importlib.util
+    from minigen import BenchError, bench
+    if importlib.util.find_spec("llama_cpp") is not None:
+        pytest.skip("llama-cpp-python is installed here")
+    with pytest.raises(BenchError, match="pip install llama-cpp-python"):
+        bench.check_llama_cpp("smollm2-135m")
