@@ -352,9 +352,14 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
               "compile_s": max(compile_s), "prompt_len": prompt_len, "new_tokens": new_tokens,
               "repeats": repeats, "config": config.to_dict(), "exact": exact(config) and weight_bits is None,
               "bytes_per_token": per_token, "roofline_tokens_per_s": roofline, "engines": {}}
+    floats = modules.get(f"minigen {_DTYPE_NAMES[dtype]}", model)  # the unquantized weights transformers reads too
     for name, r in engines.items():  # each engine against the bytes its own step reads
-        step_bytes = bytes_per_decode_step(modules[name], context, kv_elem) if name in modules \
-            else runs[name].weights + context * model.config.kv_bytes_per_token(2)
+        if name.startswith("minigen"):
+            step_bytes = bytes_per_decode_step(modules[name], context, kv_elem)
+        elif name == "transformers":
+            step_bytes = bytes_per_decode_step(floats, context, kv_elem)
+        else:  # llama.cpp: the GGUF file's weights and an fp16 cache
+            step_bytes = runs[name].weights + context * model.config.kv_bytes_per_token(2)
         r["bytes_per_token"] = step_bytes
         r["roofline_fraction"] = r["decode_tokens_per_s"] * step_bytes / (hw["memory_read_gb_s"] * 1e9)
         result["engines"][name] = {k: v for k, v in r.items() if k != "tokens"}
