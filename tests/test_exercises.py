@@ -164,3 +164,61 @@ def test_quantized_cache_bytes_counts_an_fp16_models_cache():
         ch04.check_quantized_cache_bytes(lambda *args: ch04._mistaken_bytes(*args, window_bytes=4))
     with pytest.raises(ExerciseFailed, match="scale and zero"):
         ch04.check_quantized_cache_bytes(lambda *args: ch04._mistaken_bytes(*args, meta_numbers=0))
+
+
+# ---------------------------------------------------------------- chapter 7
+def test_round_to_bf16():
+    from minigen.exercises import ch07
+    assert ch07.check_round_to_bf16(ch07.solution_round_to_bf16)
+
+    def unsigned_top(x, bias):  # the top 16 bits after adding `bias`, as a bf16 tensor
+        top = ((ch07._as_unsigned(x) + bias) >> 16) & 0xFFFF
+        return torch.where(top >= 0x8000, top - 0x10000, top).to(torch.int16).view(torch.bfloat16)
+
+    with pytest.raises(ExerciseFailed, match="truncates"):
+        ch07.check_round_to_bf16(lambda x: unsigned_top(x, 0))
+    with pytest.raises(ExerciseFailed, match="ties away from zero"):  # NaN kept, so the tie case is the one to fail
+        ch07.check_round_to_bf16(lambda x: torch.where(x.isnan(), x.to(torch.bfloat16), unsigned_top(x, 0x8000)))
+    with pytest.raises(ExerciseFailed, match="NaN must stay NaN"):  # right rounding, NaN carried into the sign
+        ch07.check_round_to_bf16(lambda x: unsigned_top(x, 0x7FFF + ((ch07._as_unsigned(x) >> 16) & 1)))
+    with pytest.raises(ExerciseFailed, match="torch.bfloat16 tensor"):
+        ch07.check_round_to_bf16(lambda x: x.half())
+
+
+def test_round_mantissa_is_ieee_rounding():
+    """round_mantissa against torch's own conversions: 7 bits is bf16 (whole fp32 range), 10 bits is
+    fp16 inside fp16's normal range (TF32 has fp16's mantissa and fp32's exponent), 23 is the identity."""
+    from minigen.exercises import ch07
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(4096, generator=g) * 10.0 ** (torch.rand(4096, generator=g) * 60 - 30)
+    assert torch.equal(ch07.round_mantissa(wide, 7), wide.to(torch.bfloat16).float())
+    normal = torch.randn(4096, generator=g) * 100  # |x| in fp16's normal range, up to ~400
+    normal = normal[normal.abs() > 1e-4]
+    assert torch.equal(ch07.round_mantissa(normal, 10), normal.half().float())
+    assert torch.equal(ch07.round_mantissa(wide, 23), wide)
+    assert ch07.bit_fields(1.0, torch.bfloat16) == "0 | 01111111 | 0000000"
+    assert ch07.bit_fields(-2.0, torch.float16) == "1 | 10000 | 0000000000"
+
+
+# ---------------------------------------------------------------- chapter 8
+def test_step_without_syncs():
+    from minigen.exercises import ch08
+    args = ch08._cases()[1][1]
+    assert ch08.count_host_syncs(ch08.synced_step, *args) == 2  # .item() and the `if`
+    assert ch08.count_host_syncs(ch08.solution_step_without_syncs, *args) == 0
+    assert ch08.check_step_without_syncs(ch08.solution_step_without_syncs)
+    with pytest.raises(ExerciseFailed, match="reads 2 tensor value"):
+        ch08.check_step_without_syncs(ch08.synced_step)
+
+    def no_pad(logits, finished, pad_id, stop_ids):  # syncs removed, but finished rows not padded
+        return ch08.solution_step_without_syncs(logits, torch.zeros_like(finished), pad_id, stop_ids)
+
+    with pytest.raises(ExerciseFailed, match="tokens differ"):
+        ch08.check_step_without_syncs(no_pad)
+
+    def debug_print(logits, finished, pad_id, stop_ids):  # no sync, but a print leaves the graph
+        print("step")
+        return ch08.solution_step_without_syncs(logits, finished, pad_id, stop_ids)
+
+    with pytest.raises(ExerciseFailed, match=r"fullgraph=True\) refused.*print"):
+        ch08.check_step_without_syncs(debug_print)
