@@ -32,7 +32,7 @@ from .model import Model
 class GenerationStats:
     prefill_s: float = 0.0  # seconds to run the prompt through the model
     ttft_s: float = 0.0  # seconds from the call to the first new token (prefill + sampling)
-    decode_s: float = 0.0  # seconds for every token after the first
+    decode_s: float = 0.0  # seconds for every token after the first, compile_s left out
     new_tokens: int = 0  # tokens generated per sequence (the longest one, when some stop early)
     decode_tokens_per_s: float = 0.0  # (new_tokens - 1) / decode_s, per sequence
     # The cache's memory (cache.py): keys and values plus everything the cache keeps to use them
@@ -206,10 +206,11 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
                     stats.compile_s = time.perf_counter() - began if _graphs_compiled() > before else 0.0
                 else:
                     logits = step(model, token[:, None], pos, cache, policy)
-    stats.decode_s = time.perf_counter() - start - stats.ttft_s
+    stats.decode_s = time.perf_counter() - start - stats.ttft_s - stats.compile_s
     if stats.new_tokens > 1 and stats.decode_s > 0:
         stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
-    decode = sorted(stats.token_latencies_s[1:])
+    # the percentiles of decode steps as they run: a step that compiled or captured is left out
+    decode = sorted(stats.token_latencies_s[2 if stats.compile_s > 0 else 1:])
     if decode:
         stats.latency_p50_s, stats.latency_p90_s, stats.latency_p99_s = (
             decode[min(len(decode) - 1, int(q * len(decode)))] for q in (0.5, 0.9, 0.99))
