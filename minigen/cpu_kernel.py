@@ -11,6 +11,8 @@ ctypes on the tensors' memory. With torch's Linux wheels it links the same OpenM
 (libgomp) as torch, so its threads are torch's threads: `torch.set_num_threads` governs both,
 and two thread pools never compete for the cores. A compiler without OpenMP (Apple's clang)
 builds it single-threaded, with a notice; `MINIGEN_CPU_KERNEL_OPENMP=0` forces that build.
+`MINIGEN_CPU_KERNEL_CFLAGS` adds compiler flags: `-mno-avx512f` builds the 8-wide loops on a CPU
+that has AVX-512, as a CPU without it runs them (the tests check both).
 
 On a busy machine the kernel runs single-threaded while its threads keep arriving late (see the
 comment at the top of gemv.c): waiting for a descheduled thread costs more than it saves.
@@ -87,6 +89,7 @@ def _build() -> tuple[ctypes.CDLL, bool]:
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install one: apt install gcc)")
     base = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
+    base += os.environ.get("MINIGEN_CPU_KERNEL_CFLAGS", "").split()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     attempts = [(base + OPENMP_FLAGS, True), (base, False)]
     if os.environ.get("MINIGEN_CPU_KERNEL_OPENMP", "1") == "0":

@@ -49,11 +49,12 @@ def test_pack4_puts_weight_j_and_j_plus_16_in_one_byte():
 
 @needs_cc
 @settings(max_examples=30, deadline=None)
-@given(bits=st.sampled_from([8, 4]), n=st.integers(1, 70), groups=st.integers(1, 5),
+@given(bits=st.sampled_from([8, 4]), n=st.integers(1, 70), groups=st.sampled_from([1, 2, 5, 16, 37]),
        group_size=st.sampled_from([32, 64]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_kernel_equals_the_dequantized_product(bits, n, groups, group_size, threads, seed):
     """Every shape class: n not a multiple of anything (each thread's share of rows ends anywhere),
-    one group or several per row; 1 and 2 threads. fp32 sums in another order: ~1e-6 relative."""
+    one group or several per row (16 and more: the AVX-512 loop widens the scales 16 at a time,
+    then the rest); 1 and 2 threads. fp32 sums in another order: ~1e-6 relative."""
     g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(n, groups * group_size, generator=g), torch.randn(groups * group_size, generator=g)
     q = quantize_matrix(w, bits, group_size)
@@ -65,6 +66,28 @@ def test_kernel_equals_the_dequantized_product(bits, n, groups, group_size, thre
         torch.set_num_threads(before)
     assert y is not None and y.dtype == torch.float32
     torch.testing.assert_close(y, F.linear(x, q.dequantize()), atol=1e-4, rtol=1e-5)
+
+
+@needs_cc
+@pytest.mark.skipif("avx512f" not in cpu_kernel._cpu_fingerprint(), reason="the CPU has no AVX-512: one loop to test")
+def test_the_8_wide_loops_agree_where_the_cpu_has_avx512(monkeypatch, tmp_path):
+    """A CPU with AVX-512 runs the 16-wide int8/int4 loops; one without runs the 8-wide ones. Build
+    the kernel without AVX-512 here and hold both to the same oracle, on the same codes."""
+    g = torch.Generator().manual_seed(5)
+    cases = [(bits, quantize_matrix(torch.randn(n, k, generator=g), bits, G), torch.randn(k, generator=g))
+             for bits in (8, 4) for n, k, G in ((7, 64, 32), (33, 576, 32), (5, 37 * 64, 64))]
+    wide = [cpu_kernel.matvec(x, q) for _, q, x in cases]
+    monkeypatch.setenv("MINIGEN_CPU_KERNEL_CFLAGS", "-mno-avx512f")
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
+    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    narrow = [cpu_kernel.matvec(x, q) for _, q, x in cases]
+    for (bits, q, x), y16, y8 in zip(cases, wide, narrow):
+        oracle = F.linear(x, q.dequantize())
+        torch.testing.assert_close(y8, oracle, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(y16, oracle, atol=1e-4, rtol=1e-5)
+    assert any(not torch.equal(a, b) for a, b in zip(wide, narrow))  # two loops ran: sums in two orders
 
 
 def test_a_quantized_model_decodes_through_the_kernel_and_prefills_dequantized():

@@ -41,7 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #ifdef _OPENMP
@@ -194,6 +194,83 @@ static void row_q4(const Mat *m, float *y, int64_t i) {
     y[i] = sum8(acc) + from_mins;
 }
 
+#ifdef __AVX512F__
+/* With AVX-512 (chapter 14), int8 and int4 rows run 16 lanes wide: a block of 32 codes becomes two
+ * vectors in four instructions instead of eight, and the widening, not memory, is what limits
+ * these rows (measured on Zen 4 at 2.6 GHz, one thread: int4 10.9 -> 14.6 to 15.8 weights per ns).
+ * A row's scales and minimums are widened to fp32 once, 16 at a time, into a small array. */
+#define MAX_ROW_GROUPS 1024  /* k / G of the row arrays below; a longer row takes the 8-wide loop */
+
+static inline int64_t row_scales(const uint16_t *h, float *f, int64_t ng) {
+    int64_t g = 0;
+    for (; g + 16 <= ng; g += 16) _mm512_storeu_ps(f + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g))));
+    for (; g < ng; g++) f[g] = f16_to_f32(h[g]);
+    return ng;
+}
+static inline __m512 i8x16_to_f32(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline __m512 u4x16_to_f32(__m128i nibbles) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)); }
+
+static void row_q8_wide(const Mat *m, float *y, int64_t i) {
+    const int64_t ng = m->k / m->G;
+    const int8_t *q = (const int8_t *)m->W + i * m->k;
+    const float *x = m->x;
+    float sc[MAX_ROW_GROUPS];
+    row_scales(m->scales + i * ng, sc, ng);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  /* two chains: even, odd groups */
+    int64_t g = 0, j = 0;
+    for (; m->G == 32 && g + 2 <= ng; g += 2, j += 64) {  /* two groups of 32 */
+        __m512 s0 = _mm512_mul_ps(i8x16_to_f32(q + j), _mm512_loadu_ps(x + j));
+        __m512 s1 = _mm512_mul_ps(i8x16_to_f32(q + j + 32), _mm512_loadu_ps(x + j + 32));
+        s0 = _mm512_fmadd_ps(i8x16_to_f32(q + j + 16), _mm512_loadu_ps(x + j + 16), s0);
+        s1 = _mm512_fmadd_ps(i8x16_to_f32(q + j + 48), _mm512_loadu_ps(x + j + 48), s1);
+        acc0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(sc[g]), acc0);
+        acc1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(sc[g + 1]), acc1);
+    }
+    for (; g < ng; g++) {  /* the rest: larger groups, or an odd last one */
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t end = j + m->G; j < end; j += 16) s = _mm512_fmadd_ps(i8x16_to_f32(q + j), _mm512_loadu_ps(x + j), s);
+        acc0 = _mm512_fmadd_ps(s, _mm512_set1_ps(sc[g]), acc0);
+    }
+    y[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+
+static void row_q4_wide(const Mat *m, float *y, int64_t i) {
+    const int64_t ng = m->k / m->G;
+    const uint8_t *q = (const uint8_t *)m->W + i * (m->k / 2);
+    const float *x = m->x;
+    float sc[MAX_ROW_GROUPS], mn[MAX_ROW_GROUPS];
+    row_scales(m->scales + i * ng, sc, ng);
+    row_scales(m->mins + i * ng, mn, ng);
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();  /* two chains: even, odd groups */
+    int64_t g = 0, j = 0;
+    for (; m->G == 32 && g + 2 <= ng; g += 2, j += 64) {  /* two groups of one block each */
+        __m128i b0 = _mm_loadu_si128((const __m128i *)(q + j / 2));
+        __m128i b1 = _mm_loadu_si128((const __m128i *)(q + j / 2 + 16));
+        __m512 s0 = _mm512_mul_ps(u4x16_to_f32(_mm_and_si128(b0, nib)), _mm512_loadu_ps(x + j));
+        __m512 s1 = _mm512_mul_ps(u4x16_to_f32(_mm_and_si128(b1, nib)), _mm512_loadu_ps(x + j + 32));
+        s0 = _mm512_fmadd_ps(u4x16_to_f32(_mm_and_si128(_mm_srli_epi16(b0, 4), nib)), _mm512_loadu_ps(x + j + 16), s0);
+        s1 = _mm512_fmadd_ps(u4x16_to_f32(_mm_and_si128(_mm_srli_epi16(b1, 4), nib)), _mm512_loadu_ps(x + j + 48), s1);
+        acc0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(sc[g]), acc0);
+        acc1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(sc[g + 1]), acc1);
+    }
+    for (; g < ng; g++) {  /* the rest: groups of several blocks (G = 64, 128 ...), or an odd last one */
+        __m512 s = _mm512_setzero_ps();  /* weights j..j+15 in low nibbles, j+16..j+31 in high ones */
+        for (int64_t end = j + m->G; j < end; j += 32) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j / 2));
+            s = _mm512_fmadd_ps(u4x16_to_f32(_mm_and_si128(bytes, nib)), _mm512_loadu_ps(x + j), s);
+            s = _mm512_fmadd_ps(u4x16_to_f32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib)), _mm512_loadu_ps(x + j + 16), s);
+        }
+        acc0 = _mm512_fmadd_ps(s, _mm512_set1_ps(sc[g]), acc0);
+    }
+    float from_mins = 0.0f;
+    for (g = 0; g < ng; g++) from_mins += mn[g] * m->xsum[g];
+    y[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + from_mins;
+}
+#endif
+
 typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
 
 /* rows [first, end) of y */
@@ -286,6 +363,9 @@ void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k
 void gemv_q8(const int8_t *codes, const uint16_t *scales, const float *x, float *y, int64_t n, int64_t k,
              int64_t G, int threads) {
     Mat m = {codes, scales, NULL, x, NULL, k, G};
+#ifdef __AVX512F__
+    if (k / G <= MAX_ROW_GROUPS) { gemv(row_q8_wide, &m, y, n, threads); return; }
+#endif
     gemv(row_q8, &m, y, n, threads);
 }
 
@@ -300,6 +380,9 @@ void gemv_q4(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
         xsum[g] = s;
     }
     Mat m = {codes, scales, mins, x, xsum, k, G};
+#ifdef __AVX512F__
+    if (k / G <= MAX_ROW_GROUPS) { gemv(row_q4_wide, &m, y, n, threads); free(xsum); return; }
+#endif
     gemv(row_q4, &m, y, n, threads);
     free(xsum);
 }
