@@ -222,3 +222,23 @@ def test_step_without_syncs():
 
     with pytest.raises(ExerciseFailed, match=r"fullgraph=True\) refused.*print"):
         ch08.check_step_without_syncs(debug_print)
+
+
+# ---------------------------------------------------------------- chapter 14
+def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
+    from minigen.exercises import ch14
+    assert ch14.check_pack4(ch14.solution_pack4) and ch14.check_unpack4(ch14.solution_unpack4)
+
+    def adjacent(codes):  # codes j and j + 1 in one byte: the layout many people expect
+        pairs = codes.unflatten(-1, (-1, 2))
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+
+    with pytest.raises(ExerciseFailed, match="not with code j \\+ 1"):
+        ch14.check_pack4(adjacent)
+    with pytest.raises(ExerciseFailed, match="low nibble, code j \\+ 16 in the high"):
+        ch14.check_pack4(lambda c: ch14.solution_pack4(c.unflatten(-1, (-1, 2, 16)).flip(-2).flatten(-3)))
+    with pytest.raises(ExerciseFailed, match="not torch.uint8"):
+        ch14.check_pack4(lambda c: ch14.solution_pack4(c).long())
+    unmasked = lambda d: torch.cat([d.unflatten(-1, (-1, 16)), d.unflatten(-1, (-1, 16)) >> 4], -1).flatten(-2)  # noqa: E731
+    with pytest.raises(ExerciseFailed, match="& 0xF"):
+        ch14.check_unpack4(unmasked)
