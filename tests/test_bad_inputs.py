@@ -595,6 +595,25 @@ def needs_compiler() -> None:
         pytest.skip("no C compiler on this machine")
 
 
+@case("profile-unknown-key")
+def _(monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    cli("profile", "--set", "quant_bit=4")
+
+
+@case("profile-without-cache")
+def _(tiny_model):
+    from minigen import profiling
+    profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(use_cache=False))
+
+
+@case("profile-group-size-vs-head-dim")
+def _(tiny_model, monkeypatch):
+    from minigen import profiling
+    monkeypatch.setattr(profiling, "torch_profile", lambda *a, **k: pytest.fail("profiled before the check"))
+    profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(quant_bits=4, quant_group_size=32))
+
+
 @case("kernel-corrupt-cache")
 def _(monkeypatch, tmp_path):
     from test_cpu_kernel import test_a_corrupt_cached_kernel_is_rebuilt
