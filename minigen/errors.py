@@ -25,6 +25,11 @@ class CacheFullError(MinigenError, RuntimeError):
     """A write went past the tokens that the KV cache was allocated for."""
 
 
+# The memory planner (plan.py), named by every CacheFullError: it lists the cache settings that fit.
+PLAN_HINT = ("To see which cache settings fit your memory: python -m minigen plan --model NAME --batch B "
+             "--context N --budget-bytes X")
+
+
 class PositionError(MinigenError, ValueError):
     """Positions a cache cannot take: negative, not consecutive, or already freed."""
 

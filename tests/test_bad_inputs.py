@@ -614,6 +614,17 @@ def _(tiny_model, monkeypatch):
     profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(quant_bits=4, quant_group_size=32))
 
 
+@case("plan-budget-below-weights")
+def _(tiny_model):
+    minigen.plan(tiny_model.config, context=100, budget_bytes=1000)
+
+
+@case("plan-context-past-model")
+def _(tiny_model, monkeypatch):
+    monkeypatch.setattr(sys.modules["minigen.plan"], "model_config", lambda name: tiny_model.config)
+    cli("plan", "--model", "tiny", "--context", "200", "--budget-bytes", "10000000")
+
+
 @case("kernel-corrupt-cache")
 def _(monkeypatch, tmp_path):
     from test_cpu_kernel import test_a_corrupt_cached_kernel_is_rebuilt
