@@ -39,7 +39,8 @@ QUALITY_LOSS = {
     "window_size=128": (11.0, "chapter 05: window 128 + 4 sinks, 1.11x perplexity (1,200 tokens)"),
     "window_size=64": (26.0, "chapter 05: window 64 + 4 sinks, 1.26x perplexity (1,200 tokens)"),
 }
-KV_STORAGE = [{}, {"kv_dtype": "bfloat16"}, {"quant_bits": 8}, {"quant_bits": 4}]  # full precision first
+KV_STORAGE = [{}, {"kv_dtype": "bfloat16"}, {"kv_dtype": "float16"}, {"quant_bits": 8}, {"quant_bits": 4}]
+PAGED_CHUNKS = (16, 256)  # vLLM's default block size, and the article's cache_chunk_size
 WINDOWS = [None, 256, 128, 64]
 
 
@@ -132,6 +133,9 @@ class Plan:
     expected_loss_pct: float
     smallest_budget: int  # the least memory any option needs
     options: list[Option] = field(default_factory=list)  # every option, fitting ones first by loss
+    # cache_chunk_size -> the chosen option paged: its KV bytes, and the token slots of its pool left
+    # empty (the last block of each row), in bytes
+    paged: dict[int, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -189,7 +193,27 @@ def plan(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch:
     best = rows[0]
     return Plan(fits=best.fits, config=best.config, kv_cache_bytes=best.kv_cache_bytes, weights_bytes=weights,
                 activation_bytes=acts, total_bytes=best.total_bytes, budget_bytes=budget_bytes,
-                expected_loss_pct=best.expected_loss_pct, smallest_budget=smallest, options=rows)
+                expected_loss_pct=best.expected_loss_pct, smallest_budget=smallest, options=rows,
+                paged=paged_waste(cfg, best.config, batch, context, compute))
+
+
+def paged_waste(cfg: ModelConfig, fields: dict, batch: int, context: int,
+                compute: str | torch.dtype = "float32") -> dict[int, dict[str, int]]:
+    """For each of PAGED_CHUNKS: the KV bytes of `fields` in a paged cache, and the bytes of the
+    slots its pool holds past `context` (a pool sized to the context leaves only each row's last
+    block partly empty). {} where the settings do not page (a quantized block must hold whole groups)."""
+    out = {}
+    for bs in PAGED_CHUNKS:
+        config = GenerationConfig(**dict(fields, cache_chunk_size=bs))
+        if config.quant_bits is not None and bs % config.quant_group_size:
+            continue
+        slots = batch * (math.ceil(context / bs) * bs - context)
+        stub = SimpleNamespace(config=cfg, device=torch.device("meta"), precision=Precision(compute=_dtype(compute)))
+        block = make_cache(stub, config, 1, 2 * bs).nbytes - make_cache(stub, config, 1, bs).nbytes  # one block
+        per_slot = block // bs
+        out[bs] = {"kv_cache_bytes": kv_cache_bytes(cfg, config, batch, context, compute),
+                   "waste_bytes": slots * per_slot}
+    return out
 
 
 def oom_remedies(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch: int = 8,
@@ -229,6 +253,9 @@ def format_plan(p: Plan) -> str:
     for o in p.options:
         lines.append(f"{'yes' if o.fits else 'no':<5} {o.expected_loss_pct:7.2f} {o.kv_cache_bytes / mib:10.1f} "
                      f"{o.total_bytes / mib:10.1f}  {o.config or '{} (full precision)'}")
+    for bs, paged in p.paged.items():
+        lines.append(f"paged (cache_chunk_size={bs}): KV {paged['kv_cache_bytes'] / mib:,.1f} MiB, of which "
+                     f"{paged['waste_bytes'] / mib:,.2f} MiB empty slots in the rows' last blocks")
     if not p.fits:
         lines.append(f"\nnothing fits: the smallest option needs {p.smallest_budget:,} bytes")
     return "\n".join(lines)

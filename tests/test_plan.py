@@ -121,3 +121,20 @@ def test_a_bad_dtype_is_refused(tiny_llama):
     _, model = tiny_llama
     with pytest.raises(ConfigError, match="dtype='int8' is invalid"):
         planner.weights_bytes(model.config, "int8")
+
+
+def test_the_paged_waste_is_each_rows_last_block(tiny_llama):
+    """A pool sized to the context leaves only each row's last block partly empty: at 100 tokens,
+    blocks of 16 leave 12 slots a row and blocks of 256 leave 156."""
+    _, model = tiny_llama
+    cfg = model.config
+    waste = planner.paged_waste(cfg, {}, batch=3, context=100)
+    for bs, empty in ((16, 12), (256, 156)):
+        assert waste[bs]["waste_bytes"] == 3 * empty * cfg.kv_bytes_per_token(4)
+        paged = GenerationConfig(cache_chunk_size=bs)
+        assert waste[bs]["kv_cache_bytes"] == planner.kv_cache_bytes(cfg, paged, batch=3, context=100)
+    # a quantized block must hold whole groups of tokens (keys per channel): groups of 8 fit both sizes
+    assert list(planner.paged_waste(cfg, {"quant_bits": 4, "quant_group_size": 8}, 3, 100)) == [16, 256]
+    assert list(planner.paged_waste(cfg, {"quant_bits": 8, "quant_key_axis": "token", "quant_group_size": 8},
+                                    3, 100)) == [16, 256]
+    assert planner.plan(cfg, batch=3, context=100, budget_bytes=2**30).paged
