@@ -2,17 +2,19 @@
 
 from .cache import Cache, make_cache
 from .config import GenerationConfig
-from .errors import (BenchError, CacheFullError, ConfigError, MinigenError, ModelLoadError, PositionError,
+from .errors import (BenchError, CacheFullError, ConfigError, LedgerError, MinigenError, ModelLoadError, PositionError,
                      PromptError)
 from .generate import (GenerationOutput, GenerationStats, decode_step, generate, parallel_sample, prefill,
                        sample, stream)
 from .loading import from_hf, load
 from .metrics import perplexity, score, top1_agreement
 from .model import Model, ModelConfig
+from .plan import plan
 from .weight_quant import quantize_weights
 
 __all__ = ["Cache", "GenerationConfig", "GenerationOutput", "GenerationStats", "Model", "ModelConfig",
-           "BenchError", "CacheFullError", "ConfigError", "MinigenError", "ModelLoadError", "PositionError", "PromptError",
+           "BenchError", "CacheFullError", "ConfigError", "LedgerError", "MinigenError", "ModelLoadError",
+           "PositionError", "PromptError",
            "decode_step", "from_hf", "generate", "load", "make_cache", "parallel_sample", "perplexity",
-           "prefill", "quantize_weights", "sample", "score", "stream", "top1_agreement"]
+           "plan", "prefill", "quantize_weights", "sample", "score", "stream", "top1_agreement"]
 __version__ = "0.1.0"

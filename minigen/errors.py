@@ -25,8 +25,17 @@ class CacheFullError(MinigenError, RuntimeError):
     """A write went past the tokens that the KV cache was allocated for."""
 
 
+# The memory planner (plan.py), named by every CacheFullError: it lists the cache settings that fit.
+PLAN_HINT = ("To see which cache settings fit your memory: python -m minigen plan --model NAME --batch B "
+             "--context N --budget-bytes X")
+
+
 class PositionError(MinigenError, ValueError):
     """Positions a cache cannot take: negative, not consecutive, or already freed."""
+
+
+class LedgerError(MinigenError, ValueError):
+    """The claims ledger (claims.toml) is unreadable or an entry is malformed."""
 
 
 class BenchError(MinigenError, ValueError):

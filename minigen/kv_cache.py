@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import CacheFullError
+from .errors import PLAN_HINT, CacheFullError
 
 
 def check_fits(input_pos: Tensor, capacity: int) -> None:
@@ -29,7 +29,8 @@ def check_fits(input_pos: Tensor, capacity: int) -> None:
         raise CacheFullError(f"positions must be >= 0, got {first}")
     if last >= capacity:
         raise CacheFullError(f"the KV cache holds {capacity} tokens but position {last} was written. "
-                             f"Allocate a cache of at least {last + 1} tokens (prompt + max_new_tokens).")
+                             f"Allocate a cache of at least {last + 1} tokens (prompt + max_new_tokens). "
+                             + PLAN_HINT.replace("--context N", f"--context {last + 1}"))
 
 
 class KVCache:

@@ -24,7 +24,7 @@ from einops import rearrange
 from torch import Tensor
 
 from .attention import in_window
-from .errors import CacheFullError, ConfigError, PositionError
+from .errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
 
 
 # ---------------------------------------------------------------- the allocator (no tensors)
@@ -115,7 +115,7 @@ class BlockAllocator:
                 f"the paged KV cache's pool of {self.n_blocks} blocks of {self.block_size} tokens is full: this "
                 f"step needs {need} more blocks and {len(self.free)} are free. Give the pool more blocks "
                 f"(n_blocks), lower max_new_tokens or the batch, or set window_size so that blocks outside the "
-                f"window are freed.")
+                f"window are freed. {PLAN_HINT}")
 
     def truncate(self, seq: int, length: int) -> None:
         """Forget positions >= length of `seq`: whole blocks after it go back to the pool."""

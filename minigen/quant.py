@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .errors import CacheFullError, ConfigError, PositionError
+from .errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
 from .paged import PagedKVCache, _long
 
 # The axis of a [.., S, Dh] key/value tensor along which a group of G elements runs.
@@ -240,7 +240,8 @@ class QuantizedKVCache:
         if end > self.max_len:
             raise CacheFullError(
                 f"the KV cache holds {self.max_len} tokens but position {end - 1} was written. "
-                f"Allocate a cache of at least {end} tokens (prompt + max_new_tokens).")
+                f"Allocate a cache of at least {end} tokens (prompt + max_new_tokens). "
+                + PLAN_HINT.replace("--context N", f"--context {end}"))
         self.start, self.length = start, end  # start 0: a new sequence, the old positions are gone
         B, Hkv, _, Dh = self.k_window.shape[1:]
         # this step's short-lived tensors: one layer's keys and values, dequantized and concatenated

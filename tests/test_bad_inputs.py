@@ -595,6 +595,51 @@ def needs_compiler() -> None:
         pytest.skip("no C compiler on this machine")
 
 
+@case("profile-unknown-key")
+def _(monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    cli("profile", "--set", "quant_bit=4")
+
+
+@case("profile-without-cache")
+def _(tiny_model):
+    from minigen import profiling
+    profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(use_cache=False))
+
+
+@case("profile-group-size-vs-head-dim")
+def _(tiny_model, monkeypatch):
+    from minigen import profiling
+    monkeypatch.setattr(profiling, "torch_profile", lambda *a, **k: pytest.fail("profiled before the check"))
+    profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(quant_bits=4, quant_group_size=32))
+
+
+@case("plan-budget-below-weights")
+def _(tiny_model):
+    minigen.plan(tiny_model.config, context=100, budget_bytes=1000)
+
+
+@case("plan-context-past-model")
+def _(tiny_model, monkeypatch):
+    monkeypatch.setattr(sys.modules["minigen.plan"], "model_config", lambda name: tiny_model.config)
+    cli("plan", "--model", "tiny", "--context", "200", "--budget-bytes", "10000000")
+
+
+@case("ledger-not-toml")
+def _(tmp_path):
+    (tmp_path / "notes.txt").write_text("some notes, not TOML", encoding="utf-8")
+    cli("ledger", "--file", str(tmp_path / "notes.txt"))
+
+
+@case("ledger-bad-verdict")
+def _(tmp_path):
+    from minigen.ledger import load_claims
+    (tmp_path / "claims.toml").write_text(
+        '[[claim]]\nid = "C1"\nclaim = "x"\narticle_value = "2.3x"\nmeasured = "4x"\nmachine = "2-core CPU"\n'
+        'verdict = "true"\nchapter = "01"\nsource = "chapter 01"\n', encoding="utf-8")
+    load_claims(tmp_path / "claims.toml")
+
+
 @case("kernel-corrupt-cache")
 def _(monkeypatch, tmp_path):
     from test_cpu_kernel import test_a_corrupt_cached_kernel_is_rebuilt

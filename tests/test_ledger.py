@@ -1,0 +1,99 @@
+"""The claims ledger: the package's file loads, covers every claim of the article, agrees with the
+code that measures it, and a malformed file gets a clear error."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from minigen.__main__ import main
+from minigen.errors import LedgerError
+from minigen.ledger import CLAIMS, VERDICTS, load_claims
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+planner = importlib.import_module("minigen.plan")  # the module: `minigen.plan` is the function
+
+
+def by_id() -> dict:
+    return {c.id: c for c in load_claims()}
+
+
+def test_every_claim_of_the_article_is_in_the_ledger():
+    claims = by_id()
+    for n in range(1, 8):  # C1..C7, each with at least one entry
+        assert any(i == f"C{n}" or (i.startswith(f"C{n}") and i[2:].isalpha()) for i in claims), f"C{n} missing"
+    # the sub-claims ARTICLE.md lists, by the article's own numbers
+    values = " | ".join(c.article_value for c in claims.values())
+    for number in ("2.3x", "> 20 GB", "40%", "30%", "75%", "< 0.5%", "3.05x", "1.09x", "3.01x", "4.00x", "4.8x"):
+        assert number in values, f"the article's {number} has no entry"
+    assert {c.verdict for c in claims.values()} <= set(VERDICTS)
+
+
+def test_each_chapter_named_exists():
+    for c in load_claims():
+        if c.chapter:
+            assert list(NOTEBOOKS.glob(f"{c.chapter}_*.ipynb")), f"{c.id}: no notebook {c.chapter}_*.ipynb"
+
+
+def test_the_ledger_agrees_with_the_code_that_measures(smollm2):
+    """The planner's numbers (T1) and the loss it ranks by (C5b) are the ledger's."""
+    model, _ = smollm2
+    claims = by_id()
+    freed = planner.oom_remedies(model, batch=8, context=8192)
+    base = freed["baseline_bytes"]
+    assert f"{freed['quant_bits=4'] / base:.1%}" in claims["T1b"].measured
+    assert f"{base / 2**30:.2f} GiB" in claims["T1b"].measured
+    assert f"{freed['max_length=4096'] / 2**30:.2f} of {base / 2**30:.2f} GiB" in claims["T1c"].measured
+    at_8000 = planner.oom_remedies(model, batch=8, context=8000)["cache_chunk_size=16"]
+    assert f"{at_8000 / 2**20:.0f} MiB" in claims["T1a"].measured
+    assert f"+{planner.QUALITY_LOSS['quant_bits=4'][0]:.2f}%" in claims["C5b"].measured
+
+
+GOOD = '''[[claim]]
+id = "C1"
+claim = "x"
+article_value = "2.3x"
+measured = "4x"
+machine = "2-core CPU"
+verdict = "reframed"
+chapter = "01"
+source = "chapter 01"
+'''
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[claim]\nid = 1", "is not valid TOML"),
+    ("title = 'no claims'", "has no [[claim]] entries"),
+    (GOOD.replace('verdict = "reframed"', 'verdict = "true"'), "verdict='true' is invalid"),
+    (GOOD.replace('source = "chapter 01"\n', ''), "missing source"),
+    (GOOD.replace('chapter = "01"', 'chapter = 1'), "chapter must be strings"),
+    (GOOD + GOOD, "the id 'C1' appears twice"),
+    (GOOD.replace('machine = "2-core CPU"', 'machine = ""'), "needs the measured value and the machine"),
+    (GOOD.replace('chapter = "01"', 'chapter = "ch1"'), "chapter='ch1' is invalid"),
+])
+def test_a_malformed_file_is_refused_by_name(tmp_path, text, message):
+    path = tmp_path / "claims.toml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(LedgerError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_claims(path)
+
+
+def test_a_good_file_loads(tmp_path):
+    path = tmp_path / "claims.toml"
+    path.write_text(GOOD, encoding="utf-8")
+    [c] = load_claims(path)
+    assert (c.id, c.verdict, c.chapter) == ("C1", "reframed", "01")
+
+
+def test_the_command_prints_and_writes_json(tmp_path, capsys):
+    assert main(["ledger", "--json", str(tmp_path / "l.json")]) == 0
+    out = capsys.readouterr().out
+    assert "C5b" in out and "not yet measured" in out
+    data = json.loads((tmp_path / "l.json").read_text())
+    assert [d["id"] for d in data] == [c.id for c in load_claims(CLAIMS)]
+    assert all({"id", "claim", "article_value", "measured", "verdict", "chapter"} <= set(d) for d in data)
+    (tmp_path / "bad.toml").write_text("nope", encoding="utf-8")
+    assert main(["ledger", "--file", str(tmp_path / "bad.toml")]) == 2
