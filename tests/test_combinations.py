@@ -75,7 +75,7 @@ SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_
             "compile": ["compile"], "cuda_graphs": ["cuda_graphs"], "attention_backend": ["attention_backend"]}
 # A compile costs seconds; cuda_graphs is refused on a CPU; the Triton kernel runs in its interpreter
 # on a CPU (a step of the tiny model: ~0.1 s), and needs cache_chunk_size, so it is drawn with one.
-RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.1}
+RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.2}
 NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
          "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"]}
 
@@ -181,6 +181,8 @@ def run_nll(model, text, config):
 @example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8,
                  "window_size": 12, "prefetch_depth": 1})
 @example(fields={**DEFAULTS, "kv_budget": 10, "sparse_top_k": 8, "window_size": 30})
+@example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8, "window_size": 12,
+                 "attention_backend": "triton", "max_new_tokens": 3})
 def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
     named = {k for k, v in fields.items() if v != DEFAULTS[k]}  # what the user wrote
     try:
