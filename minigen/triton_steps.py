@@ -146,21 +146,21 @@ def head_attention(q: Tensor, k: Tensor, v: Tensor, block: int = TILE) -> Tensor
 def paged_head_attention_kernel(q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, S, H, Dh, bs, sm_scale,
                                 BLOCK: tl.constexpr, D: tl.constexpr):
     h = tl.program_id(0)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + h * Dh + d, mask=d < Dh, other=0.0).to(tl.float32) * sm_scale
+    d = tl.arange(0, D)  # channels, padded to a power of 2
+    q = tl.load(q_ptr + h * Dh + d, mask=d < Dh, other=0.0).to(tl.float32) * sm_scale  # [D]
     m, l, acc = tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), tl.zeros([D], tl.float32)
     for start in range(0, S, BLOCK):
         pos = start + tl.arange(0, BLOCK)
-        block = tl.load(table_ptr + pos // bs, mask=pos < S, other=0)  # the only new line: where position pos lives
-        slot = ((block * bs + pos % bs) * H + h)[:, None] * Dh + d[None, :]  # pool [N, bs, H, Dh]
+        block = tl.load(table_ptr + pos // bs, mask=pos < S, other=0)  # where position pos lives
+        slot = ((block * bs + pos % bs) * H + h)[:, None] * Dh + d[None, :]  # [BLOCK, D] in the pool [N, bs, H, Dh]
         mask = (pos < S)[:, None] & (d < Dh)[None, :]
         k = tl.load(k_ptr + slot, mask=mask, other=0.0).to(tl.float32)
-        s = tl.where(pos < S, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        s = tl.where(pos < S, tl.sum(k * q[None, :], axis=1), float("-inf"))  # [BLOCK] scores
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
         v = tl.load(v_ptr + slot, mask=mask, other=0.0).to(tl.float32)
         l = l * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)  # [D]
         m = m_new
     tl.store(out_ptr + h * Dh + d, acc / l, mask=d < Dh)
 
@@ -191,21 +191,21 @@ def _int4_load(codes_ptr, scales_ptr, zeros_ptr, row, d, mask, Dh, G: tl.constex
 def paged_int4_attention_kernel(q_ptr, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros, table_ptr, out_ptr,
                                 S, H, Dh, bs, sm_scale, G: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
     h = tl.program_id(0)
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + h * Dh + d, mask=d < Dh, other=0.0).to(tl.float32) * sm_scale
+    d = tl.arange(0, D)  # channels, padded to a power of 2
+    q = tl.load(q_ptr + h * Dh + d, mask=d < Dh, other=0.0).to(tl.float32) * sm_scale  # [D]
     m, l, acc = tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), tl.zeros([D], tl.float32)
     for start in range(0, S, BLOCK):
         pos = start + tl.arange(0, BLOCK)
-        block = tl.load(table_ptr + pos // bs, mask=pos < S, other=0)
-        row = ((block * bs + pos % bs) * H + h)[:, None]  # [BLOCK, 1]
+        block = tl.load(table_ptr + pos // bs, mask=pos < S, other=0)  # where position pos lives
+        row = ((block * bs + pos % bs) * H + h)[:, None]  # [BLOCK, 1]: the (block, slot, head) of each lane
         mask = (pos < S)[:, None] & (d < Dh)[None, :]
         k = _int4_load(k_codes, k_scales, k_zeros, row, d[None, :], mask, Dh, G)  # the new step
-        s = tl.where(pos < S, tl.sum(k * q[None, :], axis=1), float("-inf"))
+        s = tl.where(pos < S, tl.sum(k * q[None, :], axis=1), float("-inf"))  # [BLOCK] scores
         m_new = tl.maximum(m, tl.max(s, axis=0))
         alpha, p = tl.exp(m - m_new), tl.exp(s - m_new)
         v = _int4_load(v_codes, v_scales, v_zeros, row, d[None, :], mask, Dh, G)
         l = l * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)  # [D]
         m = m_new
     tl.store(out_ptr + h * Dh + d, acc / l, mask=d < Dh)
 
