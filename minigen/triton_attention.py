@@ -75,21 +75,23 @@ def _load(ptr, scales_ptr, zeros_ptr, block, slot, head, channel, mask, bs, Hkv,
           BITS: tl.constexpr, GROUP: tl.constexpr, ALONG_SLOTS: tl.constexpr):
     """[BLOCK_N, D_PAD] fp32 values of block [BLOCK_N, 1], slot [BLOCK_N, 1], channel [1, D_PAD]: as
     stored (BITS=0), or unpacked and dequantized, zeros + codes * scales (quant.dequantize)."""
-    if BITS == 0:
+    if BITS == 0:  # constexpr branches: the compiler keeps only the one taken (one return, at the end)
         # fp32 right after the load: the interpreter mishandles bf16 arithmetic
-        return tl.load(ptr + _offsets(block, slot, head, channel, bs, Hkv, Dh, 1, 1), mask=mask, other=0.0).to(tl.float32)
-    if ALONG_SLOTS:  # keys per channel: a byte packs 8 // BITS slots, a group runs over GROUP slots
-        byte = tl.load(ptr + _offsets(block, slot, head, channel, bs, Hkv, Dh, 8 // BITS, 1), mask=mask, other=0)
-        shift = (slot % (8 // BITS)) * BITS
-        meta = _offsets(block, slot, head, channel, bs, Hkv, Dh, GROUP, 1)
-    else:  # per token: a byte packs 8 // BITS channels, a group runs over GROUP channels
-        byte = tl.load(ptr + _offsets(block, slot, head, channel, bs, Hkv, Dh, 1, 8 // BITS), mask=mask, other=0)
-        shift = (channel % (8 // BITS)) * BITS
-        meta = _offsets(block, slot, head, channel, bs, Hkv, Dh, 1, GROUP)
-    codes = (byte.to(tl.int32) >> shift) & ((1 << BITS) - 1)  # & 0xF at 4 bits: only this code's bits
-    scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-    zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
-    return zeros + codes.to(tl.float32) * scales
+        x = tl.load(ptr + _offsets(block, slot, head, channel, bs, Hkv, Dh, 1, 1), mask=mask, other=0.0).to(tl.float32)
+    else:
+        if ALONG_SLOTS:  # keys per channel: a byte packs 8 // BITS slots, a group runs over GROUP slots
+            byte = tl.load(ptr + _offsets(block, slot, head, channel, bs, Hkv, Dh, 8 // BITS, 1), mask=mask, other=0)
+            shift = (slot % (8 // BITS)) * BITS
+            meta = _offsets(block, slot, head, channel, bs, Hkv, Dh, GROUP, 1)
+        else:  # per token: a byte packs 8 // BITS channels, a group runs over GROUP channels
+            byte = tl.load(ptr + _offsets(block, slot, head, channel, bs, Hkv, Dh, 1, 8 // BITS), mask=mask, other=0)
+            shift = (channel % (8 // BITS)) * BITS
+            meta = _offsets(block, slot, head, channel, bs, Hkv, Dh, 1, GROUP)
+        codes = (byte.to(tl.int32) >> shift) & ((1 << BITS) - 1)  # & 0xF at 4 bits: only this code's bits
+        scales = tl.load(scales_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        zeros = tl.load(zeros_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+        x = zeros + codes.to(tl.float32) * scales
+    return x
 
 
 @jit
