@@ -206,6 +206,24 @@ def test_triton_generates_the_torch_tokens(tiny, launches, settings):
     assert torch.equal(triton_tokens, torch_tokens)
 
 
+@pytest.mark.parametrize("settings", [{}, dict(quant_bits=4, quant_group_size=4)], ids=["full", "int4"])
+def test_forked_rows_read_their_shared_blocks(tiny, launches, settings):
+    """parallel_sample: rows forked from one prompt share its blocks (copy-on-write) in every table."""
+    prompt = torch.randint(0, 97, (1, 13), generator=torch.Generator().manual_seed(2))
+    kw = dict(n=3, max_new_tokens=6, do_sample=True, seed=0, cache_chunk_size=4, **settings)
+    torch_rows = minigen.parallel_sample(tiny, prompt, **kw).tokens
+    triton_rows = minigen.parallel_sample(tiny, prompt, attention_backend="triton", **kw).tokens
+    assert launches and torch.equal(triton_rows, torch_rows)
+
+
+def test_a_compiled_kernel_refuses_a_cpu_model(tiny, monkeypatch):
+    """Where CUDA exists Triton compiles for it: a model on the CPU is refused before any work."""
+    from minigen import triton_attention
+    monkeypatch.setattr(triton_attention, "INTERPRETED", False)
+    with pytest.raises(minigen.ConfigError, match="compiles its kernel for CUDA.*TRITON_INTERPRET=1"):
+        minigen.generate(tiny, torch.tensor([[1, 2, 3]]), attention_backend="triton", cache_chunk_size=4)
+
+
 def test_smollm2_generates_the_torch_tokens(smollm2, launches):
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
