@@ -1,9 +1,9 @@
 """The Triton decode-attention kernel (triton_attention.py) against attention written the obvious way.
 
 On a machine without CUDA every kernel launch runs in Triton's interpreter (TRITON_INTERPRET=1),
-which executes the same kernel program by program in numpy: these tests prove it correct there,
-and scripts/gpu_check.py runs them compiled on a GPU. Shapes stay small: one interpreted launch
-of a few hundred positions takes about 0.1 s.
+which executes the same kernel program by program in numpy: these tests prove it correct there
+(on a CUDA machine the same tests run it compiled; scripts/gpu_check.py times it). Shapes stay
+small: one interpreted launch of a few hundred positions takes about 0.1 s.
 
 Oracles:
 - the kernel equals a dense reference that fetches every position through the block table (or
