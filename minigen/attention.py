@@ -135,13 +135,14 @@ class AttentionPolicy:
     sparsity_threshold: float | None = None  # keep keys scoring >= this x the head's max, in [0, 1]
     sparse_signed: bool = False  # rank keys by q.k (attention probability) instead of the article's |q.k|
     observers: tuple[AttentionObserver, ...] = ()  # called with every layer's probabilities
+    backend: str = "torch"  # "triton": decode steps read the paged blocks in place (triton_attention.py)
 
     @classmethod
     def from_config(cls, config, observers: tuple[AttentionObserver, ...] = ()) -> "AttentionPolicy | None":
         """The policy a GenerationConfig selects, or None when it selects plain causal attention."""
         policy = cls(config.window_size, config.sink_tokens if config.window_size is not None else 0,
                      config.sparse_top_k, config.sparsity_threshold, config.sparse_score == "signed",
-                     tuple(observers))
+                     tuple(observers), config.attention_backend)
         return None if policy == cls() else policy
 
     @property

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from . import graphs
+from . import graphs, triton_attention
 from .attention import AttentionObserver, AttentionPolicy
 from .cache import Cache, make_cache
 from .config import GenerationConfig, resolve_config
@@ -228,6 +228,13 @@ def check_step(model: Model, config: GenerationConfig, observers: tuple) -> None
         key = "compile=True" if config.compile else "cuda_graphs=True"
         raise ConfigError(f"{key} with observers: an observer runs Python in every layer, which a compiled or "
                           "captured step cannot call. Run the observers without compiling.")
+    if config.attention_backend == "triton" and not triton_attention.AVAILABLE:
+        raise ConfigError("attention_backend='triton' needs the triton package, which ships for Linux only: "
+                          "pip install triton, or use attention_backend='torch'")
+    if config.attention_backend == "triton" and model.device.type != "cuda" and not triton_attention.INTERPRETED:
+        raise ConfigError(f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is "
+                          f"on {model.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen "
+                          "to run the kernel in Triton's interpreter (correct, slow)")
     if config.cuda_graphs and model.device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
                           "model.to('cuda'), or compile=True on a CPU")

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from . import cpu_kernel
 from .attention import AttentionPolicy, attend, causal_mask
 from .precision import Precision
+from .triton_attention import decode_attention
 from .weight_quant import QuantizedWeight
 
 
@@ -180,11 +181,20 @@ class Attention(nn.Module):
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
+        if T == 1 and cache is not None and policy is not None and policy.backend == "triton":  # read in place
+            view = cache.update_blocks(self.layer, k, v)  # a paged cache (the config refuses any other)
+            out = decode_attention(q[:, :, 0], view, policy.window_size, policy.sink_tokens)[:, :, None]
+            return self._project(out)
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 7)
         # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
         out = attend(q, k, v, mask, fp32_softmax) if policy is None else policy.attend(q, k, v, mask, self.layer)
+        return self._project(out)
+
+    def _project(self, out: Tensor) -> Tensor:
+        """The heads' outputs [B, H, T, Dh] -> the output projection [B, T, D]."""
+        B, H, T, Dh = out.shape
         out = matmul(out.transpose(1, 2).reshape(B, T, H * Dh), self.wo)  # [B, T, D]
         return out + self.bo.to(out.dtype) if self.bo is not None else out
 

@@ -8,7 +8,8 @@ early or lengths vary, most of that reservation is never written. vLLM's PagedAt
 2023) instead hands out blocks of `block_size` tokens on demand from one preallocated pool, so a
 sequence wastes at most one partly filled block. A block table maps each sequence's logical block j
 (positions j*bs .. j*bs + bs - 1) to a physical block of the pool; attention reads the blocks in
-table order (here a gather in torch; vLLM's kernel reads through the table without the copy).
+table order: `update` gathers them for torch's attention, `update_blocks` hands the pool and the
+tables to a kernel that reads through them without the copy (vLLM's; minigen's triton_attention.py).
 
 Blocks are reference counted, so sequences forked from one prompt (parallel sampling) share the
 prompt's blocks; a shared block that is about to be written is copied first (copy-on-write).
@@ -18,6 +19,8 @@ With a window, blocks wholly outside it (and holding no sink token) go back to t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from einops import rearrange
@@ -174,6 +177,20 @@ class BlockAllocator:
 
 
 # ---------------------------------------------------------------- the cache (full precision)
+@dataclass
+class BlockView:
+    """One layer's keys and values as a kernel reads them in place: blocks through the block table,
+    then the newest positions from a full-precision buffer (triton_attention.py draws the layout)."""
+    k: Any  # the pool [N, bs, Hkv, Dh], or a quant.QuantizedTensor of that shape (codes, scales, zeros)
+    v: Any  # like k
+    block_table: Tensor  # [B, n] the physical block of each row's logical block j; -1: freed (outside the window)
+    block_size: int  # bs, token slots per block
+    seq_lens: Tensor  # [B] positions each row holds (0 .. seq_len - 1); its query sits at seq_len - 1
+    recent_start: Tensor  # [B] positions from here on are read from recent_k / recent_v, not from blocks
+    recent_k: Tensor | None = None  # [B, R, Hkv, Dh] full precision: positions recent_start .. seq_len - 1
+    recent_v: Tensor | None = None  # like recent_k; None when every position sits in the blocks
+
+
 def _long(rows: list, device: torch.device | str = "cpu") -> Tensor:
     """Block ids or positions from Python lists -> an int64 tensor (empty lists stay integer)."""
     return torch.tensor(rows, dtype=torch.long, device=device)
@@ -200,6 +217,7 @@ class PagedKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self._make_storage()
         self._table = self._copies = self._write_slots = None  # this step's plan, set by prepare
+        self._blocks = self._lens = None  # this step's logical tables [B, n] (-1: freed) and lengths [B]
         self._read: dict[str, Tensor] = {}  # "k"/"v" -> the buffer attention reads gathered blocks from
         self._peak = self.nbytes
 
@@ -274,6 +292,7 @@ class PagedKVCache:
         bs = self.block_size
         kept = [j for j, b in enumerate(tables[0]) if b >= 0]  # logical blocks still held (same in every row)
         self._table = _long([[t[j] for j in kept] for t in tables], self.device)  # [B, n]
+        self._blocks, self._lens = _long(tables, self.device), torch.full((len(tables),), end, device=self.device)
         pos = torch.arange(start, end)
         write_blocks = _long([[t[p // bs] for p in range(start, end)] for t in tables])  # [B, T]
         self._write_slots = (write_blocks * bs + pos % bs).flatten().to(self.device)  # [B*T] slots of the pool
@@ -286,13 +305,23 @@ class PagedKVCache:
         (views of a buffer that the next layer's update overwrites)."""
         return self._update_one(self.k[layer], k, "k"), self._update_one(self.v[layer], v, "v")
 
-    def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
+    def update_blocks(self, layer: int, k: Tensor, v: Tensor) -> BlockView:
+        """Write k, v [B, Hkv, T, Dh] as `update` does; return the pool and the tables in place of a gather."""
+        self._write(self.k[layer], k)
+        self._write(self.v[layer], v)
+        return BlockView(self.k[layer], self.v[layer], self._blocks, self.block_size, self._lens, self._lens)
+
+    def _write(self, pool: Tensor, x: Tensor) -> None:
         B, Hkv, T, Dh = x.shape
         x = x.to(pool.dtype)  # stored in the cache's dtype (kv_dtype)
         if self._copies is not None:  # copy-on-write: give each writer its own copy of a shared block
             pool[self._copies[1]] = pool[self._copies[0]]
         slots = pool.view(-1, Hkv, Dh)  # [N*bs, Hkv, Dh]
         slots.index_copy_(0, self._write_slots, rearrange(x, "b h t d -> (b t) h d"))
+
+    def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
+        B = x.shape[0]
+        self._write(pool, x)
         n = self._table.shape[1]
         blocks = torch.index_select(pool, 0, self._table.flatten(), out=self._buffer(name, B * n))  # [B*n, bs, Hkv, Dh]
         return rearrange(blocks, "(b n) s h d -> b h (n s) d", b=B)  # [B, Hkv, S, Dh], S = n * bs

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
-from .paged import PagedKVCache, _long
+from .paged import BlockView, PagedKVCache, _long
 
 # The axis of a [.., S, Dh] key/value tensor along which a group of G elements runs.
 GROUP_AXIS = {"channel": -2, "token": -1}  # per channel: G tokens of one channel; per token: G channels
@@ -340,6 +340,9 @@ class QuantizedPagedKVCache(PagedKVCache):
         # Read: the quantized blocks before the open one, then positions [j0 * bs, end) in full precision.
         kept = [j for j, b in enumerate(tables[0][:j0]) if b >= 0]
         self._table = _long([[t[j] for j in kept] for t in tables], self.device)  # [B, n]
+        # What a kernel reads in place: the logical blocks before the open one (-1: freed), then `recent`.
+        self._blocks = _long([t[:j0] for t in tables], self.device)  # [B, j0]
+        self._lens = torch.full((len(tables),), end, device=self.device)
         # Write: the blocks that fill up in this step get quantized into their physical blocks.
         n_full = end // bs - j0
         self._full = _long([t[j0:j0 + n_full] for t in tables], self.device)  # [B, n_full]
@@ -357,7 +360,19 @@ class QuantizedPagedKVCache(PagedKVCache):
         return (self._update_one_q(self.k, self.k_tail[layer], layer, k),
                 self._update_one_q(self.v, self.v_tail[layer], layer, v))
 
-    def _update_one_q(self, store: QuantizedTensor, tail: Tensor, layer: int, x: Tensor) -> Tensor:
+    def update_blocks(self, layer: int, k: Tensor, v: Tensor) -> BlockView:
+        """Write k, v [B, Hkv, T, Dh] as `update` does; return the stores and tables in place of a
+        dequantizing gather, and positions [j0 * bs, end) (the open block, this call's tokens) in full precision."""
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        recent_k = self._write_q(self.k, self.k_tail[layer], layer, k)  # [B, R, Hkv, Dh]
+        recent_v = self._write_q(self.v, self.v_tail[layer], layer, v)
+        k_store, v_store = (QuantizedTensor(s.data[layer], s.scales[layer], s.zeros[layer], s.bits, s.group_size,
+                                            s.axis, s.dtype) for s in (self.k, self.v))  # this layer's
+        start = self._lens - recent_k.shape[1]  # [B]: j0 * bs in every row
+        return BlockView(k_store, v_store, self._blocks, self.block_size, self._lens, start, recent_k, recent_v)
+
+    def _write_q(self, store: QuantizedTensor, tail: Tensor, layer: int, x: Tensor) -> Tensor:
+        """Quantize the blocks that fill up, keep the open one in the tail -> positions [j0 * bs, end) [B, R, Hkv, Dh]."""
         B, Hkv, T, Dh = x.shape
         bs = self.block_size
         j0 = self._start // bs
@@ -370,6 +385,12 @@ class QuantizedPagedKVCache(PagedKVCache):
             store.data[layer, ids], store.scales[layer, ids], store.zeros[layer, ids] = q.data, q.scales, q.zeros
         rest = recent.shape[1] - n_full * bs
         tail[:, :rest] = recent[:, n_full * bs:]
+        return recent
+
+    def _update_one_q(self, store: QuantizedTensor, tail: Tensor, layer: int, x: Tensor) -> Tensor:
+        recent = self._write_q(store, tail, layer, x)  # [B, end - j0 * bs, Hkv, Dh]
+        B, _, Hkv, Dh = recent.shape
+        bs = self.block_size
         n = self._table.shape[1]
         ids = self._table.flatten()
         data, scales, zeros = (t[layer].index_select(0, ids) for t in (store.data, store.scales, store.zeros))

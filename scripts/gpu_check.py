@@ -1,7 +1,7 @@
 """The one GPU acceptance script: run it on a CUDA machine, get one JSON file (and a figure) naming
 the hardware, under figures/gpu/.
 
-    python scripts/gpu_check.py [--only decode offload] [--out figures/gpu]
+    python scripts/gpu_check.py [--only decode offload kernel] [--out figures/gpu]
     python scripts/gpu_check.py --smoke     # the same code on tiny shapes on the CPU (CI runs this)
 
 No network: the models are Llama-family models with the real shapes of SmolLM2-135M, Llama-3.2-1B
@@ -31,7 +31,10 @@ from minigen import GenerationConfig  # noqa: E402
 from minigen.cache import make_cache  # noqa: E402
 from minigen.generate import decode_step, prefill  # noqa: E402
 from minigen.model import Model, ModelConfig  # noqa: E402
+from minigen.paged import BlockView  # noqa: E402
 from minigen.precision import Precision  # noqa: E402
+from minigen.quant import QuantizedTensor, dequantize, quantize  # noqa: E402
+from minigen.triton_attention import decode_attention  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -204,7 +207,74 @@ def check_offload(device: str, smoke: bool) -> dict:
     return results
 
 
-CHECKS = {"decode": check_decode, "offload": check_offload}
+# ---------------------------------------------------------------- chapter 9: the Triton decode-attention kernel
+def _median_ms(fn, device: str, reps: int) -> float:
+    """Median wall time of fn() in ms, synchronized, after one warm-up call (which compiles)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def _gather_sdpa(q: torch.Tensor, view: BlockView) -> torch.Tensor:
+    """The torch backend's way over the same blocks: gather them through the table, dequantize the
+    copy, then SDPA. q [B, H, Dh] -> [B, H, Dh]."""
+    B, n = view.block_table.shape
+    ids = view.block_table.flatten()
+
+    def read(x):  # -> [B, Hkv, S, Dh] in q's dtype
+        if isinstance(x, QuantizedTensor):
+            x = dequantize(QuantizedTensor(x.data[ids], x.scales[ids], x.zeros[ids], x.bits, x.group_size, x.axis,
+                                           q.dtype))
+        else:
+            x = x[ids]
+        return x.reshape(B, n * view.block_size, *x.shape[2:]).transpose(1, 2)
+
+    k, v = read(view.k), read(view.v)
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def check_kernel(device: str, smoke: bool) -> dict:
+    """One Llama-3.1-8B-shaped attention layer decoding one token (32 query heads on 8 key/value heads
+    of 128 dims) over 1k, 4k and 16k cached tokens in paged blocks, bf16 / int8 / int4: the Triton
+    kernel against gather + dequantize + SDPA on the same blocks. Time, and bandwidth achieved on the
+    bytes the step must read (codes, scales, zeros, the query); the gather's copies are not counted."""
+    H, Hkv, Dh = (4, 2, 16) if smoke else (32, 8, 128)
+    bs, group_size, batch = 16, 16, 1
+    contexts = (48, 96) if smoke else (1024, 4096, 16384)
+    reps = 2 if smoke else 20
+    bandwidth = read_bandwidth_gb_s(device, 2**22 if smoke else 2**30)
+    g = torch.Generator(device=device).manual_seed(0)
+    results = {"layer": {"n_heads": H, "n_kv_heads": Hkv, "head_dim": Dh}, "block_size": bs,
+               "group_size": group_size, "batch": batch, "copy_bandwidth_gb_s": bandwidth, "runs": {}}
+    for S in contexts:
+        n = S // bs
+        k, v = (torch.randn(batch * n, bs, Hkv, Dh, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
+        table = torch.randperm(batch * n, generator=g, device=device).view(batch, n)  # blocks scattered in the pool
+        lens = torch.full((batch,), S, device=device)
+        q = torch.randn(batch, H, Dh, generator=g, device=device).to(torch.bfloat16)
+        for fmt, bits in (("bf16", None), ("int8", 8), ("int4", 4)):
+            kq, vq = (k, v) if bits is None else (quantize(k, bits, group_size, -3), quantize(v, bits, group_size, -1))
+            view = BlockView(kq, vq, table, bs, lens, lens)
+            read = q.nbytes + sum(t.nbytes for x in (kq, vq) for t in ((x,) if bits is None else (x.data, x.scales, x.zeros)))
+            kernel_ms = _median_ms(lambda: decode_attention(q, view), device, reps)
+            torch_ms = _median_ms(lambda: _gather_sdpa(q, view), device, reps)
+            diff = (decode_attention(q, view).float() - _gather_sdpa(q, view).float()).abs().max().item()
+            results["runs"][f"{fmt}_{S}"] = {
+                "context": S, "format": fmt, "bytes_read": read, "kernel_ms": kernel_ms, "gather_sdpa_ms": torch_ms,
+                "speedup": torch_ms / kernel_ms, "kernel_gb_s": read / kernel_ms / 1e6,
+                "gather_sdpa_gb_s": read / torch_ms / 1e6, "kernel_bandwidth_fraction": read / kernel_ms / 1e6 / bandwidth,
+                "max_abs_diff": diff}
+    return results
+
+
+CHECKS = {"decode": check_decode, "offload": check_offload, "kernel": check_kernel}
 
 
 def plot(report: dict, path: Path) -> None:

@@ -167,6 +167,29 @@ def _():
         assert cfg.temperature == 1.0  # the refused value was not stored
 
 
+@case("config-backend-unknown")
+def _():
+    GenerationConfig(attention_backend="cuda")
+
+
+@case("config-triton-without-blocks")
+def _():
+    GenerationConfig(attention_backend="triton")
+
+
+@case("config-triton-with-sparse")
+def _():
+    GenerationConfig(attention_backend="triton", cache_chunk_size=16, sparse_top_k=8)
+
+
+@case("triton-on-a-cpu")
+def _(tiny_model):
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    kw = dict(max_new_tokens=4, stop_token_ids=[], cache_chunk_size=16)
+    assert torch.equal(minigen.generate(tiny_model, ids, attention_backend="triton", **kw).tokens,
+                       minigen.generate(tiny_model, ids, **kw).tokens)
+
+
 @case("config-sampling-without-do-sample")
 def _():
     GenerationConfig(temperature=0.7)

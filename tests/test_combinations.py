@@ -63,6 +63,7 @@ FIELDS = {
     "kv_dtype": maybe(st.sampled_from(["float32", "bfloat16", "float16"])),
     "compile": st.booleans(),
     "cuda_graphs": st.booleans(),
+    "attention_backend": st.sampled_from(["torch", "triton"]),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
@@ -71,8 +72,10 @@ LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
 SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_size"],
             "prefetch_depth": ["prefetch_depth"], "quant_bits": ["quant_bits"], "window_size": ["window_size"],
             "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"],
-            "compile": ["compile"], "cuda_graphs": ["cuda_graphs"]}
-RARE = {"compile": 0.08, "cuda_graphs": 0.04}  # a compile costs seconds; cuda_graphs is refused on a CPU
+            "compile": ["compile"], "cuda_graphs": ["cuda_graphs"], "attention_backend": ["attention_backend"]}
+# A compile costs seconds; cuda_graphs is refused on a CPU; the Triton kernel runs in its interpreter
+# on a CPU (a step of the tiny model: ~0.1 s), and needs cache_chunk_size, so it is drawn with one.
+RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.2}
 NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
          "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"]}
 
@@ -90,6 +93,10 @@ def configs(draw):
     for feature in on:
         if feature == "use_cache=False":
             fields["use_cache"] = False
+        elif feature == "attention_backend":
+            fields[feature] = "triton"
+            if rnd.random() < 0.8:  # without blocks it is refused (REFUSED_SETTINGS)
+                fields["cache_chunk_size"] = draw(FIELDS["cache_chunk_size"].filter(lambda v: v is not None))
         elif feature in RARE:
             fields[feature] = True
         elif feature == "sparse":
@@ -131,7 +138,8 @@ def off(config: GenerationConfig, feature: str) -> GenerationConfig:
     keys = {"quant_bits": ("quant_bits", "quant_group_size", "quant_key_axis", "quant_residual"),
             "window_size": ("window_size", "sink_tokens"),
             "sparse": ("sparse_top_k", "sparsity_threshold", "sparse_score"),
-            "kv_budget": ("kv_budget",), "cache_chunk_size": ("cache_chunk_size", "quant_residual"),
+            "kv_budget": ("kv_budget",),
+            "cache_chunk_size": ("cache_chunk_size", "quant_residual", "attention_backend"),
             "prefetch_depth": ("prefetch_depth",)}[feature]
     return dataclasses.replace(config, **{k: DEFAULTS[k] for k in keys})
 
@@ -173,6 +181,8 @@ def run_nll(model, text, config):
 @example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8,
                  "window_size": 12, "prefetch_depth": 1})
 @example(fields={**DEFAULTS, "kv_budget": 10, "sparse_top_k": 8, "window_size": 30})
+@example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8, "window_size": 12,
+                 "attention_backend": "triton", "max_new_tokens": 3})
 def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
     named = {k for k, v in fields.items() if v != DEFAULTS[k]}  # what the user wrote
     try:
@@ -201,6 +211,10 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
         assert s.kv_blocks_in_pool is not None and 0 < s.kv_blocks_in_use <= s.kv_blocks_in_pool
     if "prefetch_depth" in on and config.max_new_tokens and config.prefetch_depth + 1 < tiny.config.n_layers:
         assert s.kv_device_bytes < s.kv_cache_bytes
+    # The kernel changes how attention reads the cache, never the greedy tokens.
+    if config.attention_backend == "triton" and not config.do_sample:
+        torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, config.replace(
+            attention_backend="torch")).tokens, atol=0, rtol=0)
     # Compiling changes how the step runs, never its tokens.
     if config.compile and not config.do_sample:
         torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, config.replace(compile=False)).tokens,
@@ -225,14 +239,15 @@ def test_refused_pairs_name_both_keys_and_a_fix():
     switch = {"use_cache=False": {"use_cache": False}, "cache_chunk_size": {"cache_chunk_size": 16},
               "prefetch_depth": {"prefetch_depth": 1}, "quant_bits": {"quant_bits": 4},
               "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16},
-              "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True}}
+              "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
+              "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 16}}  # needs blocks
     assert set(switch) == set(FEATURES)
     for pair, (why, fix) in REFUSED.items():
         a, b = sorted(pair)
         if "cuda_graphs" in pair and not torch.cuda.is_available():
             continue  # refused on this machine whatever it is paired with (below)
         with pytest.raises(ConfigError) as e:
-            GenerationConfig(**switch[a], **switch[b])
+            GenerationConfig(**{**switch[a], **switch[b]})
         msg = str(e.value)
         for feature in (a, b):
             key = next(iter(switch[feature]))
@@ -241,7 +256,7 @@ def test_refused_pairs_name_both_keys_and_a_fix():
     for a in FEATURES:  # every other pair builds
         for b in FEATURES:
             if a < b and frozenset({a, b}) not in REFUSED and (torch.cuda.is_available() or "cuda_graphs" not in (a, b)):
-                GenerationConfig(**switch[a], **switch[b])
+                GenerationConfig(**{**switch[a], **switch[b]})
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="cuda_graphs=True needs CUDA.*compile=True"):
             GenerationConfig(cuda_graphs=True)
@@ -251,3 +266,16 @@ def test_the_readme_shows_the_table():
     from pathlib import Path
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     assert combination_table() in readme, "run python scripts/update_readme.py"
+
+
+def test_attention_backend_is_torch_or_triton():
+    assert GenerationConfig().attention_backend == "torch"
+    for bad in ("cuda", "Triton", None, 1):
+        with pytest.raises(ConfigError, match=r"attention_backend=.*\"torch\".*\"triton\""):
+            GenerationConfig(attention_backend=bad)
+    # The kernel needs blocks, and 8- or 4-bit codes: refused up front, naming both keys and the fix.
+    with pytest.raises(ConfigError, match=r"attention_backend='triton' and cache_chunk_size=None.*cache_chunk_size"):
+        GenerationConfig(attention_backend="triton")
+    with pytest.raises(ConfigError, match=r"attention_backend='triton' and quant_bits=2.*quant_bits=8 or 4"):
+        GenerationConfig(attention_backend="triton", cache_chunk_size=16, quant_bits=2)
+    GenerationConfig(attention_backend="triton", cache_chunk_size=16, quant_bits=4, window_size=8)  # builds

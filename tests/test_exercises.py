@@ -4,6 +4,8 @@ with their hint, and the package formulas the checkers trust match an independen
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -222,6 +224,17 @@ def test_step_without_syncs():
 
     with pytest.raises(ExerciseFailed, match=r"fullgraph=True\) refused.*print"):
         ch08.check_step_without_syncs(debug_print)
+
+
+# ---------------------------------------------------------------- chapter 9
+def test_dequantize_on_load():
+    from minigen.exercises import ch09
+    assert ch09.check_dequantize_on_load(ch09.solution_dequantize_on_load)
+    for wrong, hint in ch09.MISTAKES:
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch09.check_dequantize_on_load(wrong)
+    with pytest.raises(ExerciseFailed, match="shape"):
+        ch09.check_dequantize_on_load(lambda codes, scales, zeros, channel, G: codes.float())
 
 
 # ---------------------------------------------------------------- chapter 14

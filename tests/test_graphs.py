@@ -81,6 +81,9 @@ def test_gpu_check_runs_on_tiny_shapes(tmp_path):
     modes = report["checks"]["decode"]["models"]["smoke"]["modes"]
     assert set(modes) == {"eager", "compile"} and all(m["tokens_equal_eager"] for m in modes.values())
     assert all(r["tokens_identical"] for k, r in report["checks"]["offload"].items() if k.startswith(("paged", "offload")))
+    runs = report["checks"]["kernel"]["runs"]  # the Triton kernel (interpreted here) against gather + SDPA
+    assert {r["format"] for r in runs.values()} == {"bf16", "int8", "int4"}
+    assert all(r["max_abs_diff"] < 2e-2 for r in runs.values())  # bf16 outputs: a few units of 2^-8
     assert (tmp_path / "smoke.png").exists()
 
 
