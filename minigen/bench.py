@@ -207,7 +207,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
         held = weight_bytes(modules[name]) if name in modules else runs[name].weights
         r.update(weight_bytes=held, kv_cache_bytes=runs[name].kv, peak_memory_bytes=held + r["run_peak_added_bytes"])
 
-    kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else model.precision.compute.itemsize
+    kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
     context = prompt_len + new_tokens // 2
     per_token = bytes_per_decode_step(model, context, kv_elem)  # minigen's: packed weights when quantized
     roofline = hw["memory_read_gb_s"] * 1e9 / per_token

@@ -105,7 +105,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
     """The cache `config` selects for `batch` rows of up to `max_len` positions; None for the naive loop.
     A paged pool holds `pool_rows` rows (default `batch`; more for rows forked later).
 
-    Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the activations' dtype);
+    Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the weights' dtype);
     values full precision or quantized (quant_bits); what is kept all, a window with sinks
     (window_size) or heavy hitters (kv_budget); with prefetch_depth, an offload tier wraps it.
     config.py's REFUSED says which pairs combine.
@@ -114,10 +114,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
         return None
     check_for_model(config, model.config)
     c, device = model.config, model.device
-    # Keys and values are activations: stored in the dtype they are computed in (model.precision),
-    # attention reads them with no conversion. kv_dtype="bfloat16" beside fp32 activations halves the
-    # cache's bytes for two conversions per layer per step (chapter 7).
-    dtype = DTYPES[config.kv_dtype] if config.kv_dtype is not None else model.precision.compute
+    dtype = DTYPES[config.kv_dtype] if config.kv_dtype is not None else model.dtype  # storage (chapter 7)
     # With an offload tier, the device holds only the layers in flight: prefetch_depth + 1.
     L = c.n_layers if config.prefetch_depth is None else min(c.n_layers, config.prefetch_depth + 1)
     window, sinks = config.window_size, (config.sink_tokens if config.window_size is not None else 0)

@@ -60,7 +60,7 @@ class GenerationConfig:
     quant_key_axis: str = "channel"  # keys grouped per "channel" (over tokens, KIVI) or per "token" (over channels)
     quant_residual: int | None = None  # most recent tokens kept in full precision (>= group size); None: one group
     # --- precision and compilation (chapters 7-8) ---
-    kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the activations' dtype
+    kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the weights' dtype
     compile: bool = False  # torch.compile the decode step (the contiguous cache or the window's ring buffer)
     cuda_graphs: bool = False  # capture the decode step in a CUDA graph and replay it (CUDA only)
     # --- the fused kernel (chapter 9) ---
@@ -236,7 +236,7 @@ def _check_values(c: GenerationConfig) -> None:
     # precision and compilation (chapters 7-8)
     if c.kv_dtype is not None and c.kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv_dtype={c.kv_dtype!r} is invalid: use one of {', '.join(map(repr, KV_DTYPES))}, "
-                          "or None to store the cache in the activations' dtype (model.precision.compute)")
+                          "or None to store the cache in the weights' dtype")
     _check_bool("compile", c.compile)
     _check_bool("cuda_graphs", c.cuda_graphs)
     if c.cuda_graphs and not torch.cuda.is_available():

@@ -52,7 +52,7 @@ class HeavyHitterCache:
     def for_model(cls, model, batch: int, kv_budget: int, dtype: torch.dtype | None = None) -> "HeavyHitterCache":
         cfg = model.config
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, kv_budget,
-                   dtype=dtype or model.precision.compute, device=model.device)
+                   dtype=dtype or model.dtype, device=model.device)
 
     def _rank(self, pos: Tensor, score: Tensor, empty: float) -> Tensor:
         """[B, N]: the order in which entries are evicted (lowest first). The `recent` newest

@@ -53,7 +53,7 @@ class KVCache:
     def for_model(cls, model, batch: int, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
         cfg = model.config
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim,
-                   dtype or model.precision.compute, model.device)
+                   dtype or model.dtype, model.device)
 
     def prepare(self, input_pos: Tensor) -> Tensor:
         """This step writes slots input_pos [T] -> the position of every slot [S] (slot s: s).

@@ -2,7 +2,7 @@
 
     weights      model.dtype           fp32, bf16 or fp16: minigen.load(name, dtype=...)
     activations  model.precision       fp32, or the weights' dtype: the residual stream between ops
-    KV cache     config.kv_dtype       fp32, bf16 or fp16 storage (None: the activations' dtype)
+    KV cache     config.kv_dtype       fp32, bf16 or fp16 storage (None: the weights' dtype)
     critical     model.precision       norms, softmax and logits in fp32 whatever the rest
 
 A product of 16-bit weights and fp32 activations keeps the activations exact: one row (a decode

@@ -199,7 +199,7 @@ class QuantizedKVCache:
         c = model.config
         return cls(c.n_layers, batch, c.n_kv_heads, max_len, c.head_dim, config.quant_bits,
                    config.quant_group_size, config.quant_key_axis, config.quant_residual,
-                   model.precision.compute, model.device)
+                   model.dtype, model.device)
 
     def n_quantized(self, n: int) -> int:
         """Tokens in the quantized store once n tokens are written: whole groups beyond the window."""

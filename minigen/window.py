@@ -51,7 +51,7 @@ class WindowKVCache:
                   dtype: torch.dtype | None = None) -> "WindowKVCache":
         cfg = model.config
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, window_size, sink_tokens,
-                   dtype or model.precision.compute, model.device)
+                   dtype or model.dtype, model.device)
 
     def slot_of(self, pos: Tensor) -> Tensor:
         """The slot of each position [T] -> [T] (the rule in the class docstring)."""

@@ -92,23 +92,6 @@ def test_kv_dtype_stores_the_cache_in_its_own_dtype(hf):
     assert not torch.equal(cache.k[1, :, :, :10].float(), ref.k[1, :, :, :10].float())
 
 
-def test_the_cache_defaults_to_the_activations_dtype(hf):
-    """kv_dtype=None stores keys and values as they are computed: fp32 beside bf16 weights on a CPU
-    (no conversion in each step's attention), bf16 once the activations are bf16."""
-    model = minigen.from_hf(hf, dtype=torch.bfloat16)
-    ids = ids_of(8, seed=4)
-    for compute, itemsize in ((torch.float32, 4), (torch.bfloat16, 2)):
-        model.precision = Precision(compute=compute)
-        cache = minigen.make_cache(model, GenerationConfig(), 1, 16)
-        assert cache.k.dtype == compute
-        out = minigen.generate(model, ids, max_new_tokens=4, stop_token_ids=[])
-        assert out.stats.kv_cache_bytes == model.config.kv_bytes_per_token(itemsize) * 12
-    halved = minigen.generate(model, ids, max_new_tokens=4, stop_token_ids=[], kv_dtype="bfloat16")
-    model.precision = Precision()
-    assert minigen.make_cache(model, GenerationConfig(kv_dtype="bfloat16"), 1, 16).k.dtype == torch.bfloat16
-    assert halved.stats.kv_cache_bytes * 2 == model.config.kv_bytes_per_token(4) * 12
-
-
 @pytest.mark.parametrize("value", ["int8", "fp16", torch.float16, 16])
 def test_bad_kv_dtype_names_the_choices(value):
     with pytest.raises(ConfigError, match="kv_dtype=.*'float32', 'bfloat16', 'float16'"):
