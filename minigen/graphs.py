@@ -20,6 +20,7 @@ mechanisms (torch.compile(mode="reduce-overhead") is torch.compile plus CUDA gra
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Callable
 
@@ -36,7 +37,14 @@ def compiled(step: Callable, model) -> Callable:
     recompile while the shapes stay (the same batch size, kind of cache and policy)."""
     per_model = _compiled.setdefault(model, {})
     if step not in per_model:
-        per_model[step] = torch.compile(step, fullgraph=True, dynamic=False)
+        # dynamo keeps its graphs on the function's code object, at most 8 (recompile_limit), and
+        # with fullgraph=True a ninth is a hard error. A process that compiles the step for several
+        # models (fp32, bf16, int8, int4; caches in two dtypes) would share those 8 slots: give
+        # each model a copy of the step's code, so that each has its own.
+        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                                 step.__defaults__, step.__closure__)
+        own.__kwdefaults__, own.__doc__ = step.__kwdefaults__, step.__doc__
+        per_model[step] = torch.compile(own, fullgraph=True, dynamic=False)
     return per_model[step]
 
 

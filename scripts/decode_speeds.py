@@ -3,7 +3,8 @@ the measurement behind the README's precision and quantization rows.
 
     python scripts/decode_speeds.py [--new-tokens 64] [--rounds 3] [--no-compile]
 
-Formats: fp32; bf16 weights with fp32 activations (the CPU default, precision.py); int8 and int4
+Formats: fp32; bf16 weights with fp32 activations (the CPU default, precision.py), with the cache in
+bf16 (the default kv_dtype: the weights' dtype) and in fp32 (bf16+kv32); int8 and int4
 weights (weight_quant.py). Modes: eager, and compile=True. Each (format, mode) pair generates
 `--new-tokens` greedy tokens from the benchmark's 64-token prompt once per round, the pairs
 taking turns, so a slow spell of a shared machine falls on all of them; the table gives the
@@ -36,27 +37,32 @@ def main(argv: list[str] | None = None) -> None:
     folder = resolve_folder("smollm2-135m")
     cfg, state = read_config(folder), read_safetensors(folder)
     ids = bench.prompt_ids(load_tokenizer(folder), 64)
-    models = {"fp32": build_model(cfg, state), "bf16": build_model(cfg, state, torch.bfloat16),
+    bf16 = build_model(cfg, state, torch.bfloat16)
+    models = {"fp32": build_model(cfg, state), "bf16": bf16, "bf16+kv32": bf16,
               "int8": minigen.quantize_weights(build_model(cfg, state), 8),
               "int4": minigen.quantize_weights(build_model(cfg, state), 4)}
+    # bf16+kv32: the same bf16 weights with the cache in fp32 (kv_dtype), as the activations are:
+    # attention then reads it without converting it in every layer of every step.
+    settings = {name: {"kv_dtype": "float32"} if name.endswith("kv32") else {} for name in models}
     modes = (False,) if args.no_compile else (False, True)
     runs = {(name, c): m for name, m in models.items() for c in modes}
     for (name, c), m in runs.items():  # warm-up: builds the kernel, compiles
-        minigen.generate(m, ids, max_new_tokens=8, stop_token_ids=[], compile=c)
+        minigen.generate(m, ids, max_new_tokens=8, stop_token_ids=[], compile=c, **settings[name])
     steps = {key: [] for key in runs}
     for _ in range(args.rounds):
         for (name, c), m in runs.items():
-            out = minigen.generate(m, ids, max_new_tokens=args.new_tokens, stop_token_ids=[], compile=c)
+            out = minigen.generate(m, ids, max_new_tokens=args.new_tokens, stop_token_ids=[], compile=c,
+                                   **settings[name])
             steps[name, c].append(statistics.median(out.stats.token_latencies_s[1:]))
     ms = {key: 1e3 * statistics.median(v) for key, v in steps.items()}
     print(f"SmolLM2-135M, batch 1, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}; "
           f"kernel: {cpu_kernel.status()}")
-    print(f"{'weights':<8}{'mode':<10}{'MB of weights':>14}{'step ms':>9}{'tok/s':>8}{'vs fp32 eager':>15}"
+    print(f"{'weights':<10}{'mode':<10}{'MB of weights':>14}{'step ms':>9}{'tok/s':>8}{'vs fp32 eager':>15}"
           f"{'vs fp32 same mode':>19}")
     for (name, c), t in ms.items():
         mode = "compiled" if c else "eager"
         mb = minigen.weight_quant.weight_bytes(models[name]) / 1e6
-        print(f"{name:<8}{mode:<10}{mb:>14.0f}{t:>9.2f}{1e3 / t:>8.1f}{ms['fp32', False] / t:>14.2f}x"
+        print(f"{name:<10}{mode:<10}{mb:>14.0f}{t:>9.2f}{1e3 / t:>8.1f}{ms['fp32', False] / t:>14.2f}x"
               f"{ms['fp32', c] / t:>18.2f}x")
     print(f"late regions (the kernel ran single-threaded after them): {cpu_kernel.late_regions()}")
 

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 
 import minigen
 from conftest import tiny_hf
-from minigen import ConfigError
+from minigen import ConfigError, graphs
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +43,20 @@ def test_compiled_generation_equals_eager_and_compiles_once(tiny, settings):
     assert counters["stats"]["unique_graphs"] == graphs  # the second call reused the compiled step
     assert second.stats.compile_s == 0.0
     assert first.stats.compile_s > 0 or counters["stats"]["unique_graphs"] > 0
+
+
+def test_many_models_compiled_in_one_process_never_hit_dynamo_s_limit():
+    """Regression: dynamo keeps at most 8 graphs per code object and, with fullgraph=True, fails hard
+    on a ninth. Every model's compiled step shared decode_step's code, so a script comparing 5
+    weight formats with two cache dtypes (scripts/decode_speeds.py) died inside torch."""
+    def step(model, x):
+        return x * model.weight
+
+    models = [torch.nn.Linear(1, 1) for _ in range(10)]  # 10 models, each seen with its own shape
+    for i, m in enumerate(models):
+        x = torch.ones(i + 1)
+        assert torch.equal(graphs.compiled(step, m)(m, x), x * m.weight)
+    assert graphs.compiled(step, models[0]) is graphs.compiled(step, models[0])  # one per model, kept
 
 
 def test_compiled_sampling_equals_eager_for_a_seed(tiny):
