@@ -61,13 +61,13 @@ def weights_bytes(cfg: ModelConfig, dtype: str | torch.dtype = "float32") -> int
 
 
 def kv_cache_bytes(cfg: ModelConfig, config: GenerationConfig, batch: int, context: int,
-                   compute: str | torch.dtype = "float32", prompt_len: int | None = None) -> int:
+                   dtype: str | torch.dtype = "float32", prompt_len: int | None = None) -> int:
     """The bytes `generate` holds at the end for `batch` rows of `context` positions (prompt + new
-    tokens) under `config`, activations in `compute` (the cache's default dtype). A paged cache's
-    gather buffer depends on the prompt's length (`prompt_len`; None: the whole context)."""
+    tokens) under `config`, the weights in `dtype` (the cache's dtype unless kv_dtype says another).
+    A paged cache's gather buffer depends on the prompt's length (`prompt_len`; None: the whole context)."""
     if not config.use_cache:
         return 0
-    stub = SimpleNamespace(config=cfg, device=torch.device("meta"), precision=Precision(compute=_dtype(compute)))
+    stub = _meta_model(cfg, dtype)
     cache = make_cache(stub, config, batch, context)
     held = cache.nbytes
     bs = config.cache_chunk_size
@@ -76,10 +76,15 @@ def kv_cache_bytes(cfg: ModelConfig, config: GenerationConfig, batch: int, conte
         held += 4 * batch * math.ceil((context - 1 if prompt_len and prompt_len < context else context) / bs)
     if bs is not None and config.quant_bits is None:
         # the buffer attention gathers the rows' blocks into, keys and values (paged.py `_buffer`)
-        dtype = DTYPES[config.kv_dtype] if config.kv_dtype else _dtype(compute)
-        block = bs * cfg.n_kv_heads * cfg.head_dim * dtype.itemsize
+        stored = DTYPES[config.kv_dtype] if config.kv_dtype else _dtype(dtype)
+        block = bs * cfg.n_kv_heads * cfg.head_dim * stored.itemsize
         held += 2 * block * _gather_blocks(config, batch, context, prompt_len or context)
     return held
+
+
+def _meta_model(cfg: ModelConfig, dtype: str | torch.dtype) -> SimpleNamespace:
+    """What make_cache reads of a model, on the meta device: its caches are sized, never filled."""
+    return SimpleNamespace(config=cfg, device=torch.device("meta"), dtype=_dtype(dtype), precision=Precision())
 
 
 def _gather_blocks(config: GenerationConfig, batch: int, context: int, prompt_len: int) -> int:
@@ -143,7 +148,7 @@ class Plan:
         return d
 
 
-def options(cfg: ModelConfig, batch: int, context: int, compute: str | torch.dtype = "float32",
+def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype = "float32",
             cache_chunk_size: int | None = None) -> list[tuple[dict, int, float, list[str]]]:
     """(config fields, KV bytes, expected loss %, sources) for every storage x window setting.
 
@@ -162,7 +167,7 @@ def options(cfg: ModelConfig, batch: int, context: int, compute: str | torch.dty
             keys = [k if k == "kv_dtype" else f"{k}={v}" for k, v in fields.items()
                     if k not in ("cache_chunk_size", "quant_group_size")]
             loss = sum(QUALITY_LOSS[k][0] for k in keys)
-            kv = kv_cache_bytes(cfg, GenerationConfig(**fields), batch, context, compute)
+            kv = kv_cache_bytes(cfg, GenerationConfig(**fields), batch, context, dtype)
             out.append((fields, kv, loss, [QUALITY_LOSS[k][1] for k in keys]))
     return out
 
@@ -182,7 +187,7 @@ def plan(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch:
     weights = weights_bytes(cfg, dtype)
     acts = activation_bytes(cfg, batch, context, compute)
     rows = [Option(fields, kv, weights + kv + acts, weights + kv + acts <= budget_bytes, loss, src)
-            for fields, kv, loss, src in options(cfg, batch, context, compute, cache_chunk_size)]
+            for fields, kv, loss, src in options(cfg, batch, context, dtype, cache_chunk_size)]
     rows.sort(key=lambda o: (not o.fits, o.expected_loss_pct if o.fits else o.total_bytes, o.total_bytes))
     smallest = min(o.total_bytes for o in rows)
     if budget_bytes < weights:
@@ -194,11 +199,11 @@ def plan(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch:
     return Plan(fits=best.fits, config=best.config, kv_cache_bytes=best.kv_cache_bytes, weights_bytes=weights,
                 activation_bytes=acts, total_bytes=best.total_bytes, budget_bytes=budget_bytes,
                 expected_loss_pct=best.expected_loss_pct, smallest_budget=smallest, options=rows,
-                paged=paged_waste(cfg, best.config, batch, context, compute))
+                paged=paged_waste(cfg, best.config, batch, context, dtype))
 
 
 def paged_waste(cfg: ModelConfig, fields: dict, batch: int, context: int,
-                compute: str | torch.dtype = "float32") -> dict[int, dict[str, int]]:
+                dtype: str | torch.dtype = "float32") -> dict[int, dict[str, int]]:
     """For each of PAGED_CHUNKS: the KV bytes of `fields` in a paged cache, and the bytes of the
     slots its pool holds past `context` (a pool sized to the context leaves only each row's last
     block partly empty). {} where the settings do not page (a quantized block must hold whole groups)."""
@@ -208,28 +213,28 @@ def paged_waste(cfg: ModelConfig, fields: dict, batch: int, context: int,
         if config.quant_bits is not None and bs % config.quant_group_size:
             continue
         slots = batch * (math.ceil(context / bs) * bs - context)
-        stub = SimpleNamespace(config=cfg, device=torch.device("meta"), precision=Precision(compute=_dtype(compute)))
+        stub = _meta_model(cfg, dtype)
         block = make_cache(stub, config, 1, 2 * bs).nbytes - make_cache(stub, config, 1, bs).nbytes  # one block
         per_slot = block // bs
-        out[bs] = {"kv_cache_bytes": kv_cache_bytes(cfg, config, batch, context, compute),
+        out[bs] = {"kv_cache_bytes": kv_cache_bytes(cfg, config, batch, context, dtype),
                    "waste_bytes": slots * per_slot}
     return out
 
 
 def oom_remedies(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch: int = 8,
                  context: int = 8192, cache_chunk_size: int = 256, smaller_chunk: int = 16,
-                 max_length: int = 4096, compute: str | torch.dtype = "float32") -> dict[str, int]:
+                 max_length: int = 4096, dtype: str | torch.dtype = "float32") -> dict[str, int]:
     """Bytes each of the article's three out-of-memory remedies frees, from its own paged cache of
     `cache_chunk_size` tokens per block at `context` tokens: smaller chunks, 4-bit KV, capping the length."""
     cfg = model_config(model)
     base_config = GenerationConfig(cache_chunk_size=cache_chunk_size)
-    base = kv_cache_bytes(cfg, base_config, batch, context, compute)
+    base = kv_cache_bytes(cfg, base_config, batch, context, dtype)
     return {
         "baseline_bytes": base,
         f"cache_chunk_size={smaller_chunk}": base - kv_cache_bytes(
-            cfg, base_config.replace(cache_chunk_size=smaller_chunk), batch, context, compute),
-        "quant_bits=4": base - kv_cache_bytes(cfg, base_config.replace(quant_bits=4), batch, context, compute),
-        f"max_length={max_length}": base - kv_cache_bytes(cfg, base_config, batch, min(context, max_length), compute),
+            cfg, base_config.replace(cache_chunk_size=smaller_chunk), batch, context, dtype),
+        "quant_bits=4": base - kv_cache_bytes(cfg, base_config.replace(quant_bits=4), batch, context, dtype),
+        f"max_length={max_length}": base - kv_cache_bytes(cfg, base_config, batch, min(context, max_length), dtype),
     }
 
 
