@@ -16,11 +16,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_the_categories_add_up_to_the_measured_step(smollm2, english_text_ids):
     """The profiled categories (rest included) sum to the step timed without the profiler, within
     15%: the profiler's own cost and a busy neighbour are the only gap. Timing on a shared two-core
-    machine is noisy, so one retry is allowed; a real gap (an op counted twice, a category lost)
-    shows on both tries."""
+    machine is noisy: next to a busy loop, 1 try in 8 landed 20% off (measured), and a make test run
+    with a busy neighbour failed two tries in a row at +26%. So four tries are allowed; a real gap (an
+    op counted twice, a category lost) shows on every try."""
     model, _ = smollm2
     ids = english_text_ids[None, :48]
-    for attempt in range(2):
+    for attempt in range(4):
         p = profiling.profile(model, ids, steps=6)
         total = sum(p.categories.values())
         if abs(total - p.step_s) <= 0.15 * p.step_s:
