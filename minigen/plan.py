@@ -28,7 +28,7 @@ from .config import GenerationConfig
 from .errors import ConfigError
 from .loading import read_config, resolve_folder
 from .model import Model, ModelConfig
-from .precision import DTYPES, Precision
+from .precision import DTYPES
 
 # setting -> (expected perplexity change in %, where it was measured), SmolLM2-135M
 QUALITY_LOSS = {
@@ -84,7 +84,7 @@ def kv_cache_bytes(cfg: ModelConfig, config: GenerationConfig, batch: int, conte
 
 def _meta_model(cfg: ModelConfig, dtype: str | torch.dtype) -> SimpleNamespace:
     """What make_cache reads of a model, on the meta device: its caches are sized, never filled."""
-    return SimpleNamespace(config=cfg, device=torch.device("meta"), dtype=_dtype(dtype), precision=Precision())
+    return SimpleNamespace(config=cfg, device=torch.device("meta"), dtype=_dtype(dtype))
 
 
 def _gather_blocks(config: GenerationConfig, batch: int, context: int, prompt_len: int) -> int:
