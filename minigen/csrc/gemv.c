@@ -201,11 +201,10 @@ static void row_q4(const Mat *m, float *y, int64_t i) {
  * A row's scales and minimums are widened to fp32 once, 16 at a time, into a small array. */
 #define MAX_ROW_GROUPS 1024  /* k / G of the row arrays below; a longer row takes the 8-wide loop */
 
-static inline int64_t row_scales(const uint16_t *h, float *f, int64_t ng) {
+static inline void row_scales(const uint16_t *h, float *f, int64_t ng) {
     int64_t g = 0;
     for (; g + 16 <= ng; g += 16) _mm512_storeu_ps(f + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + g))));
     for (; g < ng; g++) f[g] = f16_to_f32(h[g]);
-    return ng;
 }
 static inline __m512 i8x16_to_f32(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
