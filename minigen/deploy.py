@@ -51,7 +51,7 @@ def parse_model_config(text: str, source: str = "config.pbtxt") -> ModelConfig:
     try:
         return text_format.Parse(text, ModelConfig())
     except text_format.ParseError as e:
-        raise DeployError(f"{source} is not a valid Triton model config: {e}. Field names and enum "
+        raise DeployError(f"{source} is not a valid Triton model config: {str(e).rstrip('.')}. Field names and enum "
                           "values are those of Triton's model_config.proto (tritonclient.grpc.model_config_pb2)") from None
 
 
