@@ -14,7 +14,9 @@ to a server. The course's layer: the core never imports this module.
 
 from __future__ import annotations
 
+import bisect
 import json
+import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,3 +226,48 @@ def scale_down_steps(replicas: int, floor: int, percent: int) -> list[int]:
     while steps[-1] > floor:
         steps.append(max(floor, int(steps[-1] * (1 - percent / 100))))
     return steps
+
+
+# ---------------------------------------------------------------- what utilisation sees
+@dataclass(frozen=True)
+class ServerRun:
+    """A simulated LLM server under one load: what a utilisation gauge and a queue gauge would read."""
+    load: float  # offered tokens/s over the server's batched capacity
+    busy_fraction: float  # fraction of time a step runs: what "GPU utilisation" measures
+    mean_waiting: float  # requests queued, averaged over time: vllm:num_requests_waiting
+    mean_batch: float  # sequences per step while busy: vllm:num_requests_running
+    finished: int  # requests completed within the horizon
+
+
+def simulate_server(step_s: list[float], load: float, new_tokens: int = 64, lifetimes: float = 100.0,
+                    seed: int = 0) -> ServerRun:
+    """Continuous batching of Poisson arrivals on one server whose decode step takes step_s[b - 1]
+    seconds at batch b (b up to len(step_s)); each request decodes `new_tokens` tokens (prefill left
+    out). `load` scales the arrival rate to the capacity, max batch / step_s[-1] tokens/s. The run
+    lasts `lifetimes` times a request's decode at full batch, so its shape does not depend on the
+    step times' scale, only on their ratios."""
+    max_batch = len(step_s)
+    horizon_s = lifetimes * new_tokens * step_s[-1]
+    rate = load * max_batch / step_s[-1] / new_tokens  # requests per second
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    while t < horizon_s:
+        t += rng.expovariate(rate)
+        arrivals.append(t)
+    now, busy, waiting_area, batch_area, finished, nxt = 0.0, 0.0, 0.0, 0.0, 0, 0
+    running: list[int] = []  # tokens left per running request
+    while now < horizon_s:
+        while nxt < len(arrivals) and arrivals[nxt] <= now and len(running) < max_batch:
+            running.append(new_tokens)  # admitted: first come, first served
+            nxt += 1
+        if not running:  # idle until the next arrival
+            now = arrivals[nxt] if nxt < len(arrivals) else horizon_s
+            continue
+        queued = bisect.bisect_right(arrivals, now) - nxt  # arrived, not admitted
+        step = step_s[len(running) - 1]
+        busy, waiting_area, batch_area = busy + step, waiting_area + queued * step, batch_area + len(running) * step
+        running = [left - 1 for left in running]
+        finished += sum(1 for left in running if left == 0)
+        running = [left for left in running if left > 0]
+        now += step
+    return ServerRun(load, busy / now, waiting_area / now, batch_area / max(busy, 1e-12), finished)

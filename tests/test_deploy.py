@@ -250,3 +250,17 @@ def test_ch11_checker_names_the_mistake(wrong, fragment):
     with pytest.raises(ExerciseFailed) as e:
         ch11.check_fixed_config(wrong)
     assert fragment.replace("\\", "") in str(e.value)
+
+
+# ---------------------------------------------------------------- utilisation against the queue
+def test_busy_fraction_saturates_while_the_queue_grows():
+    step_s = [0.02 + 0.03 * (b - 1) / 7 for b in range(1, 9)]  # batch 8 costs 2.5x batch 1
+    runs = {load: deploy.simulate_server(step_s, load, lifetimes=50, seed=0) for load in (0.1, 0.9, 1.5)}
+    assert runs[0.1].busy_fraction < 0.5 and runs[0.1].mean_waiting == 0
+    assert runs[1.5].busy_fraction - runs[0.9].busy_fraction < 0.05 and runs[1.5].busy_fraction > 0.99
+    assert runs[1.5].mean_waiting > 20 * runs[0.9].mean_waiting
+    assert 7.5 < runs[1.5].mean_batch <= 8  # overloaded: every step runs a full batch
+    assert deploy.simulate_server(step_s, 0.9, lifetimes=50, seed=0) == runs[0.9]  # seeded
+    # scale-free: the same ratios of step times give the same run
+    slower = deploy.simulate_server([10 * s for s in step_s], 0.9, lifetimes=50, seed=0)
+    assert abs(slower.busy_fraction - runs[0.9].busy_fraction) < 1e-9 and slower.finished == runs[0.9].finished
