@@ -109,6 +109,8 @@ def review_triton(config: ModelConfig) -> list[Finding]:
                              "batcher only joins requests of the same shape, so prompts of different lengths "
                              "never share a batch (or the client must pad them)"))
     for i, group in enumerate(config.instance_group):
+        # model_config.proto, ModelInstanceGroup.count: "For a group assigned to GPU, the number of
+        # instances created for each GPU listed in 'gpus'".
         if group.kind == model_config_pb2.ModelInstanceGroup.KIND_GPU and len(group.gpus) > 1 and group.count > 1:
             found.append(Finding(f"instance_group[{i}]", "wrong",
                                  f"count is per GPU listed: count {group.count} on gpus {list(group.gpus)} makes "
