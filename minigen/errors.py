@@ -40,3 +40,7 @@ class LedgerError(MinigenError, ValueError):
 
 class BenchError(MinigenError, ValueError):
     """A benchmark that cannot give a meaningful number, or whose results cannot be written."""
+
+
+class DeployError(MinigenError, ValueError):
+    """A deployment file (Triton config.pbtxt, model repository, Kubernetes manifest) is invalid."""
