@@ -139,7 +139,7 @@ def table(rows: list[Row], hardware: str) -> str:
     """Markdown: the measured rows side by side with the article's reported ones."""
     o, a = rows
     mb = 1e6
-    lines = [f"| metric | original | article's config | ratio | reported by the article (A100 80GB) |",
+    lines = ["| metric | original | article's config | gain (> 1: better) | reported by the article (A100 80GB) |",
              "|---|---|---|---|---|",
              f"| decode tokens/s ({hardware}) | {o.decode_tokens_per_s:.1f} | {a.decode_tokens_per_s:.1f} | "
              f"{a.decode_tokens_per_s / o.decode_tokens_per_s:.2f}x | 42 → 128 (3.05x) |",

@@ -152,8 +152,9 @@ def plot_roofline(ceilings, points, reference, ax=None):
     x = np.logspace(-1, 5, 400)
     for i, c in enumerate(ceilings):
         ax.loglog(x, [c.attainable(v) for v in x], color=f"C{i}", lw=1.8 if c is reference else 1.1,
-                  label=f"{c.name}: {c.peak_flops / 1e12:,.1f} TFLOP/s {c.precision}, {c.bandwidth / 1e9:,.0f} GB/s "
-                        f"(ridge {c.ridge:,.0f})")
+                  label=f"{c.name}: " + (f"{c.peak_flops / 1e12:,.0f} TFLOP/s" if c.peak_flops >= 1e12 else
+                                           f"{c.peak_flops / 1e9:,.1f} GFLOP/s") +
+                        f" {c.precision}, {c.bandwidth / 1e9:,.1f} GB/s (ridge {c.ridge:,.1f})")
     models = list(dict.fromkeys(name for name, _ in points))
     for name, p in points:
         color = f"C{len(ceilings) + models.index(name)}"

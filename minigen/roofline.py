@@ -171,6 +171,13 @@ def matmul_flops(n: int = 2048, threads: int = 2, repeats: int = 5) -> float:
 
 
 def cpu_ceiling(threads: int = 2, n: int = 2048) -> Ceiling:
-    """This CPU's roofline, measured now: an fp32 matmul's FLOP/s and a streaming read's bytes/s."""
-    return Ceiling(f"this CPU ({threads} threads, measured)", matmul_flops(n, threads), memory_read_bandwidth() * 1e9,
-                   0.0, "fp32", "measured on this machine: fp32 matmul (peak) and a streaming sum (bandwidth)")
+    """This CPU's roofline, measured now on `threads` threads: an fp32 matmul's FLOP/s and a streaming
+    read's bytes/s (machine.memory_read_bandwidth)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        bandwidth = memory_read_bandwidth() * 1e9
+    finally:
+        torch.set_num_threads(before)
+    return Ceiling(f"this CPU ({threads} threads, measured)", matmul_flops(n, threads), bandwidth, 0.0, "fp32",
+                   "measured on this machine: fp32 matmul (peak) and a streaming sum (bandwidth)")
