@@ -106,3 +106,17 @@ def test_run_measures_both_configs_on_a_tiny_model():
     assert article.peak_memory_bytes > 0 and budget > original.peak_memory_bytes
     text_table = ab.table(rows, "2-core CPU")
     assert "reported by the article" in text_table and "42 → 128" in text_table
+
+
+def test_the_ledger_states_what_the_models_compute():
+    """C6c and C7's numbers in claims.toml are the ones these models give (chapter 12 asserts the verdicts)."""
+    from minigen.ledger import load_claims
+    claims = {c.id: c for c in load_claims()}
+    mask_only = next(c for c in ab.a100_table(window_frees=False) if (c.model, c.batch) == ("Llama-2-7B", 24))
+    assert f"{mask_only.optimized_memory / 1e9:.1f} GB" in claims["C6c"].measured
+    assert "batch 24 x 2,048" in claims["C6a"].measured and "batch 24 x 2,048" in claims["C6c"].measured
+    best = max((s for s in ab.c7_table() if s.fits and s.context == 2048), key=lambda s: s.speedups["all three"])
+    assert f"{best.speedups['all three']:.2f}x at 2,048 tokens" in claims["C7"].measured
+    assert f"{ab.kv_needed_for(4.8) / 1e12:.2f} TB" in claims["C7"].measured
+    assert f"~{round(ab.prefill_tokens(LLAMA2_7B, 0.35), -2):,.0f} tokens" in claims["C6b"].measured
+    assert {claims[i].verdict for i in ("C6a", "C6b", "C6c", "C7")} == {"reframed"}

@@ -80,3 +80,26 @@ def test_roofline_points_cover_prefill_and_decode_at_each_batch():
     assert len(points) == 3 * 3 * 2
     labels = {(name, p.label) for name, p in points}
     assert ("Llama-2-70B", "decode B=64") in labels and ("SmolLM2-135M", "prefill B=1") in labels
+
+
+def test_chapter_12_plots_draw_what_they_are_given():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minigen import article_bench, plots
+    from minigen.profiling import CATEGORY_NAMES, Profile
+    fake_cpu = rl.Ceiling("cpu", 1e11, 2e10, 0.0, "fp32", "measured")
+    ax = plots.plot_roofline([fake_cpu, *rl.GPUS], rl.roofline_points(), rl.A100_80GB)
+    assert len(ax.lines) == 4 + 18 + 3  # a roof per ceiling, a marker per point, a legend entry per model
+    assert "100.0 GFLOP/s" in ax.get_legend().get_texts()[0].get_text()
+    split = article_bench.c7_table(batches=(1, 8), contexts=(2048,))
+    ax = plots.plot_c7(split)
+    assert len(ax.patches) == 3 * len(split)
+    profile = Profile(step_s=0.1, profiled_step_s=0.1, categories={n: 0.01 for n in CATEGORY_NAMES},
+                      profiled_categories={}, probe_s=0.0, events_per_step=1, steps=1, context=1)
+    assert len(plots.plot_categories(profile).patches) == len(CATEGORY_NAMES)
+    report = {"hardware": {"gpu": "H200"}, "checks": {"decode": {"models": {"m": {"modes": {
+        "eager": {"decode_tokens_per_s": 100.0}, "compile": {"decode_tokens_per_s": 200.0}}}}}}}
+    assert len(plots.plot_gpu_profiles({"H200.json": report}).patches) == 2
+    plt.close("all")
