@@ -139,6 +139,7 @@ def plot_categories(profile, ax=None):
     ms = [profile.categories[n] * 1e3 for n in names]
     bars = ax.barh(names[::-1], ms[::-1], color="C0")
     ax.bar_label(bars, labels=[f"{v:.2f}" for v in ms[::-1]], padding=2, fontsize=8)
+    ax.set_xlim(0, max(ms) * 1.2)
     ax.set_xlabel(f"ms per decode step (timed step {profile.step_s * 1e3:.1f} ms)")
     return ax
 
