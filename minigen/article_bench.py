@@ -79,7 +79,7 @@ def naive_has_no_cache(cfg: ModelConfig, context: int = 2048) -> dict[str, int]:
 class Row:
     name: str
     decode_tokens_per_s: float  # per sequence, median over the repeats
-    ttft_s: float
+    ttft_s: float  # the fastest of the repeats (a prefill only gets slower from a busy neighbour)
     peak_memory_bytes: int  # weights + the cache's peak bytes (counted by the cache)
     rss_added_bytes: int  # what the generation added to the process's peak RSS (measured)
     kv_cache_bytes: int
