@@ -127,3 +127,88 @@ def package_map(package: ModuleType) -> str:
         kind = "package" if info.ispkg else "module"
         rows.append(f"| `{info.name}` ({kind}) | {doc[0] if doc else ''} | {shown} |")
     return "\n".join(rows)
+
+
+# ---------------------------------------------------------------- chapter 12: profile, roofline, C7, GPU reports
+def plot_categories(profile, ax=None):
+    """Bars of ms per decode step by category, from `minigen.profiling.profile`."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 3.5))
+    names = list(profile.categories)
+    ms = [profile.categories[n] * 1e3 for n in names]
+    bars = ax.barh(names[::-1], ms[::-1], color="C0")
+    ax.bar_label(bars, labels=[f"{v:.2f}" for v in ms[::-1]], padding=2, fontsize=8)
+    ax.set_xlim(0, max(ms) * 1.2)
+    ax.set_xlabel(f"ms per decode step (timed step {profile.step_s * 1e3:.1f} ms)")
+    return ax
+
+
+def plot_roofline(ceilings, points, reference, ax=None):
+    """Log-log roofline: each ceiling's min(peak, bandwidth x intensity), and each (model, Point) drawn
+    at its intensity on the `reference` ceiling's roof (o prefill, x decode; colour by model)."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 5.5))
+    x = np.logspace(-1, 5, 400)
+    for i, c in enumerate(ceilings):
+        ax.loglog(x, [c.attainable(v) for v in x], color=f"C{i}", lw=1.8 if c is reference else 1.1,
+                  label=f"{c.name}: " + (f"{c.peak_flops / 1e12:,.0f} TFLOP/s" if c.peak_flops >= 1e12 else
+                                           f"{c.peak_flops / 1e9:,.1f} GFLOP/s") +
+                        f" {c.precision}, {c.bandwidth / 1e9:,.1f} GB/s (ridge {c.ridge:,.1f})")
+    models = list(dict.fromkeys(name for name, _ in points))
+    for name, p in points:
+        color = f"C{len(ceilings) + models.index(name)}"
+        ax.loglog(p.intensity, reference.attainable(p.intensity), "o" if p.label.startswith("prefill") else "x",
+                  color=color, ms=7, mew=2)
+        ax.annotate(p.label.split()[-1], (p.intensity, reference.attainable(p.intensity)), fontsize=6,
+                    xytext=(3, -9), textcoords="offset points")
+    for i, name in enumerate(models):
+        ax.plot([], [], "s", color=f"C{len(ceilings) + i}", label=f"{name} (o prefill, x decode)")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved from memory)")
+    ax.set_ylabel("attainable FLOP/s")
+    ax.legend(fontsize=7, loc="lower right")
+    return ax
+
+
+def plot_c7(splits, ax=None):
+    """Stacked ms of a 175B decode step (weights, KV, compute shown beside) for each batch and context."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 4))
+    labels = [f"B={s.batch}\nN={s.context}" for s in splits]
+    w = [s.weights_s * 1e3 for s in splits]
+    kv = [s.kv_s * 1e3 for s in splits]
+    pos = np.arange(len(splits))
+    ax.bar(pos - 0.2, w, 0.4, color="C0", label="read the weights (fp16)")
+    ax.bar(pos - 0.2, kv, 0.4, bottom=w, color="C1", label="read the KV cache (fp16)")
+    ax.bar(pos + 0.2, [s.compute_s * 1e3 for s in splits], 0.4, color="C2", label="compute at peak")
+    for p, s in zip(pos, splits):
+        ax.text(p, (s.weights_s + s.kv_s) * 1e3 * 1.05, f"{s.speedups['all three']:.1f}x" +
+                ("" if s.fits else f"\n{s.gpus_needed} GPUs"), ha="center", fontsize=7)
+    ax.set_xticks(pos, labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=8, loc="upper left")
+    return ax
+
+
+def plot_gpu_profiles(reports: dict, ax=None):
+    """Decode tok/s per model and mode from scripts/gpu_check.py reports (figures/gpu/*.json)."""
+    import matplotlib.pyplot as plt
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4))
+    bars = [(f"{r['hardware']['gpu']}\n{m}", mode, v["decode_tokens_per_s"])
+            for r in reports.values() for m, row in r["checks"].get("decode", {}).get("models", {}).items()
+            for mode, v in row["modes"].items()]
+    modes = list(dict.fromkeys(b[1] for b in bars))
+    groups = list(dict.fromkeys(b[0] for b in bars))
+    width = 0.8 / max(1, len(modes))
+    for i, mode in enumerate(modes):
+        xs = [groups.index(g) + width * (i - (len(modes) - 1) / 2) for g, m, _ in bars if m == mode]
+        ax.bar(xs, [v for _, m, v in bars if m == mode], width, label=mode)
+    ax.set_xticks(range(len(groups)), groups, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("decode tokens/s, batch 1 (measured by scripts/gpu_check.py)")
+    ax.legend(fontsize=8)
+    return ax

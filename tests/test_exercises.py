@@ -255,3 +255,20 @@ def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
     unmasked = lambda d: torch.cat([d.unflatten(-1, (-1, 16)), d.unflatten(-1, (-1, 16)) >> 4], -1).flatten(-2)  # noqa: E731
     with pytest.raises(ExerciseFailed, match="& 0xF"):
         ch14.check_unpack4(unmasked)
+
+
+# ---------------------------------------------------------------- chapter 12
+def test_ch12_roofline_checkers_take_the_solutions_and_name_the_usual_mistakes():
+    from minigen.exercises import ch12
+    from minigen.roofline import decode_point, streamed_params
+    assert ch12.check_decode_intensity(ch12.solution_decode_intensity)
+    assert ch12.check_predict_tokens_per_s(ch12.solution_predict_tokens_per_s)
+    with pytest.raises(ExerciseFailed, match="read once for the whole batch"):
+        ch12.check_decode_intensity(lambda cfg, b, n, wb, kb: b * cfg.forward_flops(1, n) / (
+            b * streamed_params(cfg) * wb + b * n * cfg.kv_bytes_per_token(kb)))
+    with pytest.raises(ExerciseFailed, match="keys and values"):
+        ch12.check_decode_intensity(lambda cfg, b, n, wb, kb: b * cfg.forward_flops(1, n) / (streamed_params(cfg) * wb))
+    with pytest.raises(ExerciseFailed, match="multiply by batch"):
+        ch12.check_predict_tokens_per_s(lambda g, cfg, b, n: ch12.solution_predict_tokens_per_s(g, cfg, b, n) / b)
+    with pytest.raises(ExerciseFailed, match="bound by compute"):
+        ch12.check_predict_tokens_per_s(lambda g, cfg, b, n: b * g.bandwidth / decode_point(cfg, b, n).bytes)
