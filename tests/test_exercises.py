@@ -255,3 +255,21 @@ def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
     unmasked = lambda d: torch.cat([d.unflatten(-1, (-1, 16)), d.unflatten(-1, (-1, 16)) >> 4], -1).flatten(-2)  # noqa: E731
     with pytest.raises(ExerciseFailed, match="& 0xF"):
         ch14.check_unpack4(unmasked)
+
+
+def test_ch13_cheapest_fit_agrees_with_the_planner_and_names_the_usual_mistakes():
+    from minigen.exercises import ch13
+    assert ch13.check_cheapest_fit(ch13.solution_cheapest_fit)
+    # a tie in loss and bytes (bf16 against fp16 storage, one of the cases) accepts either
+    assert any(want and "kv_dtype" in want for _, _, _, want in ch13._cases())
+    assert ch13.check_cheapest_fit(lambda opts, b: ch13.solution_cheapest_fit(opts[::-1], b))
+    fewest = lambda opts, b: min(opts, key=lambda o: o["total_bytes"])["config"]  # noqa: E731
+    least_loss = lambda opts, b: min(opts, key=lambda o: o["expected_loss_pct"])["config"]  # noqa: E731
+    most_bytes = lambda opts, b: min((o for o in opts if o["total_bytes"] <= b),  # noqa: E731
+                                     key=lambda o: (o["expected_loss_pct"], -o["total_bytes"]))["config"]
+    never_none = lambda opts, b: ch13.solution_cheapest_fit(opts, b) or {}  # noqa: E731
+    for wrong, hint in ((fewest, "rank by expected_loss_pct first"), (least_loss, "more than the budget"),
+                        (most_bytes, "fewest bytes"),
+                        (never_none, "return None"), (lambda opts, b: None, "some options fit")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch13.check_cheapest_fit(wrong)
