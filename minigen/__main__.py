@@ -124,11 +124,12 @@ def cmd_profile(args) -> None:
     from .bench import prompt_ids
     from .cache import check_for_model
     from .errors import ConfigError
-    from .profiling import format_profile, profile
+    from .profiling import check_profile_config, format_profile, profile
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} is invalid: use an integer >= 1 (decode steps to profile)")
     _check_json_arg(args.json, ConfigError)
     config = _config(args)  # unknown keys and bad values are refused here, before the model loads
+    check_profile_config(config, args.steps)  # and what cannot be profiled (use_cache=False, cuda_graphs)
     model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)

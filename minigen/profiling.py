@@ -152,12 +152,9 @@ class Profile:
         return dict(self.__dict__)
 
 
-def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = None, steps: int = 8,
-            warmup: int = 3, trace: str | Path | None = None) -> Profile:
-    """Profile `steps` decode steps of `model_` after `input_ids` [1, T] under `config`.
-
-    Refused before any work when the config cannot run here (ConfigError, PromptError)."""
-    config = config or GenerationConfig()
+def check_profile_config(config: GenerationConfig, steps: int) -> None:
+    """Refuse what cannot be profiled, from the config alone: `python -m minigen profile` calls this
+    before it loads the model, profile() before any step."""
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: use an integer >= 1 (decode steps to profile)")
     if not config.use_cache:
@@ -166,6 +163,15 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     if config.cuda_graphs:
         raise ConfigError("cuda_graphs=True replays a captured graph that the profiler sees as one launch: "
                           "profile with compile=True or without either")
+
+
+def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = None, steps: int = 8,
+            warmup: int = 3, trace: str | Path | None = None) -> Profile:
+    """Profile `steps` decode steps of `model_` after `input_ids` [1, T] under `config`.
+
+    Refused before any work when the config cannot run here (ConfigError, PromptError)."""
+    config = config or GenerationConfig()
+    check_profile_config(config, steps)
     T = input_ids.shape[1]
     total = warmup + 2 * steps
     run = config.replace(max_new_tokens=total)

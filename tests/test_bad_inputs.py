@@ -624,6 +624,12 @@ def _(monkeypatch):
     cli("profile", "--set", "quant_bit=4")
 
 
+@case("profile-cli-without-cache")
+def _(monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    cli("profile", "--set", "use_cache=false")
+
+
 @case("profile-without-cache")
 def _(tiny_model):
     from minigen import profiling

@@ -165,3 +165,12 @@ def test_python_dash_m_error_has_no_traceback(tmp_path):
     done = run_module("generate", PROMPT, "--config", str(tmp_path / "missing.json"))
     assert done.returncode == 2
     assert done.stderr.startswith("error: cannot read config file") and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("command", [["generate", PROMPT], ["bench"], ["profile"]])
+def test_an_unknown_set_key_gets_the_configs_did_you_mean_before_the_model_loads(command, monkeypatch, capsys):
+    """Issue 13's bad input, for every command that takes --set: the config's suggestion, exit 2, and no
+    model loaded (a typo costs no time)."""
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    status, _, err = run_main(capsys, *command, "--set", "windw_size=64")
+    assert status == 2 and "Did you mean 'window_size'?" in err and "Traceback" not in err, err

@@ -272,3 +272,22 @@ def test_ch12_roofline_checkers_take_the_solutions_and_name_the_usual_mistakes()
         ch12.check_predict_tokens_per_s(lambda g, cfg, b, n: ch12.solution_predict_tokens_per_s(g, cfg, b, n) / b)
     with pytest.raises(ExerciseFailed, match="bound by compute"):
         ch12.check_predict_tokens_per_s(lambda g, cfg, b, n: b * g.bandwidth / decode_point(cfg, b, n).bytes)
+
+
+# ---------------------------------------------------------------- chapter 13
+def test_ch13_cheapest_fit_agrees_with_the_planner_and_names_the_usual_mistakes():
+    from minigen.exercises import ch13
+    assert ch13.check_cheapest_fit(ch13.solution_cheapest_fit)
+    # a tie in loss and bytes (bf16 against fp16 storage, one of the cases) accepts either
+    assert any(want and "kv_dtype" in want for _, _, _, want in ch13._cases())
+    assert ch13.check_cheapest_fit(lambda opts, b: ch13.solution_cheapest_fit(opts[::-1], b))
+    fewest = lambda opts, b: min(opts, key=lambda o: o["total_bytes"])["config"]  # noqa: E731
+    least_loss = lambda opts, b: min(opts, key=lambda o: o["expected_loss_pct"])["config"]  # noqa: E731
+    most_bytes = lambda opts, b: min((o for o in opts if o["total_bytes"] <= b),  # noqa: E731
+                                     key=lambda o: (o["expected_loss_pct"], -o["total_bytes"]))["config"]
+    never_none = lambda opts, b: ch13.solution_cheapest_fit(opts, b) or {}  # noqa: E731
+    for wrong, hint in ((fewest, "rank by expected_loss_pct first"), (least_loss, "more than the budget"),
+                        (most_bytes, "fewest bytes"),
+                        (never_none, "return None"), (lambda opts, b: None, "some options fit")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch13.check_cheapest_fit(wrong)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,9 @@ def test_every_claim_of_the_article_is_in_the_ledger():
         assert any(i == f"C{n}" or (i.startswith(f"C{n}") and i[2:].isalpha()) for i in claims), f"C{n} missing"
     # the sub-claims ARTICLE.md lists, by the article's own numbers
     values = " | ".join(c.article_value for c in claims.values())
-    for number in ("2.3x", "> 20 GB", "40%", "30%", "75%", "< 0.5%", "3.05x", "1.09x", "3.01x", "4.00x", "4.8x"):
+    for number in ("2.3x", "O(N^3)", "O(L·H·N²·D)", "> 20 GB", "40%", "30%", "75%", "< 0.5%", "3.05x", "1.09x", "3.01x",
+                   "4.00x", "4.8x", "W = 64", "threshold 0.1", "cap at 4,096", "> 20% jitter", "capped at 256",
+                   "max throughput x batch"):
         assert number in values, f"the article's {number} has no entry"
     assert {c.verdict for c in claims.values()} <= set(VERDICTS)
 
@@ -36,6 +39,38 @@ def test_each_chapter_named_exists():
     for c in load_claims():
         if c.chapter:
             assert list(NOTEBOOKS.glob(f"{c.chapter}_*.ipynb")), f"{c.id}: no notebook {c.chapter}_*.ipynb"
+
+
+def asserted_ids(notebook: Path) -> set[str]:
+    """The claim ids a notebook's code cells look up in the ledger: `ledger["C5a"]`."""
+    cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+    code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    return set(re.findall(r'ledger\["([A-Z][0-9][a-z]?)"\]', code))
+
+
+def test_the_ledger_cannot_drift_from_the_chapters():
+    """Every measured claim names the chapter that measures it, and that chapter's code asserts the
+    claim's verdict (`ledger["C5a"].verdict == ...`, checked under nbval); a chapter asserts only
+    claims the ledger has, and a claim some chapter asserts is not "not yet measured"."""
+    claims = by_id()
+    asserted = {nb.name[:2]: asserted_ids(nb) for nb in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")}
+    for c in claims.values():
+        if c.verdict == "not yet measured":
+            assert not any(c.id in ids for ids in asserted.values()), f"{c.id}: asserted by a chapter, yet not measured"
+            continue
+        assert c.chapter, f"{c.id}: verdict {c.verdict!r} without the chapter that measures it"
+        assert c.id in asserted.get(c.chapter, set()), \
+            f"{c.id}: notebooks/{c.chapter}_*.ipynb never asserts ledger[{c.id!r}] against its measurement"
+    for chapter, ids in asserted.items():
+        assert ids <= set(claims), f"chapter {chapter} asserts claims the ledger lacks: {sorted(ids - set(claims))}"
+
+
+def test_the_drift_check_catches_a_chapter_that_does_not_assert(tmp_path):
+    nb = tmp_path / "04_x.ipynb"
+    nb.write_text(json.dumps({"cells": [
+        {"cell_type": "markdown", "source": ['ledger["C5b"] in prose does not count']},
+        {"cell_type": "code", "source": ['assert ledger["C5a"].verdict == "refuted"\n']}]}), encoding="utf-8")
+    assert asserted_ids(nb) == {"C5a"}
 
 
 def test_the_ledger_agrees_with_the_code_that_measures(smollm2):

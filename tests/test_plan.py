@@ -112,6 +112,22 @@ def test_the_command_prints_and_writes_json(tmp_path, capsys, tiny_llama, monkey
     assert main(["plan", "--model", "tiny", "--budget-bytes", "10"]) == 2  # below the weights: refused
 
 
+def test_a_budget_below_the_weights_names_a_budget_that_works(tiny_llama, capsys, monkeypatch):
+    """Issue 13's bad input: the refusal's smallest budget is one the planner then fits, and a byte less
+    is not enough (every option needs more); the command line prints the same number."""
+    _, model = tiny_llama
+    weights = planner.weights_bytes(model.config)
+    with pytest.raises(ConfigError, match="below the model's weights alone") as refused:
+        minigen.plan(model.config, batch=2, context=100, budget_bytes=weights - 1)
+    smallest = int(str(refused.value).split("could work is ")[1].split(" bytes")[0].replace(",", ""))
+    assert smallest > weights
+    assert minigen.plan(model.config, batch=2, context=100, budget_bytes=smallest).fits
+    assert not minigen.plan(model.config, batch=2, context=100, budget_bytes=smallest - 1).fits
+    monkeypatch.setattr(planner, "model_config", lambda name: model.config)
+    assert main(["plan", "--model", "tiny", "--batch", "2", "--context", "100", "--budget-bytes", "1000"]) == 2
+    assert f"could work is {smallest:,} bytes" in capsys.readouterr().err
+
+
 def test_minigen_plan_is_the_planner(tiny_llama):
     _, model = tiny_llama
     assert minigen.plan(model.config, context=64, budget_bytes=2**30).fits
