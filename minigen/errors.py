@@ -40,3 +40,7 @@ class LedgerError(MinigenError, ValueError):
 
 class BenchError(MinigenError, ValueError):
     """A benchmark that cannot give a meaningful number, or whose results cannot be written."""
+
+
+class RequestError(MinigenError, ValueError):
+    """A serving engine's request id that is unknown, or already finished or cancelled."""
