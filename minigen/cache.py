@@ -14,9 +14,10 @@ step's write, `[S]` (the same for every row) or `[B, S]` (rows that hold differe
 with -1 for an empty slot; attention masks are built from these positions (attention.py), so a
 cache may store its slots in any order. input_pos is [T], one position vector for every row, or
 [B, T], each row at its own positions with -1 for padding (a ragged batch, the serving engine):
-padding is never written and never attended. The contiguous and paged caches take [B, T]
-themselves; the others refuse it (PositionError), and `make_cache(..., ragged=True)` runs one of
-them per row (rowwise.py) or refuses the feature up front (combinations.RAGGED_REFUSED). A write that starts at position p forgets every position
+padding is never written and never attended. The contiguous, paged and ring-buffer caches take
+[B, T] themselves; the quantized caches (a per-batch full-precision window) refuse it
+(PositionError), and `make_cache(..., ragged=True)` runs one of them per row (rowwise.py); the
+features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED). A write that starts at position p forgets every position
 >= p that the cache held: a cache reused for a new sequence (p = 0) never shows the old one's keys.
 
 `update(layer, k, v)` writes the new keys and values [B, Hkv, T, Dh] where `prepare` decided and
@@ -112,7 +113,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
     """The cache `config` selects for `batch` rows of up to `max_len` positions; None for the naive loop.
     A paged pool holds `pool_rows` rows (default `batch`; more for rows forked later).
     ragged=True: a cache that takes per-row positions [B, T] (features that cannot are refused,
-    combinations.RAGGED_REFUSED); the ring buffer and the quantized caches then run one cache per row.
+    combinations.RAGGED_REFUSED); the quantized caches then run one cache per row (rowwise.py).
 
     Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the weights' dtype);
     values full precision or quantized (quant_bits); what is kept all, a window with sinks
@@ -121,7 +122,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
     """
     if ragged:
         check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
-        if config.quant_bits is not None or (config.window_size is not None and config.cache_chunk_size is None):
+        if config.quant_bits is not None:
             return RowwiseCache([make_cache(model, config, 1, max_len) for _ in range(batch)])
     if not config.use_cache:
         return None

@@ -2,9 +2,9 @@
 
 Shapes: B rows, T new tokens, Hkv key/value heads, S_b slots of row b's cache, S = max S_b, Dh head dim.
 
-The contiguous and paged caches take per-row positions [B, T] themselves (cache.py). The ring
-buffer and the quantized caches keep per-batch state that advances in lockstep (one write
-position, one full-precision window), so for a ragged batch `make_cache(..., ragged=True)` gives
+The contiguous, paged and ring-buffer caches take per-row positions [B, T] themselves (cache.py).
+The quantized caches keep per-batch state that advances in lockstep (one write position, one
+full-precision window of the newest tokens), so for a ragged batch `make_cache(..., ragged=True)` gives
 each row a cache of its own and this adapter runs them side by side: a row's real tokens go to its
 cache, padding (-1) nowhere, and the rows' reads are padded to one [B, Hkv, S, Dh] with key
 position -1, which no query attends. It costs a Python loop over the rows in every layer.

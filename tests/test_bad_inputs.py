@@ -27,7 +27,7 @@ from minigen import GenerationConfig, bench, errors, loading
 from minigen.__main__ import build_parser
 from minigen.kv_cache import KVCache
 from minigen.paged import BlockAllocator
-from minigen.window import WindowKVCache
+from minigen.quant import QuantizedKVCache
 from test_loading import save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,7 +142,7 @@ def _(tiny_model):
 
 @case("cache-per-row-positions-refused")
 def _():
-    WindowKVCache(1, 2, 1, 4, window_size=4).prepare(torch.tensor([[0, 1], [0, -1]]))
+    QuantizedKVCache(1, 2, 1, 8, 8, bits=8, group_size=4).prepare(torch.tensor([[0, 1], [0, -1]]))
 
 
 @case("engine-batch-size")

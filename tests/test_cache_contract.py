@@ -228,11 +228,10 @@ def test_the_decode_step_compiles_as_one_graph(tiny, name):
 
 # ---------------------------------------------------------------- per-row positions [B, T] (ragged batches)
 ONE_ROW = {  # batch-1 instances for the caches that take per-row positions one row at a time (rowwise.py)
-    "window": lambda: WindowKVCache(L, 1, Hkv, Dh, window_size=8, sink_tokens=2),
     "quantized": lambda: QuantizedKVCache(L, 1, Hkv, 64, Dh, bits=8, group_size=4, residual=4),
     "quantized paged": lambda: QuantizedPagedKVCache(L, 1, Hkv, Dh, block_size=4, n_blocks=16, bits=8, group_size=4),
 }
-NATIVE_ROWS = ("contiguous", "paged")  # take [B, T] themselves
+NATIVE_ROWS = ("contiguous", "paged", "window")  # take [B, T] themselves
 NO_ROWS = ("heavy hitters", "offloaded")  # refuse it (make_cache refuses their features for a ragged batch)
 
 
