@@ -146,8 +146,10 @@ RAGGED_REFUSED: dict[str, str] = {
 ENGINE_REFUSED: dict[str, str] = {
     **RAGGED_REFUSED,
     "prefetch_depth": "the engine's pool of blocks stays on the device",
-    "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer, which the "
-                  "engine's changing rows cannot share (generate(model, prompts) runs it per row)",
+    "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer that the engine's "
+                  "changing rows cannot share, and a prefix-cache hit or a recompute after preemption would read "
+                  "quantized keys where the prompt alone is attended in full precision (generate(model, prompts) "
+                  "runs a quantized ragged batch, one cache per row)",
 }
 
 
