@@ -44,3 +44,7 @@ class BenchError(MinigenError, ValueError):
 
 class DeployError(MinigenError, ValueError):
     """A deployment file (Triton config.pbtxt, model repository, Kubernetes manifest) is invalid."""
+
+
+class RequestError(MinigenError, ValueError):
+    """A serving engine's request id that is unknown, or already finished or cancelled."""

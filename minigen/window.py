@@ -44,6 +44,8 @@ class WindowKVCache:
         self.slot_pos = torch.full((S,), -1, dtype=torch.long, device=device)  # [S]; -1: empty
         self._slots = torch.zeros(1, dtype=torch.long, device=device)  # where this step's tokens go
         self._keep: Tensor | None = None  # a prompt: which of its tokens stay in the buffer
+        self.row_pos: Tensor | None = None  # [B, S] per-row positions, once a step gave them (ragged batches)
+        self._rows: tuple | None = None  # this step's per-row writes: rows, tokens, slots, several tokens
         self._peak = self.nbytes
 
     @classmethod
@@ -60,6 +62,9 @@ class WindowKVCache:
 
     def prepare(self, input_pos: Tensor) -> Tensor:
         """Positions seen by this step's queries: [S] for one new token, [S + T] for T > 1."""
+        if input_pos.dim() == 2:
+            return self._prepare_rows(input_pos)
+        self._rows = None
         check_fits(input_pos, capacity=2**62)  # only the sign matters: the buffer wraps
         # Positions at or after this write belong to an older sequence (or were rolled back).
         self.slot_pos.masked_fill_(self.slot_pos >= input_pos[0], -1)
@@ -81,9 +86,39 @@ class WindowKVCache:
         self._peak = max(self._peak, self.nbytes + 2 * B * Hkv * (S + input_pos.shape[0]) * Dh * self.k.element_size())
         return torch.cat([before, input_pos])  # [S + T]
 
+    def _prepare_rows(self, input_pos: Tensor) -> Tensor:
+        """Per-row positions [B, T] (-1: padding): the same rule, each row in its own slots ->
+        positions [B, S] (every row one token or none) or [B, S + T] (this step's tokens appended)."""
+        B, S = self.k.shape[1], self.slot_pos.shape[0]
+        if self.row_pos is None:  # from now on each row keeps its own slot positions
+            self.row_pos = self.slot_pos.expand(B, S).clone()
+        real = input_pos >= 0
+        check_fits(input_pos[real], capacity=2**62)
+        big = torch.iinfo(torch.long).max
+        start = torch.where(real, input_pos, big).amin(dim=1, keepdim=True)  # [B, 1]; big: the row writes nothing
+        self.row_pos.masked_fill_(self.row_pos >= start, -1)  # forget positions at or after each row's write
+        last = input_pos.amax(dim=1, keepdim=True)  # [B, 1]
+        keep = real & ((input_pos < self.sink_tokens) | (input_pos > last - self.window_size))
+        rows, cols = keep.nonzero(as_tuple=True)
+        slots = self.slot_of(input_pos[rows, cols])
+        before = self.row_pos.clone() if input_pos.shape[1] > 1 else None
+        self.row_pos[rows, slots] = input_pos[rows, cols]
+        self._rows = (rows, cols, slots, before is not None)
+        if before is None:  # one token per row: read after writing, [B, S]
+            return self.row_pos
+        self._peak = max(self._peak, self.nbytes + 2 * B * self.k.shape[2] * (S + input_pos.shape[1]) * self.k.shape[-1]
+                         * self.k.element_size())
+        return torch.cat([before, input_pos], dim=1)  # [B, S + T]; padding stays -1
+
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh]; return the keys/values that match the positions of prepare."""
         k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # stored in the cache's dtype (kv_dtype)
+        if self._rows is not None:  # per-row positions
+            rows, cols, slots, several = self._rows
+            out = (torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)) if several else None
+            self.k_layers[layer][rows, :, slots] = k[rows, :, cols]
+            self.v_layers[layer][rows, :, slots] = v[rows, :, cols]
+            return out or (self.k_layers[layer], self.v_layers[layer])
         if self._keep is None:
             self.k_layers[layer].index_copy_(2, self._slots, k)
             self.v_layers[layer].index_copy_(2, self._slots, v)
@@ -97,6 +132,7 @@ class WindowKVCache:
     def reset(self) -> None:
         """Forget every position (prepare does it too when a write starts at position 0)."""
         self.slot_pos.fill_(-1)
+        self.row_pos = None
 
     def layer_tensors(self) -> list[Tensor]:
         return [self.k, self.v]
@@ -104,7 +140,8 @@ class WindowKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held: sinks + window slots of keys and values, and their positions, whatever the length."""
-        return self.k.nbytes + self.v.nbytes + self.slot_pos.nbytes
+        rows = self.row_pos.nbytes if self.row_pos is not None else 0
+        return self.k.nbytes + self.v.nbytes + self.slot_pos.nbytes + rows
 
     @property
     def peak_nbytes(self) -> int:
