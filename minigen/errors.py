@@ -40,3 +40,7 @@ class LedgerError(MinigenError, ValueError):
 
 class BenchError(MinigenError, ValueError):
     """A benchmark that cannot give a meaningful number, or whose results cannot be written."""
+
+
+class QueueFullError(MinigenError, RuntimeError):
+    """A bounded request queue (batching.RequestQueue) is full: the request was refused, not dropped."""
