@@ -13,12 +13,11 @@ way. Greedy decoding with no stop token: every request generates exactly its max
 every engine. A static batch hands each row's tokens out as they are made (the time of its k-th
 token is the batch's k-th step), the kindest reading for it.
 
-transformers' continuous batching on this 2-core CPU (transformers 5.24, measured while other
-processes shared the machine): it runs, with token-identical greedy output, but its steps took
-seconds each (4 requests of 16 tokens: 109 s, the first token after 14 s), against tens of
-milliseconds for `generate`: the stacks sampled during the run sat in the model's linear layers,
-over a query padded to its token budget. It stays available (`--baseline continuous`); the
-default baseline is the static one.
+transformers' continuous batching runs on this 2-core CPU (transformers 5.24; the default
+attention becomes its paged SDPA), and its greedy tokens matched `generate`'s in our probe. Its
+speed on this machine, shared with other processes, swung between runs: 4 requests of 16 tokens
+once took 109 s (its thread sat in the model's linear layers), and a later serve-bench run gave
+0.2 s per token, faster there than the static batches.
 """
 
 from __future__ import annotations
@@ -29,9 +28,11 @@ from collections import deque
 import torch
 
 from .batching import pad_batch
-from .loading import resolve_folder
+from .bench import prompt_ids
+from .loading import load_tokenizer, resolve_folder
+from .machine import hardware_info
 from .serving import summarize
-from .workload import Workload, replay
+from .workload import LengthDist, Workload, make_workload, replay, system_prompt_ids
 
 
 def load_hf(model_name: str = "smollm2-135m", dtype: torch.dtype = torch.float32):
@@ -187,9 +188,34 @@ def run_serve_bench(workload: Workload, engines: dict, skip_idle: bool = True) -
     return {"workload": workload.description, "runs": runs, "ratios": ratios}
 
 
+# name -> (hf model, max batch size) -> a zero-argument factory of an engine with the Engine's API
+ENGINES = {
+    "transformers-static": lambda hf, b: (lambda: StaticBatches(hf, b)),
+    "transformers-continuous": lambda hf, b: (lambda: TransformersContinuous(hf, b)),
+}
+DEFAULT_ENGINES = ["transformers-static", "transformers-continuous"]
+
+
+def serve_bench_cli(model_name: str, engines: list[str], n_requests: int = 16, rate_per_s: float = 2.0,
+                    seed: int = 0, max_batch_size: int = 8, prompt_median: float = 32,
+                    output_median: float = 24) -> dict:
+    """`python -m minigen serve-bench`: build the workload on the model's tokenizer (a system prompt
+    in its chat template, user prompts cut from the benchmark's English text) and run the engines."""
+    tokenizer = load_tokenizer(resolve_folder(model_name))
+    workload = make_workload(n_requests, rate_per_s, seed=seed, system_prompt=system_prompt_ids(tokenizer),
+                             prompt_tokens=LengthDist(prompt_median, 0.6, 4, 256),
+                             output_tokens=LengthDist(output_median, 0.5, 2, 128),
+                             token_pool=prompt_ids(tokenizer, 1024)[0].tolist())
+    hf = load_hf(model_name)
+    result = run_serve_bench(workload, {name: ENGINES[name](hf, max_batch_size) for name in engines})
+    hw = hardware_info()
+    result["hardware"] = f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}, GPU: {hw['gpu'] or 'none'}"
+    return result
+
+
 def format_serve_bench(result: dict) -> str:
     """The side-by-side table of run_serve_bench's result."""
-    lines = [f"workload: {result['workload']}",
+    lines = [f"workload: {result['workload']}", f"hardware: {result.get('hardware', 'not recorded')}",
              f"{'engine':<26}{'output tok/s':>14}{'TTFT p50 s':>12}{'TTFT p99 s':>12}{'TPOT p50 ms':>13}{'requests':>10}"]
     for name, m in result["runs"].items():
         lines.append(f"{name:<26}{m['output_tokens_per_s']:>14.1f}{m['ttft_s']['p50']:>12.2f}{m['ttft_s']['p99']:>12.2f}"

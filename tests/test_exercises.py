@@ -255,3 +255,22 @@ def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
     unmasked = lambda d: torch.cat([d.unflatten(-1, (-1, 16)), d.unflatten(-1, (-1, 16)) >> 4], -1).flatten(-2)  # noqa: E731
     with pytest.raises(ExerciseFailed, match="& 0xF"):
         ch14.check_unpack4(unmasked)
+
+
+# ---------------------------------------------------------------- chapter 10
+def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
+    from minigen.exercises import ch10
+    assert ch10.check_group(ch10.solution_group)
+
+    def arrival_order(lengths, b):  # the batches a FIFO cut gives: more padding
+        return [list(range(i, min(i + b, len(lengths)))) for i in range(0, len(lengths), b)]
+
+    with pytest.raises(ExerciseFailed, match="sort the requests by length"):
+        ch10.check_group(arrival_order)
+    with pytest.raises(ExerciseFailed, match="never drops a request"):
+        ch10.check_group(lambda lengths, b: ch10.solution_group(lengths, b)[:-1])
+    with pytest.raises(ExerciseFailed, match="runs alone"):
+        ch10.check_group(lambda lengths, b: [sorted(range(len(lengths)), key=lambda i: lengths[i])[j:j + b]
+                                             for j in range(0, len(lengths), b)])
+    with pytest.raises(ExerciseFailed, match="use 1 to"):
+        ch10.check_group(lambda lengths, b: [list(range(len(lengths)))])
