@@ -152,12 +152,11 @@ def plot_timeline(metrics: dict, ax=None, title: str = ""):
         for phase, start, end in r["phases"]:
             if end > start:
                 ax.broken_barh([(start, end - start)], (r["request_id"] - 0.4, 0.8), color=PHASE_COLORS[phase])
-    for phase, color in PHASE_COLORS.items():
-        ax.barh([], [], color=color, label=phase)
+    from matplotlib.patches import Patch
     ax.set_xlabel("time (s)")
     ax.set_ylabel("request id")
     ax.invert_yaxis()
-    ax.legend(loc="lower right", fontsize=7, ncol=4)
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="lower right", fontsize=7, ncol=4)
     ax.set_title(title or "requests over time", fontsize=9)
     return ax
 
@@ -167,6 +166,8 @@ def plot_kv_usage(metrics: dict, ax=None):
     ax = _axes(ax)
     t = [s["t_s"] for s in metrics["steps"]]
     ax.step(t, [100 * u for u in metrics["kv_usage"]], where="post", color="C2", label="KV blocks in use")
+    if not any(u == u for u in metrics["kv_usage"]):  # all NaN: the engine has no block pool to report
+        ax.text(0.5, 0.5, "KV usage not recorded\n(no block pool)", transform=ax.transAxes, ha="center", fontsize=8)
     ax.set_ylim(0, 105)
     ax.set_ylabel("KV blocks in use (%)", color="C2")
     ax.set_xlabel("time (s)")
