@@ -68,13 +68,13 @@ class StaticBatches:
         self.outputs: dict[int, torch.Tensor] = {}
         self.next_id = 0
 
-    def clock(self) -> float:
+    def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def add_request(self, prompt_ids, *, arrival_s: float | None = None, max_new_tokens: int | None = None) -> int:
         rid, self.next_id = self.next_id, self.next_id + 1
         n = self.hf.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        self.waiting.append((rid, list(prompt_ids), n, self.clock() if arrival_s is None else arrival_s))
+        self.waiting.append((rid, list(prompt_ids), n, self.now() if arrival_s is None else arrival_s))
         return rid
 
     def step(self) -> list[int]:
@@ -83,8 +83,8 @@ class StaticBatches:
         batch = [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
         padded = pad_batch([b[1] for b in batch], self.pad_id, pad_cap=self.hf.config.max_position_embeddings)
         longest = max(b[2] for b in batch)
-        times = _StepTimes(self.clock)
-        scheduled = self.clock()
+        times = _StepTimes(self.now)
+        scheduled = self.now()
         with torch.inference_mode():
             out = self.hf.generate(padded.tokens, attention_mask=padded.attention_mask, max_new_tokens=longest,
                                    min_new_tokens=longest, do_sample=False, logits_processor=[times])
@@ -132,13 +132,13 @@ class TransformersContinuous:
         self.records: list[dict] = []
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def clock(self) -> float:
+    def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def add_request(self, prompt_ids, *, arrival_s: float | None = None, max_new_tokens: int | None = None) -> int:
         rid = len(self.pending) + len(self.records)
         key = self.manager.add_request(list(prompt_ids), max_new_tokens=max_new_tokens, record_timestamps=True)
-        self.pending[key] = (rid, list(prompt_ids), max_new_tokens, self.clock() if arrival_s is None else arrival_s)
+        self.pending[key] = (rid, list(prompt_ids), max_new_tokens, self.now() if arrival_s is None else arrival_s)
         return rid
 
     def step(self, timeout: float = 0.01) -> list[int]:
@@ -170,12 +170,12 @@ class TransformersContinuous:
 
 def run_serve_bench(workload: Workload, engines: dict, skip_idle: bool = True) -> dict:
     """Replay `workload` through each of `engines` ({name: a zero-argument factory of an object with
-    the Engine's API and a `clock()`}), one after the other in one process -> each run's metrics,
+    the Engine's API and its clock `now()`}), one after the other in one process -> each run's metrics,
     and output tokens/s and p50/p99 TTFT of every run against the first one's."""
     runs = {}
     for name, make in engines.items():
         engine = make()
-        runs[name] = replay(engine, workload, clock=engine.clock, skip_idle=skip_idle)
+        runs[name] = replay(engine, workload, clock=engine.now, skip_idle=skip_idle)
     first = next(iter(runs))
     ratios = {}
     for name, m in runs.items():

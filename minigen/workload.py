@@ -132,7 +132,7 @@ def replay(engine: ServingEngine, workload: Workload, *, clock: Callable[[], flo
     """Add the workload's requests to `engine` in arrival order as their times come, stepping the
     engine in between; then run it dry and return engine.metrics().
 
-    clock: the engine's clock in seconds (its t = 0 at creation); each request is added with
+    clock: the engine's clock in seconds (Engine.now: t = 0 at its creation); each request is added with
     arrival_s = its time on that clock. None: the replayer's own clock from its call, and
     requests are added without arrival_s (the engine stamps them when added, at most one step late).
     skip_idle: when the engine has nothing to run, jump to the next arrival instead of sleeping.

@@ -68,7 +68,7 @@ class Recorder:
         self.t, self.step_s = 0.0, step_s
         self.added, self.running, self.steps = [], 0, 0
 
-    def clock(self):
+    def now(self):
         return self.t
 
     def add_request(self, prompt_ids, *, arrival_s=None, max_new_tokens=None):
@@ -93,7 +93,7 @@ class Recorder:
 def test_replay_adds_each_request_once_in_order_at_its_time():
     w = make_workload(30, 4.0, seed=1)
     engine = Recorder(step_s=0.2)  # slower than arrivals: requests queue up while a step runs
-    got = replay(engine, w, clock=engine.clock, skip_idle=True)["added"]
+    got = replay(engine, w, clock=engine.now, skip_idle=True)["added"]
     assert [g[0] for g in got] == [r.prompt_ids for r in w.requests]
     assert [g[2] for g in got] == [r.max_new_tokens for r in w.requests]
     shift = 0.0
@@ -114,7 +114,7 @@ def test_replay_without_skipping_waits_for_each_arrival():
         slept.append(s)
         engine.t += s
 
-    got = replay(engine, w, clock=engine.clock, skip_idle=False, sleep=fake_sleep)["added"]
+    got = replay(engine, w, clock=engine.now, skip_idle=False, sleep=fake_sleep)["added"]
     assert [g[1] for g in got] == pytest.approx([r.arrival_s for r in w.requests])
     assert sum(slept) == pytest.approx(w.requests[-1].arrival_s, abs=1e-6)
 
@@ -172,7 +172,7 @@ def test_static_batches_are_token_identical_to_one_prompt_alone():
     w = make_workload(5, 100.0, seed=0, system_prompt=[5, 6, 7], prompt_tokens=LengthDist(6, 0.6, 1, 12),
                       output_tokens=LengthDist(4, 0.5, 2, 6), vocab=(1, 97))
     engine = StaticBatches(hf, max_batch_size=3)
-    m = replay(engine, w, clock=engine.clock)
+    m = replay(engine, w, clock=engine.now)
     outputs = engine.run()
     for rid, r in enumerate(w.requests):
         alone = hf.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.max_new_tokens, do_sample=False)[0]
