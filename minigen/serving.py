@@ -17,20 +17,19 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-import numpy as np
-
 from .errors import ConfigError
 
 LATENCIES = ("ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s")
 
 
 def latency_stats(values: Sequence[float]) -> dict:
-    """Percentiles (numpy's linear interpolation) and mean of `values`; NaN for all of them when empty."""
-    v = np.asarray(list(values), dtype=float)
-    if v.size == 0:
+    """Percentiles by nearest rank (the q-th is sorted[min(n - 1, floor(q n))], as the Engine's
+    scheduler.percentiles, so that runs compare on one definition) and the mean; NaN when empty."""
+    v = sorted(float(x) for x in values)
+    if not v:
         return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan, "n": 0}
-    p50, p90, p99 = np.percentile(v, [50, 90, 99])
-    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "mean": float(v.mean()), "n": int(v.size)}
+    at = {f"p{round(q * 100)}": v[min(len(v) - 1, int(q * len(v)))] for q in (0.5, 0.9, 0.99)}
+    return {**at, "mean": sum(v) / len(v), "n": len(v)}
 
 
 def request_latencies(requests: Sequence[dict]) -> dict[str, list[float]]:
