@@ -5,7 +5,9 @@ T queries, S key slots, Dh head dim.
 Every mask is built from positions (which token each query is, which token each cache slot holds),
 so a cache can store its slots in any order (blocks, a ring buffer) and attention stays correct.
 Key positions are [S] when every row holds the same positions, or [B, S] when rows differ (heavy
-hitters evict per row); masks are then [T, S] or [B, 1, T, S], broadcast over the heads.
+hitters evict per row, ragged batches); query positions are [T], or [B, T] in a ragged batch, where
+each row has its own (-1: padding). Masks are [T, S] when both are shared, else [B, 1, T, S],
+broadcast over the heads.
 
 Chapters 5 and 6 add policies on top of causality, all still built from positions and scores:
 a window with sinks (`in_window`, `window_mask`), dynamic sparse selection (`sparse_keep`), and
@@ -25,16 +27,18 @@ from einops import rearrange
 from torch import Tensor
 
 
-def _per_row(mask: Tensor, key_pos: Tensor) -> Tensor:
-    """[.., T, S] -> [T, S] for key_pos [S], or [B, 1, T, S] (one mask per row, for every head)."""
-    return mask if key_pos.dim() == 1 else mask[:, None]
+def _per_row(mask: Tensor) -> Tensor:
+    """[T, S] stays (the same for every row); [B, T, S] -> [B, 1, T, S] (one mask per row, for every head)."""
+    return mask if mask.dim() == 2 else mask[:, None]
 
 
 def causal_mask(query_pos: Tensor, key_pos: Tensor) -> Tensor:
-    """[T, S] (or [B, 1, T, S] for key_pos [B, S]) bool: query t may attend slot s when the slot
-    holds a real token (position >= 0) at or before the query's position."""
+    """[T, S] (or [B, 1, T, S] for query_pos [B, T] or key_pos [B, S]) bool: query t may attend
+    slot s when the slot holds a real token (position >= 0) at or before the query's position.
+    A padding query (position -1, a ragged batch) sees nothing here; Model.forward lets it attend
+    everything instead, so that its (discarded) output stays finite."""
     k = key_pos[..., None, :]  # [.., 1, S]
-    return _per_row((k >= 0) & (k <= query_pos[:, None]), key_pos)
+    return _per_row((k >= 0) & (k <= query_pos[..., :, None]))
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = True) -> Tensor:
@@ -69,8 +73,8 @@ def in_window(key_pos: Tensor, query_pos: Tensor, window_size: int, sink_tokens:
 def window_mask(query_pos: Tensor, key_pos: Tensor, window_size: int, sink_tokens: int = 0) -> Tensor:
     """[T, S] (or [B, 1, T, S]) bool: causal, and the key is a sink or one of the window_size most
     recent positions."""
-    inside = in_window(key_pos[..., None, :], query_pos[:, None], window_size, sink_tokens)  # [.., T, S]
-    return causal_mask(query_pos, key_pos) & _per_row(inside, key_pos)
+    inside = in_window(key_pos[..., None, :], query_pos[..., :, None], window_size, sink_tokens)  # [.., T, S]
+    return causal_mask(query_pos, key_pos) & _per_row(inside)
 
 
 def window_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, key_pos: Tensor,

@@ -10,7 +10,8 @@ Shapes: B rows in a batch, L the padded length (the batch's longest prompt).
 
 A static batch runs every row through the same forward: a row shorter than the longest is padded,
 and each pad is a token slot that is computed, and whose keys and values are cached, for nothing.
-Sorting by length before cutting batches puts similar lengths together, so there is less padding.
+Sorting by length before cutting batches puts similar lengths together, so there is usually less
+padding (not always: tests/test_batching.py has a counterexample).
 
 Prompts longer than the cap. The article caps padding at 256 tokens; it does not say what happens
 to a longer prompt, and truncating it would silently change the request. Here the cap bounds the

@@ -8,11 +8,15 @@ A forward pass uses a cache in two moves:
     key_pos = cache.prepare(input_pos)        once per forward, before the first layer
     k, v = cache.update(layer, k_new, v_new)  once per layer
 
-`prepare(input_pos [T])` is the only place where a cache's state moves: it allocates blocks,
+`prepare(input_pos)` is the only place where a cache's state moves: it allocates blocks,
 evicts, rotates a ring buffer, compacts. It returns the position each key slot holds after this
 step's write, `[S]` (the same for every row) or `[B, S]` (rows that hold different positions),
 with -1 for an empty slot; attention masks are built from these positions (attention.py), so a
-cache may store its slots in any order. A write that starts at position p forgets every position
+cache may store its slots in any order. input_pos is [T], one position vector for every row, or
+[B, T], each row at its own positions with -1 for padding (a ragged batch, the serving engine):
+padding is never written and never attended. The contiguous and paged caches take [B, T]
+themselves; the others refuse it (PositionError), and `make_cache(..., ragged=True)` runs one of
+them per row (rowwise.py) or refuses the feature up front (combinations.RAGGED_REFUSED). A write that starts at position p forgets every position
 >= p that the cache held: a cache reused for a new sequence (p = 0) never shows the old one's keys.
 
 `update(layer, k, v)` writes the new keys and values [B, Hkv, T, Dh] where `prepare` decided and
@@ -39,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .attention import AttentionObserver
+from .combinations import RAGGED_REFUSED, check_rows
 from .config import GenerationConfig
 from .errors import ConfigError
 from .h2o import HeavyHitterCache
@@ -47,6 +52,7 @@ from .offload import OffloadedKVCache
 from .paged import PagedKVCache
 from .precision import DTYPES
 from .quant import QuantizedKVCache, QuantizedPagedKVCache
+from .rowwise import RowwiseCache
 from .window import WindowKVCache
 
 
@@ -101,15 +107,22 @@ def check_for_model(config: GenerationConfig, model_config) -> None:
                           f"cache_chunk_size={G * math.ceil(bs / G)}, or quant_key_axis='token'")
 
 
-def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_rows: int | None = None):
+def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_rows: int | None = None,
+               ragged: bool = False):
     """The cache `config` selects for `batch` rows of up to `max_len` positions; None for the naive loop.
     A paged pool holds `pool_rows` rows (default `batch`; more for rows forked later).
+    ragged=True: a cache that takes per-row positions [B, T] (features that cannot are refused,
+    combinations.RAGGED_REFUSED); the ring buffer and the quantized caches then run one cache per row.
 
     Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the weights' dtype);
     values full precision or quantized (quant_bits); what is kept all, a window with sinks
     (window_size) or heavy hitters (kv_budget); with prefetch_depth, an offload tier wraps it.
     config.py's REFUSED says which pairs combine.
     """
+    if ragged:
+        check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
+        if config.quant_bits is not None or (config.window_size is not None and config.cache_chunk_size is None):
+            return RowwiseCache([make_cache(model, config, 1, max_len) for _ in range(batch)])
     if not config.use_cache:
         return None
     check_for_model(config, model.config)

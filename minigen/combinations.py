@@ -128,6 +128,37 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
 ]
 
 
+# ---------------------------------------------------------------- per-row positions
+# Features that cannot run rows at different positions (a ragged batch, the serving engine):
+# feature -> (why, the fix). Every other feature takes per-row positions [B, T] (cache.py).
+_OFF = {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
+        "attention_backend": "attention_backend='torch'", "sparse": "sparse_top_k=None and sparsity_threshold=None"}
+RAGGED_REFUSED: dict[str, str] = {
+    "use_cache=False": "the naive loop recomputes every row's whole sequence; ragged batches go through the cache",
+    "prefetch_depth": "the offload tier moves one batch's layers in lockstep",
+    "kv_budget": "heavy hitters evict per row from attention that padding queries would pollute",
+    "sparse": "sparse selection ranks keys per query, padding queries included",
+    "compile": "a compiled step has one shape; ragged rows plan their positions on the host",
+    "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
+    "attention_backend": "the Triton kernel reads rows at one shared length",
+}
+# The serving engine (engine.py) runs every sequence in one pool of full-precision paged blocks.
+ENGINE_REFUSED: dict[str, str] = {
+    **RAGGED_REFUSED,
+    "prefetch_depth": "the engine's pool of blocks stays on the device",
+    "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer, which the "
+                  "engine's changing rows cannot share (generate(model, prompts) runs it per row)",
+}
+
+
+def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
+    """Refuse, with the key and the fix, a feature that cannot take per-row positions (`table`)."""
+    for feature in c.features():
+        if feature in table:
+            fix = _OFF.get(feature, f"{feature}=None")
+            raise ConfigError(f"{_describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
+
+
 def check_combinations(c: "GenerationConfig") -> None:
     on = c.features()
     for i, a in enumerate(on):

@@ -44,3 +44,7 @@ class BenchError(MinigenError, ValueError):
 
 class QueueFullError(MinigenError, RuntimeError):
     """A bounded request queue (batching.RequestQueue) is full: the request was refused, not dropped."""
+
+
+class RequestError(MinigenError, ValueError):
+    """A serving engine's request id that is unknown, or already finished or cancelled."""

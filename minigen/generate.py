@@ -52,7 +52,8 @@ class GenerationStats:
 
 @dataclass
 class GenerationOutput:
-    tokens: Tensor  # [B, T + n]: the prompt followed by the new tokens, as transformers returns them
+    tokens: Tensor | list[Tensor]  # [B, T + n]: the prompt then the new tokens, as transformers returns them;
+    # for a list of prompts, a list of 1-D tensors: each prompt then its new tokens, up to its own stop
     stats: GenerationStats
 
 
@@ -97,7 +98,7 @@ def prefill(model: Model, input_ids: Tensor, cache: Cache | None,
 
 def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: Cache,
                 policy: AttentionPolicy | None = None) -> Tensor:
-    """Feed the newest tokens [B, 1] at position input_pos [1] -> next-token logits [B, V]."""
+    """Feed the newest tokens [B, 1] at position input_pos [1] (or [B, 1], per row) -> next-token logits [B, V]."""
     return model(tokens, input_pos, cache, policy=policy)[:, -1]
 
 
@@ -244,9 +245,13 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
              observers: tuple[AttentionObserver, ...] = (), **overrides) -> GenerationOutput:
     """Generate up to max_new_tokens after input_ids [B, T] -> GenerationOutput(tokens [B, T+n], stats).
 
+    input_ids may also be a list of 1-D prompts of different lengths (a ragged batch): each row
+    runs at its own positions and stops at its own stop token; tokens is then a list of 1-D tensors.
     `observers` see every layer's attention probabilities (e.g. entropy.EntropyMonitor).
     """
     config = resolve_config(config, overrides)
+    if isinstance(input_ids, (list, tuple)):
+        return _generate_ragged(model, input_ids, config, tuple(observers))
     stats = GenerationStats()
     new = list(_stream(model, input_ids, config, stats, tuple(observers)))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
@@ -310,3 +315,64 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
                             cache.allocator.shared_hit_rate)
     cache.free()
     return result
+
+
+# ---------------------------------------------------------------- ragged batches: one position vector per row
+def check_prompts(model: Model, prompts, config: GenerationConfig) -> None:
+    """Raise PromptError for a prompt list the model cannot take: empty, or a prompt that is not 1-D ids."""
+    if not prompts:
+        raise PromptError("the prompt list is empty: give at least one prompt, a 1-D tensor of token ids")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, Tensor) or p.dim() != 1:
+            shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+            raise PromptError(f"prompt {i} must be a 1-D integer tensor of token ids, got {shape}; "
+                              "use tokenizer(text, return_tensors='pt').input_ids[0]")
+        if p.numel() == 0:
+            raise PromptError(f"prompt {i} of {len(prompts)} is empty: give at least one token to condition on")
+        check_prompt(model, p[None], config.max_new_tokens, config)
+
+
+def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers: tuple) -> GenerationOutput:
+    """Prompts of different lengths in one batch: left-padded, each row at its own positions
+    0..len-1 (padding at -1, never written or attended), then decoded at its own position."""
+    check_prompts(model, prompts, config)
+    if observers:
+        raise ConfigError("observers with a list of prompts: an observer would see the padding rows' attention. "
+                          "Generate the prompts one at a time, or as one [B, T] tensor of equal lengths.")
+    check_step(model, config, observers)
+    stats, device, n = GenerationStats(), model.device, config.max_new_tokens
+    lens = [p.numel() for p in prompts]
+    B, T = len(prompts), max(lens)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    pos = torch.full((B, T), -1, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):  # left padding: every row's last column is its last token
+        ids[b, T - lens[b]:], pos[b, T - lens[b]:] = p.to(device), torch.arange(lens[b], device=device)
+    stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
+    new: list[list[int]] = [[] for _ in range(B)]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        cache = make_cache(model, config, B, T + n, ragged=True)
+        policy = make_policy(config, cache)
+        generator = _generator(config, device)
+        logits = model(ids, pos, cache, last_only=True, policy=policy)[:, -1] if n else None
+        stats.prefill_s = time.perf_counter() - start
+        done = [False] * B
+        for i in range(n):
+            token = sample(logits, config, generator)  # [B]
+            if i == 0:
+                stats.ttft_s = time.perf_counter() - start
+            for b, t in enumerate(token.tolist()):
+                if not done[b]:
+                    new[b].append(t)
+                    done[b] = t in stop or len(new[b]) == n
+            stats.new_tokens = i + 1
+            if all(done):
+                break
+            step_pos = torch.tensor([[-1 if done[b] else lens[b] + i] for b in range(B)], device=device)  # [B, 1]
+            logits = decode_step(model, token[:, None], step_pos, cache, policy)
+        _record_cache(stats, cache)
+    stats.decode_s = time.perf_counter() - start - stats.ttft_s
+    if stats.new_tokens > 1 and stats.decode_s > 0:
+        stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
+    tokens = [torch.cat([p, torch.tensor(t, dtype=p.dtype, device=p.device)]) for p, t in zip(prompts, new)]
+    return GenerationOutput(tokens=tokens, stats=stats)

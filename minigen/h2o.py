@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
+from .kv_cache import one_vector
 
 
 class HeavyHitterCache:
@@ -64,6 +65,7 @@ class HeavyHitterCache:
 
     def prepare(self, input_pos: Tensor) -> Tensor:
         """[B, S] when this step's tokens fit (evicting if needed), else [B, S + T] for this step only."""
+        one_vector(input_pos, self)
         if self._pending is not None:
             self._compact()
         # Positions at or after this write belong to an older sequence (or were rolled back).

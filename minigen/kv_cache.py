@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import PLAN_HINT, CacheFullError
+from .errors import PLAN_HINT, CacheFullError, PositionError
 
 
 def check_fits(input_pos: Tensor, capacity: int) -> None:
@@ -33,6 +33,14 @@ def check_fits(input_pos: Tensor, capacity: int) -> None:
                              + PLAN_HINT.replace("--context N", f"--context {last + 1}"))
 
 
+def one_vector(input_pos: Tensor, cache) -> None:
+    """Refuse per-row positions [B, T] in a cache that takes one position vector [T] for all rows."""
+    if input_pos.dim() != 1:
+        raise PositionError(f"{type(cache).__name__} takes one position vector [T] for all rows, got "
+                            f"{tuple(input_pos.shape)}: for per-row positions build the cache with "
+                            "make_cache(..., ragged=True), which runs one such cache per row (rowwise.py)")
+
+
 class KVCache:
     observers = ()  # plain attention: nothing to watch
 
@@ -48,6 +56,7 @@ class KVCache:
         self.max_len = max_len
         self.slot_pos = torch.arange(max_len, device=device)  # [S]: slot s holds position s
         self._input_pos = torch.zeros(1, dtype=torch.long, device=device)  # this step's slots, set by prepare
+        self._ragged: tuple[Tensor, Tensor, Tensor] | None = None  # per-row positions: (rows, tokens, slots)
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int, dtype: torch.dtype | None = None) -> "KVCache":
@@ -58,15 +67,27 @@ class KVCache:
     def prepare(self, input_pos: Tensor) -> Tensor:
         """This step writes slots input_pos [T] -> the position of every slot [S] (slot s: s).
 
-        A new sequence needs no clearing: a query at p sees slots <= p, all rewritten by then.
+        input_pos [B, T] (a ragged batch) writes row b's token t at slot input_pos[b, t], padding
+        (-1) nowhere; slot s still holds position s in every row. A new sequence needs no clearing:
+        a query at p sees slots <= p, all rewritten by then.
         """
+        if input_pos.dim() == 2:  # one host sync: which (row, token) pairs are real
+            rows, cols = (input_pos >= 0).nonzero(as_tuple=True)
+            check_fits(input_pos[rows, cols], self.max_len)
+            self._input_pos, self._ragged = input_pos, (rows, cols, input_pos[rows, cols])
+            return self.slot_pos
         check_fits(input_pos, self.max_len)
-        self._input_pos = input_pos
+        self._input_pos, self._ragged = input_pos, None
         return self.slot_pos
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh] at this step's slots; return all slots [B, Hkv, S, Dh], in the
         cache's own dtype (kv_dtype)."""
+        if self._ragged is not None:
+            rows, cols, slots = self._ragged
+            self.k_layers[layer][rows, :, slots] = k[rows, :, cols].to(self.k.dtype)  # [N, Hkv, Dh]
+            self.v_layers[layer][rows, :, slots] = v[rows, :, cols].to(self.v.dtype)
+            return self.k_layers[layer], self.v_layers[layer]
         self.k_layers[layer].index_copy_(2, self._input_pos, k.to(self.k.dtype))
         self.v_layers[layer].index_copy_(2, self._input_pos, v.to(self.v.dtype))
         return self.k_layers[layer], self.v_layers[layer]

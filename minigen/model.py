@@ -132,7 +132,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
     HF checkpoints pair dimension i with i + Dh/2 ("rotate_half"): x * cos + [-x2, x1] * sin.
     Rolling x by Dh/2 gives [x2, x1], so with `sin_signed` = [-sin, sin] the rotation is one
-    multiply and one fused multiply-add. cos and sin_signed are [T, 1, Dh].
+    multiply and one fused multiply-add. cos and sin_signed are [T, 1, Dh] (or [B, T, 1, Dh]).
     """
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
@@ -285,29 +285,34 @@ class Model(nn.Module):
                 policy: AttentionPolicy | None = None) -> Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]), fp32.
 
+        input_pos may also be [B, T], one position vector per row (a ragged batch): each row at its
+        own positions, -1 marking padding, which no cache writes and no query attends (cache.py).
         With `cache`, the new keys/values are written at `input_pos` and attention reads every
         cached position; without, attention sees only these T tokens (the naive loop). Numbers
         flow in `self.precision` (precision.py): fp32 by default.
         """
-        assert tokens.dim() == 2 and input_pos.shape == (tokens.shape[1],), \
-            f"tokens must be [B, T] and input_pos [T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
+        assert tokens.dim() == 2 and input_pos.shape in ((tokens.shape[1],), tuple(tokens.shape)), \
+            f"tokens must be [B, T] and input_pos [T] or [B, T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
         p = self.precision
         x = self.embed[tokens].to(p.compute)  # [B, T, D]
         rope = None
+        at = input_pos.clamp(min=0) if input_pos.dim() == 2 else input_pos  # padding: any position will do
         if self.pos_embed is not None:
-            x = x + self.pos_embed[input_pos].to(p.compute)
+            x = x + self.pos_embed[at].to(p.compute)
         else:
-            angles = input_pos.float()[:, None] * self.inv_freq[None, :]  # [T, Dh/2]
+            angles = at.float()[..., None] * self.inv_freq  # [T, Dh/2] or [B, T, Dh/2]
             cos, sin = angles.cos(), angles.sin()
-            # [T, 1, Dh] each, broadcast over heads; see apply_rope for the signs
-            rope = (torch.cat((cos, cos), dim=-1)[:, None, :].to(x.dtype),
-                    torch.cat((-sin, sin), dim=-1)[:, None, :].to(x.dtype))
+            # [T, 1, Dh] (or [B, T, 1, Dh]) each, broadcast over heads; see apply_rope for the signs
+            rope = (torch.cat((cos, cos), dim=-1)[..., None, :].to(x.dtype),
+                    torch.cat((-sin, sin), dim=-1)[..., None, :].to(x.dtype))
         # Masks come from positions, never from counters: key slot s may be seen by query t
         # when the slot holds a position <= input_pos[t]. `prepare` is where the cache plans this
         # step (cache.py), once for all layers.
         key_pos = cache.prepare(input_pos) if cache is not None else input_pos  # [S] or [B, S]
         # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
         mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
+        if input_pos.dim() == 2:  # a padding query attends everything: its output is discarded, but finite
+            mask = mask | (input_pos < 0)[:, None, :, None]
         if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         for block in self.blocks:

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
+from .kv_cache import one_vector
 
 
 class OffloadedKVCache:
@@ -52,6 +53,7 @@ class OffloadedKVCache:
         return self.inner.observers
 
     def prepare(self, input_pos: Tensor) -> Tensor:
+        one_vector(input_pos, self)  # the tier moves one batch's layers in lockstep
         return self.inner.prepare(input_pos)  # block tables and positions are layer independent
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -27,153 +27,8 @@ from einops import rearrange
 from torch import Tensor
 
 from .attention import in_window
-from .errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
-
-
-# ---------------------------------------------------------------- the allocator (no tensors)
-class BlockAllocator:
-    """Hands out blocks of `block_size` token slots from a pool of `n_blocks`; one block table per sequence.
-
-    Pure bookkeeping, so a serving workload can be simulated without running a model.
-    """
-
-    def __init__(self, n_blocks: int, block_size: int):
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ConfigError(f"cache_chunk_size={block_size!r} is invalid: use an integer >= 1 "
-                              "(tokens per block), or None for a contiguous cache")
-        if not isinstance(n_blocks, int) or isinstance(n_blocks, bool) or n_blocks < 1:
-            raise ConfigError(f"n_blocks={n_blocks!r} is invalid: the pool needs at least one block")
-        self.n_blocks, self.block_size = n_blocks, block_size
-        self.free = list(range(n_blocks - 1, -1, -1))  # a stack: block 0 is handed out first
-        self.refs = [0] * n_blocks  # sequences whose table holds each block; 0: free
-        self.fill = [0] * n_blocks  # token slots written in each block
-        self.tables: dict[int, list[int]] = {}  # sequence id -> physical block of each logical block (-1: freed)
-        self.lengths: dict[int, int] = {}  # sequence id -> tokens written (positions 0..length-1)
-        self._next_id = 0
-
-    def add_sequence(self) -> int:
-        """Start an empty sequence -> its id."""
-        seq, self._next_id = self._next_id, self._next_id + 1
-        self.tables[seq], self.lengths[seq] = [], 0
-        return seq
-
-    def fork(self, seq: int, n: int) -> list[int]:
-        """n new sequences that share every block of `seq` (their tables are copies) -> their ids."""
-        new = []
-        for _ in range(n):
-            child = self.add_sequence()
-            self.tables[child], self.lengths[child] = list(self.tables[seq]), self.lengths[seq]
-            for b in self.tables[child]:
-                if b >= 0:
-                    self.refs[b] += 1
-            new.append(child)
-        return new
-
-    def blocks_needed(self, writes: list[tuple[int, int, int]], kept: dict[int, int] | None = None) -> int:
-        """Blocks that `write(seq, start, end)` for each of `writes`, in order, would take from the
-        pool (new blocks and copies on write), worked out without changing anything. `kept`: seq ->
-        logical blocks left after a `truncate` that comes first."""
-        bs, refs, need = self.block_size, {}, 0  # refs: the counts as the writes would leave them
-        for seq, start, end in writes:
-            table = self.tables[seq]
-            n = min(len(table), (kept or {}).get(seq, len(table)))
-            for j in range(start // bs, math.ceil(end / bs)):
-                if j >= n:
-                    need += 1
-                elif table[j] >= 0 and refs.setdefault(table[j], self.refs[table[j]]) > 1:
-                    refs[table[j]] -= 1  # the last holder left writes in place
-                    need += 1
-        return need
-
-    def write(self, seq: int, start: int, end: int) -> list[tuple[int, int]]:
-        """Make positions [start, end) of `seq` writable -> the (src, dst) block copies to make first.
-
-        Allocates the blocks that do not exist yet; a block shared with another sequence is replaced
-        by a private copy (copy-on-write), which the caller must copy before it writes. Raises
-        CacheFullError, changing nothing, when the pool cannot supply the blocks.
-        """
-        bs, table, copies = self.block_size, self.tables[seq], []
-        for j in range(start // bs, math.ceil(end / bs)):
-            if j < len(table) and table[j] < 0:
-                raise PositionError(f"position {max(start, j * bs)} of sequence {seq} was freed (outside the "
-                                    "window); it cannot be written again. Start a new sequence at position 0.")
-        self.check_room(self.blocks_needed([(seq, start, end)]))
-        for j in range(start // bs, math.ceil(end / bs)):
-            if j >= len(table):
-                table.append(self._take())
-            elif self.refs[table[j]] > 1:  # shared: this sequence gets its own copy
-                src, dst = table[j], self._take()
-                self.refs[src] -= 1
-                self.fill[dst] = self.fill[src]
-                table[j] = dst
-                copies.append((src, dst))
-            self.fill[table[j]] = max(self.fill[table[j]], min(bs, end - j * bs))
-        self.lengths[seq] = max(self.lengths[seq], end)
-        return copies
-
-    def check_room(self, need: int) -> None:
-        """Raise CacheFullError, naming the numbers and the fixes, when `need` blocks are not free."""
-        if need > len(self.free):
-            raise CacheFullError(
-                f"the paged KV cache's pool of {self.n_blocks} blocks of {self.block_size} tokens is full: this "
-                f"step needs {need} more blocks and {len(self.free)} are free. Give the pool more blocks "
-                f"(n_blocks), lower max_new_tokens or the batch, or set window_size so that blocks outside the "
-                f"window are freed. {PLAN_HINT}")
-
-    def truncate(self, seq: int, length: int) -> None:
-        """Forget positions >= length of `seq`: whole blocks after it go back to the pool."""
-        table, keep = self.tables[seq], math.ceil(length / self.block_size)
-        while len(table) > keep:
-            b = table.pop()
-            if b >= 0:
-                self._release(b)
-        self.lengths[seq] = min(self.lengths[seq], length)
-
-    def free_block(self, seq: int, j: int) -> None:
-        """Give logical block j of `seq` back (its positions are never read again)."""
-        self._release(self.tables[seq][j])
-        self.tables[seq][j] = -1
-
-    def free_sequence(self, seq: int) -> None:
-        """The sequence finished: every block it held goes back to the pool (once no one shares it)."""
-        for b in self.tables.pop(seq):
-            if b >= 0:
-                self._release(b)
-        del self.lengths[seq]
-
-    def _take(self) -> int:
-        b = self.free.pop()
-        self.refs[b], self.fill[b] = 1, 0
-        return b
-
-    def _release(self, b: int) -> None:
-        self.refs[b] -= 1
-        if self.refs[b] == 0:
-            self.fill[b] = 0
-            self.free.append(b)
-
-    # --- accounting
-    @property
-    def n_used(self) -> int:
-        """Blocks held by at least one sequence."""
-        return self.n_blocks - len(self.free)
-
-    @property
-    def used_slots(self) -> int:
-        """Token slots written, each physical slot counted once even when shared."""
-        return sum(f for f, r in zip(self.fill, self.refs) if r > 0)
-
-    @property
-    def waste(self) -> float:
-        """Allocated but unwritten slots / allocated slots (0 when nothing is allocated)."""
-        allocated = self.n_used * self.block_size
-        return 1 - self.used_slots / allocated if allocated else 0.0
-
-    @property
-    def shared_hit_rate(self) -> float:
-        """Block-table entries served by a block that another sequence also holds / all entries."""
-        entries = [b for t in self.tables.values() for b in t if b >= 0]
-        return sum(self.refs[b] > 1 for b in entries) / len(entries) if entries else 0.0
+from .blocks import BlockAllocator  # noqa: F401 (re-exported: paged.BlockAllocator)
+from .errors import PositionError
 
 
 # ---------------------------------------------------------------- the cache (full precision)
@@ -199,8 +54,9 @@ def _long(rows: list, device: torch.device | str = "cpu") -> Tensor:
 class PagedKVCache:
     """KV cache in a pool of blocks [L, N, bs, Hkv, Dh] read through block tables.
 
-    The rows of a batch advance in lockstep (the same input_pos), each with its own block table,
-    so the rows' tables always have the same shape. It follows the cache contract of cache.py:
+    With input_pos [T] the rows advance in lockstep, each with its own block table, so the rows'
+    tables have the same shape; with input_pos [B, T] each row writes its own positions (a ragged
+    batch, or the serving engine's sequences, which set `rows` before each step). It follows the cache contract of cache.py:
     `prepare` allocates, copies on write, frees blocks outside the window and forgets positions
     at or after a write that starts early (a new sequence or a rollback); `update` only writes and
     gathers. A step the pool cannot hold raises CacheFullError before anything changes.
@@ -217,6 +73,7 @@ class PagedKVCache:
         self.dtype, self.device = dtype, torch.device(device)
         self._make_storage()
         self._table = self._copies = self._write_slots = None  # this step's plan, set by prepare
+        self._write_index: Tensor | None = None  # per-row positions: which of the B * T tokens are written
         self._blocks = self._lens = None  # this step's logical tables [B, n] (-1: freed) and lengths [B]
         self._read: dict[str, Tensor] = {}  # "k"/"v" -> the buffer attention reads gathered blocks from
         self._peak = self.nbytes
@@ -231,7 +88,10 @@ class PagedKVCache:
     # --- bookkeeping, once per forward call (layer independent)
     def prepare(self, input_pos: Tensor) -> Tensor:
         """Plan this step's blocks (rewind, window, allocation, copy-on-write) -> the position of
-        each read slot [S], -1 where a slot holds nothing."""
+        each read slot [S], -1 where a slot holds nothing. Per-row positions [B, T]: `_prepare_rows`."""
+        if input_pos.dim() == 2:
+            return self._prepare_rows(input_pos)
+        self._write_index = None
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
         if start < 0 or end - start != input_pos.shape[0]:
             raise PositionError(f"the paged cache takes consecutive positions >= 0, got {start}..{end - 1} "
@@ -244,7 +104,7 @@ class PagedKVCache:
         else:
             outside = []
         writes = [(row, start, end) for row in self.rows]
-        need = self._blocks_needed(writes, rewind, start, outside)
+        need = self._blocks_needed(writes, {row: start for row in rewind}, outside)
         alloc.check_room(need)
         for row in rewind:
             alloc.truncate(row, start)
@@ -256,6 +116,51 @@ class PagedKVCache:
         key_pos = self._plan(start, end, [alloc.tables[row] for row in self.rows])
         self._peak = max(self._peak, self.nbytes)
         return key_pos
+
+    def _prepare_rows(self, input_pos: Tensor) -> Tensor:
+        """Per-row positions [B, T], -1 for padding: each row writes its own run of consecutive
+        positions (or nothing) -> key positions [B, S], each row's blocks in table order, -1 where
+        a slot holds nothing (rows with fewer blocks are padded)."""
+        pos, alloc, bs = input_pos.cpu(), self.allocator, self.block_size  # one host sync per forward call
+        spans = {}  # sequence -> (start, end) of the positions it writes
+        for b, row in enumerate(self.rows):
+            real = pos[b][pos[b] >= 0]
+            if real.numel():
+                start, end = int(real[0]), int(real[-1]) + 1
+                if not torch.equal(real, torch.arange(start, end)):
+                    raise PositionError(f"the paged cache takes consecutive positions >= 0 in each row; row {b} "
+                                        f"has {real.tolist()}")
+                spans[row] = (start, end)
+        rewind = {row: a for row, (a, _) in spans.items() if alloc.lengths[row] > a}
+        outside = ([(row, j) for row, (a, _) in spans.items() for j in self._outside_window(row, a)]
+                   if self.window_size is not None else [])
+        writes = [(row, a, e) for row, (a, e) in spans.items()]
+        alloc.check_room(self._blocks_needed(writes, rewind, outside))  # before anything changes
+        for row, a in rewind.items():
+            alloc.truncate(row, a)
+        for row, j in outside:
+            if j < len(alloc.tables[row]) and alloc.tables[row][j] >= 0:
+                alloc.free_block(row, j)
+        copies = [c for row, a, e in writes for c in alloc.write(row, a, e)]
+        self._copies = _long(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
+        # Read: each row's kept blocks, padded with block 0 (its slots marked -1, never attended).
+        kept = [[j for j, b in enumerate(alloc.tables[row]) if b >= 0] for row in self.rows]
+        n = max(1, max(len(k) for k in kept))
+        self._table = _long([[alloc.tables[row][j] for j in k] + [0] * (n - len(k))
+                             for row, k in zip(self.rows, kept)], self.device)  # [B, n]
+        key_pos = torch.full((len(self.rows), n * bs), -1, dtype=torch.long)
+        for b, (row, k) in enumerate(zip(self.rows, kept)):
+            held = (_long(k)[:, None] * bs + torch.arange(bs)).flatten()
+            key_pos[b, :held.numel()] = held.masked_fill(held >= alloc.lengths[row], -1)
+        # Write: the pool slot of every real token, and where it sits in the flattened [B * T] batch.
+        rows, cols = (pos >= 0).nonzero(as_tuple=True)
+        p = pos[rows, cols]
+        block = _long([alloc.tables[self.rows[r]][q // bs] for r, q in zip(rows.tolist(), p.tolist())])
+        self._write_slots = (block * bs + p % bs).to(self.device)
+        self._write_index = (rows * pos.shape[1] + cols).to(self.device)
+        self._blocks, self._lens = None, _long([alloc.lengths[row] for row in self.rows], self.device)
+        self._peak = max(self._peak, self.nbytes)
+        return key_pos.to(self.device)
 
     def _outside_window(self, row: int, start: int) -> list[int]:
         """Logical blocks of `row` that no query from `start` on can see (attention.in_window is monotone)."""
@@ -269,10 +174,11 @@ class PagedKVCache:
                 out.append(j)
         return out
 
-    def _blocks_needed(self, writes, rewind: list[int], start: int, outside: list[tuple[int, int]]) -> int:
-        """Blocks this step takes from the pool, minus the ones rewinding and the window give back."""
+    def _blocks_needed(self, writes, rewind: dict[int, int], outside: list[tuple[int, int]]) -> int:
+        """Blocks this step takes from the pool, minus the ones rewinding (row -> the position it
+        rewinds to) and the window give back."""
         alloc = self.allocator
-        kept = {row: math.ceil(start / self.block_size) for row in rewind}  # logical blocks a rewind keeps
+        kept = {row: math.ceil(start / self.block_size) for row, start in rewind.items()}  # blocks a rewind keeps
         need = alloc.blocks_needed(writes, kept)
         # Given back first: whole blocks after the rewind point, and blocks outside the window, each
         # once its last holder lets go (a block shared with a sequence outside this batch stays).
@@ -317,7 +223,10 @@ class PagedKVCache:
         if self._copies is not None:  # copy-on-write: give each writer its own copy of a shared block
             pool[self._copies[1]] = pool[self._copies[0]]
         slots = pool.view(-1, Hkv, Dh)  # [N*bs, Hkv, Dh]
-        slots.index_copy_(0, self._write_slots, rearrange(x, "b h t d -> (b t) h d"))
+        x = rearrange(x, "b h t d -> (b t) h d")
+        if self._write_index is not None:  # per-row positions: only the real tokens, not the padding
+            x = x[self._write_index]
+        slots.index_copy_(0, self._write_slots, x)
 
     def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
         B = x.shape[0]

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
+from .kv_cache import one_vector
 from .paged import BlockView, PagedKVCache, _long
 
 # The axis of a [.., S, Dh] key/value tensor along which a group of G elements runs.
@@ -232,6 +233,7 @@ class QuantizedKVCache:
 
     def prepare(self, input_pos: Tensor) -> Tensor:
         """The position held by each slot of the view `update` returns: [S] = 0..last written."""
+        one_vector(input_pos, self)
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
         if start not in (0, self.length) or end - start != input_pos.shape[0]:
             raise PositionError(f"the quantized cache appends: it holds positions 0..{self.length - 1}, so "
@@ -327,6 +329,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.v_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
 
     def prepare(self, input_pos: Tensor) -> Tensor:
+        one_vector(input_pos, self)  # each row's open block lives in a per-batch tail
         start = int(input_pos[0])
         if start not in (0, self._length):  # checked before the allocator changes anything
             raise PositionError(f"the quantized paged cache appends: it holds positions 0..{self._length - 1}, "

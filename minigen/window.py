@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError
-from .kv_cache import check_fits
+from .kv_cache import check_fits, one_vector
 
 
 class WindowKVCache:
@@ -60,6 +60,7 @@ class WindowKVCache:
 
     def prepare(self, input_pos: Tensor) -> Tensor:
         """Positions seen by this step's queries: [S] for one new token, [S + T] for T > 1."""
+        one_vector(input_pos, self)
         check_fits(input_pos, capacity=2**62)  # only the sign matters: the buffer wraps
         # Positions at or after this write belong to an older sequence (or were rolled back).
         self.slot_pos.masked_fill_(self.slot_pos >= input_pos[0], -1)

@@ -28,6 +28,7 @@ from minigen.__main__ import build_parser
 from minigen.batching import RequestQueue, group_by_length, pad_batch
 from minigen.kv_cache import KVCache
 from minigen.paged import BlockAllocator
+from minigen.window import WindowKVCache
 from test_loading import save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,6 +123,75 @@ def cli(*argv: str) -> None:
     """Run a command as `python -m minigen` does, but let its MinigenError out for the test to see."""
     args = build_parser().parse_args(list(argv))
     args.func(args)
+
+
+# ---------------------------------------------------------------- ragged batches and the serving engine
+@case("ragged-empty-list")
+def _(tiny_model):
+    minigen.generate(tiny_model, [])
+
+
+@case("ragged-empty-prompt")
+def _(tiny_model):
+    minigen.generate(tiny_model, [torch.tensor([1, 2]), torch.tensor([], dtype=torch.long)])
+
+
+@case("ragged-refused-feature")
+def _(tiny_model):
+    minigen.generate(tiny_model, [torch.tensor([1, 2]), torch.tensor([3])], kv_budget=8)
+
+
+@case("cache-per-row-positions-refused")
+def _():
+    WindowKVCache(1, 2, 1, 4, window_size=4).prepare(torch.tensor([[0, 1], [0, -1]]))
+
+
+@case("engine-batch-size")
+def _(tiny_model):
+    minigen.Engine(tiny_model, max_batch_size=0)
+
+
+@case("engine-num-blocks")
+def _(tiny_model):
+    minigen.Engine(tiny_model, num_blocks=0)
+
+
+@case("engine-refused-feature")
+def _(tiny_model):
+    minigen.Engine(tiny_model, {"quant_bits": 4, "quant_group_size": 8})
+
+
+@case("engine-empty-prompt")
+def _(tiny_model):
+    minigen.Engine(tiny_model, num_blocks=4).add_request([])
+
+
+@case("engine-request-past-pool")
+def _(tiny_model):
+    minigen.Engine(tiny_model, {"cache_chunk_size": 4}, num_blocks=4).add_request(list(range(10)), max_new_tokens=10)
+
+
+@case("engine-unknown-override")
+def _(tiny_model):
+    minigen.Engine(tiny_model, num_blocks=4).add_request([1, 2], max_new_token=3)
+
+
+@case("engine-cache-override")
+def _(tiny_model):
+    minigen.Engine(tiny_model, num_blocks=4).add_request([1, 2], window_size=4)
+
+
+@case("engine-unknown-id")
+def _(tiny_model):
+    minigen.Engine(tiny_model, num_blocks=4).cancel(7)
+
+
+@case("engine-cancel-twice")
+def _(tiny_model):
+    engine = minigen.Engine(tiny_model, num_blocks=4)
+    engine.add_request([1, 2], max_new_tokens=2)
+    engine.cancel(0)
+    engine.cancel(0)
 
 
 # ---------------------------------------------------------------- config

@@ -51,9 +51,8 @@ def test_waste_formula_against_a_plain_count(lengths, max_batch_size, kv_per_tok
     waste = padding_waste(lengths, batches, kv_bytes_per_token=kv_per_token)
     assert (waste.pad_slots, waste.total_slots, waste.kv_bytes) == (pads, slots, pads * kv_per_token)
     assert waste.fraction == pytest.approx(pads / slots)
-    # Sorting can only help: one arrival-order cut never pads less than the length-sorted one.
-    arrival = [list(range(i, min(i + max_batch_size, len(lengths)))) for i in range(0, len(lengths), max_batch_size)]
-    assert padding_waste(lengths, batches).pad_slots <= padding_waste(lengths, arrival).pad_slots
+    # Not asserted: that sorting always pads less than arrival order. It does not: lengths [1, 2, 2, 1]
+    # in batches of 3 pad 2 slots sorted ([1, 1, 2], [2]) and 1 in arrival order ([1, 2, 2], [1]).
 
 
 def test_pad_batch_left_pads_to_the_longest():

@@ -224,3 +224,51 @@ def test_the_decode_step_compiles_as_one_graph(tiny, name):
             tokens = [want.argmax(-1), got.argmax(-1)]
             assert torch.equal(tokens[0], tokens[1])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled once, every step reused it
+
+
+# ---------------------------------------------------------------- per-row positions [B, T] (ragged batches)
+ONE_ROW = {  # batch-1 instances for the caches that take per-row positions one row at a time (rowwise.py)
+    "window": lambda: WindowKVCache(L, 1, Hkv, Dh, window_size=8, sink_tokens=2),
+    "quantized": lambda: QuantizedKVCache(L, 1, Hkv, 64, Dh, bits=8, group_size=4, residual=4),
+    "quantized paged": lambda: QuantizedPagedKVCache(L, 1, Hkv, Dh, block_size=4, n_blocks=16, bits=8, group_size=4),
+}
+NATIVE_ROWS = ("contiguous", "paged")  # take [B, T] themselves
+NO_ROWS = ("heavy hitters", "offloaded")  # refuse it (make_cache refuses their features for a ragged batch)
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+def test_per_row_positions_give_back_each_rows_own_writes(name):
+    """Rows at different positions in one call, padding (-1) in between: each row reads back exactly
+    what was written at its own positions, and padding is never written."""
+    from minigen.rowwise import RowwiseCache
+    if name in NO_ROWS:
+        with pytest.raises(minigen.PositionError, match=r"one position vector \[T\].*ragged=True"):
+            FACTORIES[name]().prepare(torch.tensor([[0, 1], [0, -1]]))
+        return
+    cache = FACTORIES[name]() if name in NATIVE_ROWS else RowwiseCache([ONE_ROW[name](), ONE_ROW[name]()])
+    g, written = torch.Generator().manual_seed(6), [{}, {}]  # per row: position -> k, v [L, Hkv, Dh]
+    lengths = [0, 0]
+    for sizes in ((5, 2), (1, 1), (0, 3), (1, 0), (2, 1), (1, 1), (6, 1), (1, 1)):  # 0: the row sits this step out
+        T = max(sizes)
+        pos = torch.full((B, T), -1)
+        for row, n in enumerate(sizes):  # left padding, as generate lays a ragged prompt out
+            pos[row, T - n:] = torch.arange(lengths[row], lengths[row] + n)
+        k_new, v_new = (torch.randn(L, B, Hkv, T, Dh, generator=g) for _ in range(2))
+        key_pos = cache.prepare(pos)
+        reads = [tuple(t.clone() for t in cache.update(layer, k_new[layer], v_new[layer])) for layer in range(L)]
+        key_pos = key_pos.expand(B, -1)
+        for row, n in enumerate(sizes):
+            for t in range(T - n, T):
+                p = int(pos[row, t])
+                written[row][p] = (k_new[:, row, :, t], v_new[:, row, :, t])
+            lengths[row] += n
+            if n == 0:
+                continue
+            visible = [int(p) for p in key_pos[row] if 0 <= p < lengths[row]]
+            assert sorted(visible) == sorted(set(visible)) and set(range(lengths[row] - n, lengths[row])) <= set(visible)
+            for s, p in enumerate(key_pos[row].tolist()):
+                if 0 <= p < lengths[row]:
+                    for layer, (k, v) in enumerate(reads):
+                        atol = TOLERANCE.get(name, 0.0)
+                        torch.testing.assert_close(k[row, :, s], written[row][p][0][layer], atol=atol, rtol=0)
+                        torch.testing.assert_close(v[row, :, s], written[row][p][1][layer], atol=atol, rtol=0)
