@@ -156,7 +156,8 @@ def plot_timeline(metrics: dict, ax=None, title: str = ""):
     ax.set_xlabel("time (s)")
     ax.set_ylabel("request id")
     ax.invert_yaxis()
-    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="lower right", fontsize=7, ncol=4)
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.2), fontsize=7, ncol=4)  # below the axes: bars reach every corner
     ax.set_title(title or "requests over time", fontsize=9)
     return ax
 

@@ -22,6 +22,7 @@ once took 109 s (its thread sat in the model's linear layers), and a later serve
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 
@@ -29,7 +30,9 @@ import torch
 
 from .batching import pad_batch
 from .bench import prompt_ids
-from .loading import load_tokenizer, resolve_folder
+from .config import GenerationConfig
+from .engine import Engine
+from .loading import load, load_tokenizer, resolve_folder
 from .machine import hardware_info
 from .serving import summarize
 from .workload import LengthDist, Workload, make_workload, replay, system_prompt_ids
@@ -188,26 +191,51 @@ def run_serve_bench(workload: Workload, engines: dict, skip_idle: bool = True) -
     return {"workload": workload.description, "runs": runs, "ratios": ratios}
 
 
-# name -> (hf model, max batch size) -> a zero-argument factory of an engine with the Engine's API
+class Models:
+    """The two models of one checkpoint, each loaded once, on first use: minigen's and transformers'."""
+
+    def __init__(self, model_name: str = "smollm2-135m"):
+        self.name, self._minigen, self._hf = model_name, None, None
+
+    def minigen(self):
+        self._minigen = self._minigen or load(self.name)[0]
+        return self._minigen
+
+    def hf(self):
+        self._hf = self._hf or load_hf(self.name)
+        return self._hf
+
+
+def pool_blocks(workload: Workload, max_batch_size: int, block_size: int = 16) -> int:
+    """Blocks for max_batch_size of the workload's longest requests at once (prompt + reply)."""
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in workload.requests)
+    return max_batch_size * math.ceil(longest / block_size)
+
+
+# name -> (models, workload, max batch size) -> an engine with the Engine's API
 ENGINES = {
-    "transformers-static": lambda hf, b: (lambda: StaticBatches(hf, b)),
-    "transformers-continuous": lambda hf, b: (lambda: TransformersContinuous(hf, b)),
+    "minigen": lambda m, w, b: Engine(m.minigen(), GenerationConfig(stop_token_ids=[]), max_batch_size=b,
+                                      num_blocks=pool_blocks(w, b)),  # no stop token: each its own length
+    "transformers-continuous": lambda m, w, b: TransformersContinuous(m.hf(), b),
+    "transformers-static": lambda m, w, b: StaticBatches(m.hf(), b),
 }
-DEFAULT_ENGINES = ["transformers-static", "transformers-continuous"]
+DEFAULT_ENGINES = ["minigen", "transformers-continuous"]
 
 
 def serve_bench_cli(model_name: str, engines: list[str], n_requests: int = 16, rate_per_s: float = 2.0,
                     seed: int = 0, max_batch_size: int = 8, prompt_median: float = 32,
                     output_median: float = 24) -> dict:
     """`python -m minigen serve-bench`: build the workload on the model's tokenizer (a system prompt
-    in its chat template, user prompts cut from the benchmark's English text) and run the engines."""
+    in its chat template, user prompts cut from the benchmark's English text) and run the engines,
+    each on a fresh engine, in the order given."""
     tokenizer = load_tokenizer(resolve_folder(model_name))
     workload = make_workload(n_requests, rate_per_s, seed=seed, system_prompt=system_prompt_ids(tokenizer),
                              prompt_tokens=LengthDist(prompt_median, 0.6, 4, 256),
                              output_tokens=LengthDist(output_median, 0.5, 2, 128),
                              token_pool=prompt_ids(tokenizer, 1024)[0].tolist())
-    hf = load_hf(model_name)
-    result = run_serve_bench(workload, {name: ENGINES[name](hf, max_batch_size) for name in engines})
+    models = Models(model_name)
+    factories = {name: (lambda name=name: ENGINES[name](models, workload, max_batch_size)) for name in engines}
+    result = run_serve_bench(workload, factories)
     hw = hardware_info()
     result["hardware"] = f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}, GPU: {hw['gpu'] or 'none'}"
     return result

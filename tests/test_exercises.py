@@ -274,3 +274,15 @@ def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
                                              for j in range(0, len(lengths), b)])
     with pytest.raises(ExerciseFailed, match="use 1 to"):
         ch10.check_group(lambda lengths, b: [list(range(len(lengths)))])
+
+
+def test_ch10_admission_checker_asks_the_engine_and_names_the_usual_mistakes():
+    from minigen.exercises import ch10
+    assert ch10.check_can_admit(ch10.solution_can_admit)
+    for wrong, hint in [
+            (lambda need, free, reserved, running, b: running < b and need <= free, "free - reserved"),
+            (lambda need, free, reserved, running, b: need <= free - reserved, "batch slot"),
+            (lambda need, free, reserved, running, b: running <= b and need <= free - reserved, "batch is full"),
+            (lambda need, free, reserved, running, b: running < b and need < free - reserved, "exactly fits")]:
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch10.check_can_admit(wrong)

@@ -3,6 +3,10 @@
 1. `group(lengths, max_batch_size)`: cut requests into static batches of at most max_batch_size
    that waste no more padding than the article's grouping by length (batching.group_by_length),
    losing and repeating no request. Prompts longer than the cap of 256 run alone.
+2. `can_admit(blocks_needed, free_blocks, reserved_blocks, running, max_batch_size)`: the Engine's
+   admission rule. Does a waiting request join this step's batch? It needs a batch slot, and the
+   blocks its prompt takes must fit in the free blocks that the running sequences' next tokens
+   have not already reserved. Checked against the Engine's own rule, scheduler.can_admit.
 """
 
 from __future__ import annotations
@@ -10,7 +14,8 @@ from __future__ import annotations
 import random
 
 from ..batching import PAD_CAP, group_by_length, padding_waste
-from . import ExerciseFailed
+from ..scheduler import can_admit as engine_can_admit
+from . import ExerciseFailed, known_mistake
 
 
 # ---------------------------------------------------------------- 1. grouping by length
@@ -54,4 +59,40 @@ def check_group(fn) -> bool:
             raise ExerciseFailed(f"group: for {label} your batches pad {yours} slots, grouping by length pads {ref}. "
                                  "Hint: sort the requests by length before cutting the batches")
     print(f"✓ group: all {len(_cases())} cases lose nothing and pad no more than grouping by length")
+    return True
+
+
+# ---------------------------------------------------------------- 2. the admission rule
+def solution_can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int,
+                       max_batch_size: int) -> bool:
+    """A free batch slot, and the prompt's blocks within what the running sequences left free."""
+    return running < max_batch_size and blocks_needed <= free_blocks - reserved_blocks
+
+
+def check_can_admit(fn) -> bool:
+    """fn(blocks_needed, free_blocks, reserved_blocks, running, max_batch_size) -> bool, as the Engine decides."""
+    cases = []
+    for need, free, reserved, running, b in ((1, 10, 0, 0, 8), (4, 4, 0, 3, 8), (4, 4, 1, 3, 8), (3, 4, 1, 3, 8),
+                                             (2, 10, 0, 8, 8), (2, 10, 0, 7, 8), (0, 0, 0, 0, 1), (5, 9, 5, 1, 4),
+                                             (4, 9, 5, 1, 4), (1, 1, 1, 0, 1), (6, 6, 0, 0, 1), (1, 50, 3, 1, 1)):
+        cases.append((f"need {need} blocks, {free} free, {reserved} reserved, {running} running, batch of {b}",
+                      (need, free, reserved, running, b), engine_can_admit(need, free, reserved, running, b)))
+
+    def hints(args, got):
+        need, free, reserved, running, b = args
+        return known_mistake(bool(got), [
+            (running < b and need <= free,
+             "the running sequences' next tokens have reserved some free blocks: count only free - reserved"),
+            (need <= free - reserved, "a request also needs a batch slot: running < max_batch_size"),
+            (running <= b and need <= free - reserved, "running == max_batch_size means the batch is full"),
+            (running < b and need < free - reserved, "a prompt that exactly fits the blocks left is admitted (<=)"),
+        ]) if bool(got) != engine_can_admit(*args) else ""
+
+    for label, args, expected in cases:
+        got = fn(*args)
+        if got is None or bool(got) != expected:
+            hint = hints(args, got) if got is not None else "return True or False"
+            raise ExerciseFailed(f"can_admit: for {label} the Engine says {expected}, yours {got}"
+                                 + (f". Hint: {hint}" if hint else ""))
+    print(f"✓ can_admit: all {len(cases)} cases agree with the Engine's rule (scheduler.can_admit)")
     return True
