@@ -19,7 +19,10 @@ import torch  # noqa: E402
 from conftest import tiny_hf  # noqa: E402
 from minigen import ConfigError  # noqa: E402
 from minigen import plots  # noqa: E402
-from minigen.serve_bench import StaticBatches, format_serve_bench, run_serve_bench  # noqa: E402
+import minigen  # noqa: E402
+from minigen import Engine, GenerationConfig  # noqa: E402
+from minigen.__main__ import main  # noqa: E402
+from minigen.serve_bench import StaticBatches, format_serve_bench, pool_blocks, run_serve_bench  # noqa: E402
 from minigen.serving import batch_efficiency, latency_stats, summarize  # noqa: E402
 from minigen.workload import LengthDist, make_workload, replay  # noqa: E402
 
@@ -184,3 +187,33 @@ def test_static_batches_are_token_identical_to_one_prompt_alone():
                         vocab=(1, 97))
     result = run_serve_bench(two, {"b3": lambda: StaticBatches(hf, 3), "b1": lambda: StaticBatches(hf, 1)})
     assert set(result["ratios"]) == {"b3 / b1"} and "output tok/s" in format_serve_bench(result)
+
+
+def test_the_engine_and_the_static_baseline_serve_the_same_tokens():
+    """minigen.Engine and transformers' static batches replay one workload: each request's tokens
+    are the same on both (greedy fp32, no stop token), and both metrics dicts have the schema."""
+    hf = tiny_hf("llama")
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    w = make_workload(6, 200.0, seed=3, system_prompt=[5, 6, 7, 8, 9], prompt_tokens=LengthDist(6, 0.6, 1, 12),
+                      output_tokens=LengthDist(4, 0.5, 2, 6), vocab=(1, 97))
+    engines = {"engine": Engine(minigen.from_hf(hf), GenerationConfig(stop_token_ids=[], cache_chunk_size=4),
+                                max_batch_size=4, num_blocks=pool_blocks(w, 4, block_size=4)),
+               "static": StaticBatches(hf, max_batch_size=4)}
+    result = run_serve_bench(w, {name: (lambda e=e: e) for name, e in engines.items()})
+    outputs = {name: e.run() for name, e in engines.items()}
+    assert all(torch.equal(outputs["engine"][i], outputs["static"][i]) for i in range(6))
+    for m in result["runs"].values():
+        assert {"ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s", "output_tokens_per_s", "requests"} <= set(m)
+        assert [r["output_tokens"] for r in sorted(m["requests"], key=lambda r: r["request_id"])] == \
+            [r.max_new_tokens for r in w.requests]
+    assert result["runs"]["engine"]["prefix_cache_hit_rate"] > 0  # the 5-token system prompt fills a block of 4
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["serve-bench", "--engine", "minigen"], "at least two different engines"),
+    (["serve-bench", "--engine", "minigen", "--engine", "vllm"], "at least two different engines"),
+    (["serve-bench", "--requests", "0"], "--requests >= 1"),
+])
+def test_serve_bench_refuses_bad_flags_before_loading(argv, fragment, capsys):
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
