@@ -152,9 +152,10 @@ class TransformersContinuous:
                 rid, prompt, n, arrival = self.pending.pop(result.request_id)
                 stamps = [t - self.t0 for t in result.timestamps]
                 self.outputs[rid] = torch.tensor(prompt + list(result.generated_tokens))
-                self.records.append({  # the manager does not say when it scheduled a request: unknown
+                self.records.append({  # the manager does not say when it scheduled a request, nor what its
+                    # prefix sharing (allow_block_sharing) served from cache: both unknown, NaN
                     "request_id": rid, "prompt_tokens": len(prompt), "output_tokens": len(result.generated_tokens),
-                    "cached_tokens": 0, "preemptions": 0, "arrival_s": arrival, "first_scheduled_s": float("nan"),
+                    "cached_tokens": float("nan"), "preemptions": 0, "arrival_s": arrival, "first_scheduled_s": float("nan"),
                     "first_token_s": stamps[0], "finish_s": stamps[-1], "finish_reason": "length",
                     "phases": [["queued", arrival, stamps[0]], ["decode", stamps[0], stamps[-1]]]})
                 done.append(rid)
