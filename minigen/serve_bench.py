@@ -125,7 +125,7 @@ class TransformersContinuous:
         from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
         config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, max_new_tokens=32)
-        cb = ContinuousBatchingConfig(num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
+        cb = ContinuousBatchingConfig(num_blocks=num_blocks, page_size=block_size, max_batch_tokens=max_batch_tokens,
                                       max_requests_per_batch=max_batch_size)
         self.max_batch_size = max_batch_size
         self.manager = hf_model.init_continuous_batching(generation_config=config, continuous_batching_config=cb)

@@ -22,7 +22,8 @@ from minigen import plots  # noqa: E402
 import minigen  # noqa: E402
 from minigen import Engine, GenerationConfig  # noqa: E402
 from minigen.__main__ import main  # noqa: E402
-from minigen.serve_bench import StaticBatches, format_serve_bench, pool_blocks, run_serve_bench  # noqa: E402
+from minigen.serve_bench import (StaticBatches, TransformersContinuous, format_serve_bench, pool_blocks,  # noqa: E402
+                                 run_serve_bench)
 from minigen.serving import batch_efficiency, latency_stats, summarize  # noqa: E402
 from minigen.workload import LengthDist, make_workload, replay  # noqa: E402
 
@@ -217,3 +218,17 @@ def test_the_engine_and_the_static_baseline_serve_the_same_tokens():
 def test_serve_bench_refuses_bad_flags_before_loading(argv, fragment, capsys):
     assert main(argv) == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_transformers_continuous_batching_adapter_is_exact():
+    """The ContinuousBatchingManager adapter replays a workload to the tokens of generating each alone."""
+    hf = tiny_hf("llama")
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    w = make_workload(4, 200.0, seed=3, system_prompt=[5, 6, 7, 8, 9], prompt_tokens=LengthDist(6, 0.6, 1, 12),
+                      output_tokens=LengthDist(4, 0.5, 2, 6), vocab=(1, 97))
+    engine = TransformersContinuous(hf, 4, num_blocks=32, block_size=4, max_batch_tokens=64)
+    m = replay(engine, w, clock=engine.now)
+    for rid, r in enumerate(w.requests):
+        alone = hf.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.max_new_tokens, do_sample=False)[0]
+        assert torch.equal(engine.outputs[rid], alone), f"request {rid}"
+    assert m["ttft_s"]["n"] == 4 and math.isnan(m["queue_time_s"]["p50"])  # its scheduling times are not exposed
