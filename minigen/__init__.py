@@ -4,7 +4,7 @@ from .cache import Cache, make_cache
 from .config import GenerationConfig
 from .engine import Engine
 from .errors import (BenchError, CacheFullError, ConfigError, LedgerError, MinigenError, ModelLoadError, PositionError,
-                     PromptError, RequestError)
+                     PromptError, QueueFullError, RequestError)
 from .generate import (GenerationOutput, GenerationStats, decode_step, generate, parallel_sample, prefill,
                        sample, stream)
 from .loading import from_hf, load
@@ -15,7 +15,7 @@ from .weight_quant import quantize_weights
 
 __all__ = ["Cache", "Engine", "GenerationConfig", "GenerationOutput", "GenerationStats", "Model", "ModelConfig",
            "BenchError", "CacheFullError", "ConfigError", "LedgerError", "MinigenError", "ModelLoadError",
-           "PositionError", "PromptError", "RequestError",
+           "PositionError", "PromptError", "QueueFullError", "RequestError",
            "decode_step", "from_hf", "generate", "load", "make_cache", "parallel_sample", "perplexity",
            "plan", "prefill", "quantize_weights", "sample", "score", "stream", "top1_agreement"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""Command line: `python -m minigen generate | bench | profile | plan | ledger | prepare`; --help for details."""
+"""Command line: `python -m minigen generate | bench | serve-bench | profile | plan | ledger | prepare`; --help for details."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ EPILOG = """examples:
   python -m minigen profile --set cache_chunk_size=32 --steps 8 --json profile.json
   python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
   python -m minigen ledger --json claims.json
+  python -m minigen serve-bench --requests 16 --rate 2 --seed 0   # one workload, engines side by side
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
 
@@ -176,6 +177,25 @@ def write_json(data: dict, path: Path) -> None:
         tmp.unlink(missing_ok=True)  # only still there when something failed
 
 
+def cmd_serve_bench(args) -> None:
+    from .errors import BenchError
+    from .serve_bench import DEFAULT_ENGINES, ENGINES, format_serve_bench, serve_bench_cli
+    _check_json_arg(args.json, BenchError)
+    engines = args.engine or DEFAULT_ENGINES
+    if any(e not in ENGINES for e in engines) or len(set(engines)) < 2:
+        raise BenchError(f"--engine {engines}: name at least two different engines among {list(ENGINES)}")
+    if args.requests < 1 or args.rate <= 0 or args.max_batch_size < 1:
+        raise BenchError(f"--requests {args.requests}, --rate {args.rate}, --max-batch-size {args.max_batch_size}: "
+                         "use --requests >= 1, --rate > 0 and --max-batch-size >= 1")
+    result = serve_bench_cli(args.model, engines, n_requests=args.requests, rate_per_s=args.rate, seed=args.seed,
+                             max_batch_size=args.max_batch_size, prompt_median=args.prompt_median,
+                             output_median=args.output_median)
+    print(format_serve_bench(result))
+    if args.json:
+        write_json(result, Path(args.json))
+        print(f"wrote {args.json}")
+
+
 def cmd_prepare(args) -> None:
     from .loading import prepare_default
     print(prepare_default(force=args.force))
@@ -220,6 +240,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="add an engine: llama.cpp (llama-cpp-python, on the bundled GGUF), when installed")
     _add_config_args(b)
     b.set_defaults(func=cmd_bench)
+
+    sb = sub.add_parser("serve-bench", help="one synthetic workload through several serving engines, side by side",
+                        description="Replay one seeded workload (Poisson arrivals, lognormal prompt and output "
+                                    "lengths, a shared system prompt) through each --engine in turn, in one process, "
+                                    "and print output tok/s and p50/p99 TTFT side by side, as ratios to the first.")
+    sb.add_argument("--engine", action="append", help="an engine to run, in order; default: the first two of "
+                    "serve_bench.ENGINES (repeat the flag for more)")
+    sb.add_argument("--requests", type=int, default=16, help="requests in the workload")
+    sb.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
+    sb.add_argument("--seed", type=int, default=0, help="the workload's seed (same seed, same workload)")
+    sb.add_argument("--max-batch-size", type=int, default=8, help="sequences an engine runs at once")
+    sb.add_argument("--prompt-median", type=float, default=32, help="median user prompt tokens (lognormal)")
+    sb.add_argument("--output-median", type=float, default=24, help="median new tokens per request (lognormal)")
+    sb.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (bundled) or a local folder")
+    sb.add_argument("--json", help="write every run's metrics to this JSON file")
+    sb.set_defaults(func=cmd_serve_bench)
 
     pr = sub.add_parser("profile", help="where a decode step's time goes, by category (torch.profiler)",
                         description="Run N decode steps after a warm-up under torch.profiler and split each "

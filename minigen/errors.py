@@ -45,6 +45,9 @@ class BenchError(MinigenError, ValueError):
 class DeployError(MinigenError, ValueError):
     """A deployment file (Triton config.pbtxt, model repository, Kubernetes manifest) is invalid."""
 
+class QueueFullError(MinigenError, RuntimeError):
+    """A bounded request queue (batching.RequestQueue) is full: the request was refused, not dropped."""
+
 
 class RequestError(MinigenError, ValueError):
     """A serving engine's request id that is unknown, or already finished or cancelled."""

@@ -6,6 +6,10 @@
     plot_bench(results)                -> the bars of `python -m minigen bench --json`
     show_source(obj, start, stop)      -> print the lines of a package function (chapters show code)
     package_map(minigen)               -> a Markdown table of the package's modules
+    plot_timeline(metrics)             -> each request's queued / prefill / decode / preempted bars
+    plot_kv_usage(metrics)             -> the KV blocks in use and the batch size at each step
+    plot_latencies(metrics)            -> the TTFT and TPOT distributions with p50 and p99
+    plot_dashboard(metrics)            -> the four above in one figure (an Engine's metrics() dict)
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+
+from .serving import request_latencies
 
 
 # ---------------------------------------------------------------- files
@@ -212,3 +218,89 @@ def plot_gpu_profiles(reports: dict, ax=None):
     ax.set_ylabel("decode tokens/s, batch 1 (measured by scripts/gpu_check.py)")
     ax.legend(fontsize=8)
     return ax
+
+
+# ---------------------------------------------------------------- serving (chapter 10): the metrics dict
+PHASE_COLORS = {"queued": "0.8", "prefill": "C1", "decode": "C0", "preempted": "C3"}
+
+
+def _axes(ax, size=(6, 3.5)):
+    import matplotlib.pyplot as plt
+    return plt.subplots(figsize=size)[1] if ax is None else ax
+
+
+def plot_timeline(metrics: dict, ax=None, title: str = ""):
+    """One row per request (id on the y axis), its phases as bars over time: queued (grey), prefill,
+    decode, preempted (metrics["requests"][i]["phases"] = [[phase, start_s, end_s], ...])."""
+    ax = _axes(ax)
+    for r in metrics["requests"]:
+        for phase, start, end in r["phases"]:
+            if end > start:
+                ax.broken_barh([(start, end - start)], (r["request_id"] - 0.4, 0.8), color=PHASE_COLORS[phase])
+    from matplotlib.patches import Patch
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("request id")
+    ax.invert_yaxis()
+    ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="upper center",
+              bbox_to_anchor=(0.5, -0.2), fontsize=7, ncol=4)  # below the axes: bars reach every corner
+    ax.set_title(title or "requests over time", fontsize=9)
+    return ax
+
+
+def plot_kv_usage(metrics: dict, ax=None):
+    """The fraction of KV blocks in use at each step (left axis) and the batch size (right axis)."""
+    ax = _axes(ax)
+    t = [s["t_s"] for s in metrics["steps"]]
+    ax.step(t, [100 * u for u in metrics["kv_usage"]], where="post", color="C2", label="KV blocks in use")
+    if not any(u == u for u in metrics["kv_usage"]):  # all NaN: the engine has no block pool to report
+        ax.text(0.5, 0.5, "KV usage not recorded\n(no block pool)", transform=ax.transAxes, ha="center", fontsize=8)
+    ax.set_ylim(0, 105)
+    ax.set_ylabel("KV blocks in use (%)", color="C2")
+    ax.set_xlabel("time (s)")
+    right = ax.twinx()
+    right.step(t, metrics["batch_size"], where="post", color="C0", lw=0.8, alpha=0.7)
+    right.set_ylabel("batch size (sequences)", color="C0")
+    right.set_ylim(0, max(metrics["batch_size"], default=1) + 1)
+    ax.set_title(f"KV usage and batch size per step ({metrics.get('num_blocks', '?')} blocks)", fontsize=9)
+    return ax
+
+
+def plot_latencies(metrics: dict, axes=None):
+    """Histograms of TTFT and TPOT over the finished requests, with their p50 and p99 marked."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(8, 3))
+    values = request_latencies(metrics["requests"])
+    for ax, name, scale, unit in zip(axes, ("ttft_s", "tpot_s"), (1, 1000), ("s", "ms")):
+        v = np.asarray(values[name], dtype=float) * scale
+        ax.hist(v, bins=max(5, min(30, len(v))), color="C0", alpha=0.7)
+        for p, style in (("p50", "-"), ("p99", "--")):
+            x = metrics[name][p] * scale
+            ax.axvline(x, color="black", ls=style, lw=1, label=f"{p} {x:.3g} {unit}")
+        ax.set_xlabel(f"{name.removesuffix('_s').upper()} ({unit})")
+        ax.set_ylabel("requests")
+        ax.legend(fontsize=7)
+    return axes
+
+
+def plot_dashboard(metrics: dict, title: str = ""):
+    """The serving dashboard of one run: timeline, KV usage and batch size, TTFT and TPOT -> Figure."""
+    import matplotlib.pyplot as plt
+    fig = plt.figure(figsize=(11, 6.5))
+    grid = fig.add_gridspec(2, 3)
+    plot_timeline(metrics, fig.add_subplot(grid[0, :2]))
+    plot_kv_usage(metrics, fig.add_subplot(grid[0, 2]))
+    plot_latencies(metrics, [fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])])
+    text = fig.add_subplot(grid[1, 2])
+    text.axis("off")
+    text.text(0, 1, "\n".join([
+        f"output: {metrics['output_tokens_per_s']:.1f} tok/s",
+        f"TTFT p50 / p99: {metrics['ttft_s']['p50']:.2f} / {metrics['ttft_s']['p99']:.2f} s",
+        f"TPOT p50 / p99: {metrics['tpot_s']['p50'] * 1000:.0f} / {metrics['tpot_s']['p99'] * 1000:.0f} ms",
+        f"queue p50: {metrics['queue_time_s']['p50']:.2f} s",
+        f"prefix cache hit rate: {metrics['prefix_cache_hit_rate']:.0%}",
+        f"preemptions: {metrics['preemptions']}",
+        f"requests: {len(metrics['requests'])}"]), va="top", family="monospace", fontsize=9)
+    fig.suptitle(title or "serving metrics", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -25,6 +25,7 @@ import minigen
 from conftest import tiny_hf
 from minigen import GenerationConfig, bench, errors, loading
 from minigen.__main__ import build_parser
+from minigen.batching import RequestQueue, group_by_length, pad_batch
 from minigen.kv_cache import KVCache
 from minigen.paged import BlockAllocator
 from minigen.quant import QuantizedKVCache
@@ -678,6 +679,50 @@ def _(monkeypatch, tmp_path):
 @case("cli-chat-without-template")
 def _(tiny_folder):
     cli("generate", "w1 w2 w3", "--model", str(tiny_folder), "--chat", "--max-new-tokens", "2")
+
+
+# ---------------------------------------------------------------- batching and the request queue
+def _full_queue():
+    queue = RequestQueue(2)
+    queue.put("a")
+    queue.put("b")
+    return queue
+
+
+@case("queue-full-refuses")
+def _():
+    queue = _full_queue()
+    try:
+        queue.put("c")
+    finally:
+        assert queue.peek() == ["a", "b"], "a refused put changed the queue"
+
+
+@case("queue-full-block-timeout")
+def _():
+    queue = _full_queue()
+    start = time.monotonic()
+    try:
+        queue.put("c", block=True, timeout=0.05)
+    finally:
+        assert time.monotonic() - start >= 0.05 and queue.peek() == ["a", "b"]
+
+
+@case("queue-capacity-zero")
+def _():
+    RequestQueue(0)
+
+
+@case("batch-prompt-past-pad-cap")
+def _():
+    pad_batch([list(range(1, 301)), list(range(1, 11))])
+
+
+@case("batch-empty-prompt")
+def _():
+    with pytest.raises(errors.PromptError, match="prompt 1 is empty"):
+        group_by_length([2, 0], 4)
+    pad_batch([[1, 2], []])
 
 
 # ---------------------------------------------------------------- the C kernel

@@ -291,3 +291,34 @@ def test_ch13_cheapest_fit_agrees_with_the_planner_and_names_the_usual_mistakes(
                         (never_none, "return None"), (lambda opts, b: None, "some options fit")):
         with pytest.raises(ExerciseFailed, match=hint):
             ch13.check_cheapest_fit(wrong)
+
+
+# ---------------------------------------------------------------- chapter 10
+def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
+    from minigen.exercises import ch10
+    assert ch10.check_group(ch10.solution_group)
+
+    def arrival_order(lengths, b):  # the batches a FIFO cut gives: more padding
+        return [list(range(i, min(i + b, len(lengths)))) for i in range(0, len(lengths), b)]
+
+    with pytest.raises(ExerciseFailed, match="sort the requests by length"):
+        ch10.check_group(arrival_order)
+    with pytest.raises(ExerciseFailed, match="never drops a request"):
+        ch10.check_group(lambda lengths, b: ch10.solution_group(lengths, b)[:-1])
+    with pytest.raises(ExerciseFailed, match="runs alone"):
+        ch10.check_group(lambda lengths, b: [sorted(range(len(lengths)), key=lambda i: lengths[i])[j:j + b]
+                                             for j in range(0, len(lengths), b)])
+    with pytest.raises(ExerciseFailed, match="use 1 to"):
+        ch10.check_group(lambda lengths, b: [list(range(len(lengths)))])
+
+
+def test_ch10_admission_checker_asks_the_engine_and_names_the_usual_mistakes():
+    from minigen.exercises import ch10
+    assert ch10.check_can_admit(ch10.solution_can_admit)
+    for wrong, hint in [
+            (lambda need, free, reserved, running, b: running < b and need <= free, "free - reserved"),
+            (lambda need, free, reserved, running, b: need <= free - reserved, "batch slot"),
+            (lambda need, free, reserved, running, b: running <= b and need <= free - reserved, "batch is full"),
+            (lambda need, free, reserved, running, b: running < b and need < free - reserved, "exactly fits")]:
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch10.check_can_admit(wrong)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigen"
-COURSE = {"plots", "widgets", "simulation", "book", "exercises", "bench", "__main__"}  # may import anything
+COURSE = {"plots", "widgets", "simulation", "book", "exercises", "bench", "serve_bench", "__main__"}  # may import anything
 
 
 def module_name(path: Path) -> str:
