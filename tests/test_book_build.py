@@ -155,3 +155,24 @@ def test_offline_check_finds_scripts_and_stylesheets_from_the_network(tmp_path):
                                              "<link rel='stylesheet' href='//fonts.example/f.css'>")
     assert build_book.external_resources(tmp_path) == [("sub/b.html", "https://cdn.example/mathjax.js"),
                                                        ("sub/b.html", "//fonts.example/f.css")]
+
+
+def test_executed_panels_become_snapshots_and_cache_reuses_outputs(tmp_path, capsys):
+    """A real kernel runs a one-cell chapter with a slider: the saved widget state becomes the
+    snapshot; a second build with --execute cache reuses the outputs without a kernel."""
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell("import ipywidgets as w\nw.IntSlider(value=7, min=1, max=9, description='window')")]
+    nbformat.write(nb, tmp_path / "notebooks" / "00_x.ipynb")
+    (tmp_path / "book.toml").write_text('[book]\ntitle = "t"\nauthors = ["a"]\ndescription = "d"\n\n[[chapter]]\n'
+                                        'notebook = "notebooks/00_x.ipynb"\ntitle = "x"\nlearn = ["y"]\nminutes = 1\ngpu = false\n')
+    book = load_book(tmp_path / "book.toml")
+    for run in range(2):
+        src = tmp_path / f"src{run}"
+        build_book.copy_sources(book, src)
+        build_book.execute_chapters(book, src, "cache", 120, tmp_path / "executed")
+        shown = nbformat.read(src / "notebooks" / "00_x.ipynb", as_version=4).cells[0].outputs[0]["data"]["text/html"]
+        assert LIVE_NOTE in shown and "<b>7</b>" in shown and ">window</span>" in shown
+    log = capsys.readouterr().out
+    assert log.count("executed in") == 1 and "reused from the last build" in log
