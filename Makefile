@@ -57,9 +57,12 @@ figures: model
 lab: model
 	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser $(ALLOW_ROOT) notebooks/
 
-# Executes every chapter and renders static HTML into _build/html (see scripts/build_book.py).
+# Executes every chapter and renders static HTML into _build/html (see scripts/build_book.py): it
+# opens offline (MathJax from a package, widget panels as snapshots). EXECUTE=cache reruns only the
+# chapters that changed since the last build; EXECUTE=off renders without running any.
+EXECUTE ?= force
 book: model
-	$(PY) scripts/build_book.py --book $(BOOK) --out _build
+	$(PY) scripts/build_book.py --book $(BOOK) --out _build --execute $(EXECUTE)
 
 # Removes build outputs and caches; keeps .venv (rm -rf .venv for a fresh install).
 clean:

@@ -2,7 +2,9 @@
 
 `book.toml` is the one list of chapters. The README's chapter list (`scripts/update_readme.py`),
 the static book (`scripts/build_book.py`) and the notebook test run (`make test`) are all
-generated from it, so a chapter is added in one place.
+generated from it, so a chapter is added in one place. The book's two generated pages are here too:
+`article_page` (the source article and its claims) and `ledger_page` (the claims ledger), both
+rendered from minigen/claims.toml when the book is built.
 
 This module is course tooling: the core (model, cache, generate) never imports it.
 """
@@ -20,6 +22,7 @@ else:  # Python 3.10: the same parser, published as tomli before it joined the s
     import tomli as tomllib
 
 from .errors import MinigenError
+from .ledger import VERDICTS, Claim
 
 # book.toml at the repository root: the folder above the package (an editable install or a checkout)
 DEFAULT_BOOK = Path(__file__).resolve().parent.parent / "book.toml"
@@ -36,6 +39,18 @@ class Chapter:
     learn: list[str]  # what a reader will learn, one line each
     minutes: float  # time to run the whole notebook on a two-core CPU, in minutes
     gpu: bool  # True: some sections need CUDA (without it they print a notice and skip)
+
+    @property
+    def number(self) -> str:
+        """The two digits that start the notebook's name ("04" for notebooks/04_kv_quantization.ipynb),
+        as the claims ledger cites chapters; "" for a notebook not named that way."""
+        digits = Path(self.notebook).name[:2]
+        return digits if digits.isdigit() else ""
+
+    @property
+    def doc(self) -> str:
+        """The chapter's Sphinx document name in the static book: "notebooks/04_kv_quantization"."""
+        return Path(self.notebook).with_suffix("").as_posix()
 
 
 @dataclass(frozen=True)
@@ -151,4 +166,63 @@ def readme_chapter_list(book: Book) -> str:
         lines.append(f"{number}[{c.title}]({c.notebook}) ({cost})")
         # nested items are indented to the text of their number, or Markdown ends the list
         lines += [" " * len(number) + f"- {item}" for item in c.learn]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the static book's generated pages
+_MARKDOWN_SPECIAL = set("\\`*_[]<>$|#{}")  # escaped in claim texts: `$..$` would be read as math
+
+
+def _md(text: str) -> str:
+    """Plain text made safe inside MyST Markdown (a table cell, a list item): specials escaped."""
+    return "".join("\\" + ch if ch in _MARKDOWN_SPECIAL else ch for ch in " ".join(text.split()))
+
+
+def claim_label(claim: Claim) -> str:
+    """The Sphinx label of a claim's entry on the ledger page: "claim-c5a"."""
+    return f"claim-{claim.id.lower()}"
+
+
+def _chapter_ref(book: Book, number: str, title: bool = True) -> str:
+    chapters = {c.number: c for c in book.chapters if c.number}
+    if not number:
+        return "no chapter yet"
+    if number not in chapters:  # the ledger may cite a chapter that book.toml does not list yet
+        return f"chapter {number}"
+    text = f"chapter {number}: {chapters[number].title}" if title else f"chapter {number}"
+    return f"{{doc}}`{text} </{chapters[number].doc}>`"
+
+
+def article_page(intro: str, claims: list[Claim]) -> str:
+    """The book's first page: `intro` (docs/article.md: what the article is, its language, what it
+    covers), then every claim of the ledger, each linked to its entry on the ledger page."""
+    lines = [intro.rstrip(), "",
+             f"The article makes {len(claims)} quantitative claims (C: its sections 1 to 8; T: its "
+             "troubleshooting; A: its advice). Each links to its entry in {doc}`the claims ledger </ledger>`, "
+             "with what we measured and the verdict.", ""]
+    lines += [f"- {{ref}}`{c.id} <{claim_label(c)}>`: {_md(c.claim)} (**{c.verdict}**)" for c in claims]
+    return "\n".join(lines) + "\n"
+
+
+def ledger_page(book: Book, claims: list[Claim]) -> str:
+    """The claims ledger as a MyST page: a summary table, then one labelled section per claim."""
+    counts = ", ".join(f"{sum(c.verdict == v for c in claims)} {v}" for v in VERDICTS)
+    lines = ["# The claims ledger", "",
+             "Every quantitative claim of {doc}`the source article </article>`, what this course measured, "
+             "on which machine, and the verdict. This page is rendered from `minigen/claims.toml` when the "
+             "book is built; `python -m minigen ledger` prints the same file, and each chapter's closing "
+             "cell asserts its measurements against it.", "",
+             f"**{len(claims)} claims:** {counts}.", "",
+             "| Claim | Verdict | Measured in |", "|---|---|---|"]
+    lines += [f"| {{ref}}`{c.id} <{claim_label(c)}>`: {_md(c.claim)} | {c.verdict} | {_chapter_ref(book, c.chapter, title=False)} |"
+              for c in claims]
+    for c in claims:
+        machine = {"counted": "counted (bytes or FLOPs, no timing)"}.get(c.machine, c.machine)
+        lines += ["", f"({claim_label(c)})=", f"## {c.id}: {_md(c.claim)}", "",
+                  f"- **Reported by the article:** {_md(c.article_value)}",
+                  f"- **Measured:** {_md(c.measured) if c.measured else 'not yet'}"
+                  + (f" ({_md(machine)})" if machine else ""),
+                  f"- **Verdict:** {c.verdict}",
+                  f"- **Measured in:** {_chapter_ref(book, c.chapter)}"
+                  + (f"; {_md(c.source)}" if c.source else "")]
     return "\n".join(lines) + "\n"

@@ -4,10 +4,13 @@
                                         showing the cache's memory and the round-trip error live
     window_panel(model, ids)         -> sliders for window and sinks (layer, head), showing the
                                         head's attention map, its entropy and the perplexity live
+    snapshot_html(state, model_id)   -> a panel drawn as static HTML from a notebook's saved widget
+                                        state, as the static book shows it (no JavaScript, no kernel)
 """
 
 from __future__ import annotations
 
+import html
 
 import torch
 from torch import Tensor
@@ -145,3 +148,77 @@ def window_panel(model, ids: Tensor, layer: int = 10, head: int = 0):
     box = w.VBox([w.HBox([window, sinks]), w.HBox([layer_s, head_s]), text, plot])
     box.numbers = numbers
     return box
+
+
+# ---------------------------------------------------------------- the static book's snapshots
+LIVE_NOTE = ("This panel is live in JupyterLab (<code>make lab</code>, then run this chapter's cells): "
+             "move its controls there. What follows is a snapshot of its default state, as the book's "
+             "build ran it; the controls are drawn, not live.")
+_ROW = "display:flex;flex-wrap:wrap;gap:0.3em 1.5em;align-items:center"
+
+
+_CONTROLS = ("SliderModel", "ButtonsModel", "ButtonModel", "DropdownModel", "CheckboxModel", "TextModel",
+             "SelectModel", "PickerModel")  # model names of the widgets a reader moves
+
+
+def snapshot_html(state: dict, model_id: str) -> str:
+    """The widget `model_id` (and its children) drawn as static HTML from the widget state that
+    Jupyter saves in a notebook's metadata (`{model_id: {"model_name": ..., "state": {...}}}`):
+    sliders and buttons show their values, HTML widgets their text, Output widgets their images.
+    A panel with controls gets LIVE_NOTE; a widget without any (a finished progress bar) is drawn plain."""
+    if not _has_controls(state, model_id):
+        return f'<div class="minigen-widget">{_draw(state, model_id)}</div>'
+    return (f'<div class="minigen-snapshot" style="border:1px solid #ccc;border-radius:4px;padding:0.6em">'
+            f'<p style="font-size:0.9em;margin:0 0 0.6em 0"><em>{LIVE_NOTE}</em></p>{_draw(state, model_id)}</div>')
+
+
+def _has_controls(state: dict, model_id: str) -> bool:
+    entry = state.get(model_id.removeprefix("IPY_MODEL_"), {"model_name": "", "state": {}})
+    return (entry["model_name"].endswith(_CONTROLS)
+            or any(_has_controls(state, c) for c in entry["state"].get("children", [])))
+
+
+def _draw(state: dict, model_id: str) -> str:
+    entry = state.get(model_id.removeprefix("IPY_MODEL_"))
+    if entry is None:  # a model the kernel never sent: say so rather than draw nothing
+        return "<em>(a control whose state was not saved)</em>"
+    name, s = entry["model_name"], entry["state"]
+    label = (f'<span style="min-width:5em;display:inline-block">{html.escape(s["description"])}</span> '
+             if s.get("description") else "")
+    if name in ("VBoxModel", "HBoxModel", "BoxModel", "GridBoxModel"):
+        style = _ROW if name == "HBoxModel" else "display:flex;flex-direction:column;gap:0.4em"
+        return f'<div style="{style}">' + "".join(_draw(state, c) for c in s.get("children", [])) + "</div>"
+    if name in ("IntSliderModel", "FloatSliderModel", "SelectionSliderModel"):
+        if name == "SelectionSliderModel":
+            labels = s["_options_labels"]
+            low, high, value, shown = 0, len(labels) - 1, s["index"], labels[s["index"]]
+        else:
+            low, high, value, shown = s["min"], s["max"], s["value"], s["value"]
+        return (f'<span>{label}<input type="range" disabled min="{low}" max="{high}" value="{value}" '
+                f'aria-label="{html.escape(s.get("description", ""))}"> <b>{html.escape(str(shown))}</b></span>')
+    if name in ("ToggleButtonsModel", "DropdownModel", "RadioButtonsModel"):
+        labels, index = s["_options_labels"], s.get("index")
+        items = [f'<b style="border:1px solid #888;padding:0 0.4em">{html.escape(t)}</b>' if i == index
+                 else f'<span style="padding:0 0.4em;color:#666">{html.escape(t)}</span>' for i, t in enumerate(labels)]
+        return f"<span>{label}{' '.join(items)}</span>"
+    if name in ("FloatProgressModel", "IntProgressModel"):
+        return f'<span>{label}<progress value="{s["value"]}" max="{s["max"]}"></progress></span>'
+    if name in ("HTMLModel", "HTMLMathModel", "LabelModel"):
+        value = s.get("value", "")  # HTML written by our own panels, shown as the kernel sent it
+        return f"<div>{label}{value if name != 'LabelModel' else html.escape(value)}</div>"
+    if name == "OutputModel":
+        return "<div>" + "".join(_output_html(o) for o in s.get("outputs", [])) + "</div>"
+    return f"<em>(a {html.escape(name.removesuffix('Model'))} control)</em>"
+
+
+def _output_html(output: dict) -> str:
+    """One Jupyter output (display_data, stream, ...) of an Output widget as HTML: images inline."""
+    data = output.get("data", {})
+    if "image/png" in data:
+        alt = html.escape(str(data.get("text/plain", "figure")))
+        return f'<img src="data:image/png;base64,{data["image/png"].strip()}" alt="{alt}" style="max-width:100%">'
+    if "text/html" in data:
+        return data["text/html"] if isinstance(data["text/html"], str) else "".join(data["text/html"])
+    text = output.get("text") or data.get("text/plain", "")
+    text = text if isinstance(text, str) else "".join(text)
+    return f"<pre>{html.escape(text)}</pre>" if text else ""
