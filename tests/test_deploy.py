@@ -165,8 +165,7 @@ def test_every_minigen_name_in_the_map_exists():
     assert fields <= set(named), f"fields the map does not place: {sorted(fields - set(named))}"
     engine_args = {n for s in production.SETTINGS for n in s.engine} - {"Engine"}
     assert engine_args == {"max_batch_size", "num_blocks"}
-    if hasattr(minigen, "Engine"):  # the continuous-batching engine (chapter 10), where it exists
-        assert engine_args <= set(inspect.signature(minigen.Engine).parameters)
+    assert engine_args <= set(inspect.signature(minigen.Engine).parameters)  # chapter 10's engine
 
 
 def test_a_misspelled_field_in_the_map_would_be_caught(tmp_path):
