@@ -115,6 +115,8 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         for fn in (lib.gemv_f32, lib.gemv_bf16):
             fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
             fn.restype = None
+        lib.gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # W, x, y, n, k, M, threads
+        lib.gemm_f32.restype = None
         lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
         lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
         lib.gemv_q8.restype = lib.gemv_q4.restype = None
@@ -252,6 +254,30 @@ def matvec(x: Tensor, w: Tensor) -> Tensor | None:
     if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
         return None
     return _gemv(x, w)
+
+
+# Rows of x the kernel takes at once: a batch's decode step or a short prompt, where torch's fp32
+# GEMM is far from the bandwidth roof. Past this, the product has enough arithmetic per weight read
+# for torch's blocked GEMM to win.
+MAX_ROWS = 16
+
+
+def matmul_rows(x: Tensor, w: Tensor) -> Tensor | None:
+    """x [M, k] @ w [n, k].T -> [M, n] fp32 for 2 <= M <= MAX_ROWS fp32 rows and fp32 weights, each
+    row bit-identical to `matvec` of that row alone; None where the kernel does not apply (the
+    same rules as `matvec`, and under torch.compile, which keeps torch's product)."""
+    if not (_enabled and 2 <= x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32
+            and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.compiler.is_compiling()):
+        return None
+    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+        return None
+    (m, k), n = x.shape, w.shape[0]
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib.gemm_f32(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, m, torch.get_num_threads())
+    return y
 
 
 def _matvec_quantized(x: Tensor, w: QuantizedWeight) -> Tensor | None:

@@ -142,13 +142,19 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor
     """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T.
 
     A single row (a decode step at batch 1) on the CPU goes through minigen's C matrix-vector
-    kernel, which streams fp32 or bf16 weights faster than torch's paths and sums in fp32;
-    everything else (prefill, batches, GPUs) is torch's F.linear. fp32 activations against 16-bit
+    kernel, which streams fp32 or bf16 weights faster than torch's paths and sums in fp32; up to
+    cpu_kernel.MAX_ROWS fp32 rows (a batch's decode step, a short prompt) go through its several-row
+    form, each row with the bits it gets alone; everything else (longer prompts, GPUs) is F.linear. fp32 activations against 16-bit
     weights stay fp32: several rows widen the weights for the product (chapter 7).
     """
     out_dtype = out_dtype or x.dtype
     if x.numel() == x.shape[-1]:
         y = cpu_kernel.matvec(x.float(), w)
+        if y is not None:
+            return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
+    rows = x.numel() // x.shape[-1]
+    if rows <= cpu_kernel.MAX_ROWS and x.dtype == torch.float32 and not isinstance(w, QuantizedWeight):
+        y = cpu_kernel.matmul_rows(x.reshape(rows, x.shape[-1]), w)  # a batch reads the weights once
         if y is not None:
             return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
     if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): dequantize for the product

@@ -55,6 +55,46 @@ def test_matvec_gives_the_same_numbers_on_one_and_two_threads():
     assert torch.equal(one, two)  # each row is summed by one thread in one order
 
 
+@needs_cc
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 100), m=st.integers(2, cpu_kernel.MAX_ROWS),
+       seed=st.integers(0, 2**16), threads=st.sampled_from([1, 2]))
+def test_several_rows_give_each_row_the_bits_it_gets_alone(n, k, m, seed, threads):
+    # m not a multiple of 4 takes the leftover-rows path; k not a multiple of 32 or 8 the tails.
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        y = cpu_kernel.matmul_rows(x, w)
+        alone = torch.stack([cpu_kernel.matvec(x[r], w) for r in range(m)])
+    finally:
+        torch.set_num_threads(before)
+    assert y is not None and y.shape == (m, n)
+    assert torch.equal(y, alone)  # the same four chains of sums in the same order as one row alone
+    torch.testing.assert_close(y, x @ w.T, atol=1e-5, rtol=1e-5)  # ~1e-6 apart, as test_matvec_matches_linear
+
+
+def test_several_rows_stand_aside_past_max_rows_and_for_16_bit_weights():
+    w = torch.randn(8, 16)
+    assert cpu_kernel.matmul_rows(torch.randn(cpu_kernel.MAX_ROWS + 1, 16), w) is None
+    assert cpu_kernel.matmul_rows(torch.randn(4, 16), w.bfloat16()) is None
+    with cpu_kernel.enabled(False):
+        assert cpu_kernel.matmul_rows(torch.randn(4, 16), w) is None
+
+
+@needs_cc
+def test_a_batch_row_gets_the_logits_of_its_prompt_alone(tiny_llama):
+    # The batch's decode step reads the weights once through the several-row kernel; each row's
+    # logits are then bit-identical to decoding that row alone (not merely within a tolerance).
+    model = tiny_llama[1]
+    prompts = torch.randint(0, model.config.vocab_size, (5, 7), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        batch = model(prompts[:, :1], torch.tensor([0]))
+        alone = torch.cat([model(prompts[r:r + 1, :1], torch.tensor([0])) for r in range(5)])
+    assert torch.equal(batch, alone)
+
+
 def test_matvec_stands_aside_where_torch_must_see_the_op():
     w, x = torch.randn(8, 16), torch.randn(16)
     with cpu_kernel.enabled(False):
