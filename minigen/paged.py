@@ -96,24 +96,8 @@ class PagedKVCache:
         if start < 0 or end - start != input_pos.shape[0]:
             raise PositionError(f"the paged cache takes consecutive positions >= 0, got {start}..{end - 1} "
                                 f"for {input_pos.shape[0]} tokens")
-        alloc, bs = self.allocator, self.block_size
-        # Work out every change first, so that a step the pool cannot hold changes nothing.
-        rewind = [row for row in self.rows if alloc.lengths[row] > start]  # forget positions >= start
-        if self.window_size is not None:  # blocks no query from `start` on can see
-            outside = [(row, j) for row in self.rows for j in self._outside_window(row, start)]
-        else:
-            outside = []
-        writes = [(row, start, end) for row in self.rows]
-        need = self._blocks_needed(writes, {row: start for row in rewind}, outside)
-        alloc.check_room(need)
-        for row in rewind:
-            alloc.truncate(row, start)
-        for row, j in outside:
-            if j < len(alloc.tables[row]) and alloc.tables[row][j] >= 0:
-                alloc.free_block(row, j)
-        copies = [c for row, a, b in writes for c in alloc.write(row, a, b)]
-        self._copies = _long(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
-        key_pos = self._plan(start, end, [alloc.tables[row] for row in self.rows])
+        self._allocate({row: (start, end) for row in self.rows})
+        key_pos = self._plan(start, end, [self.allocator.tables[row] for row in self.rows])
         self._peak = max(self._peak, self.nbytes)
         return key_pos
 
@@ -131,18 +115,7 @@ class PagedKVCache:
                     raise PositionError(f"the paged cache takes consecutive positions >= 0 in each row; row {b} "
                                         f"has {real.tolist()}")
                 spans[row] = (start, end)
-        rewind = {row: a for row, (a, _) in spans.items() if alloc.lengths[row] > a}
-        outside = ([(row, j) for row, (a, _) in spans.items() for j in self._outside_window(row, a)]
-                   if self.window_size is not None else [])
-        writes = [(row, a, e) for row, (a, e) in spans.items()]
-        alloc.check_room(self._blocks_needed(writes, rewind, outside))  # before anything changes
-        for row, a in rewind.items():
-            alloc.truncate(row, a)
-        for row, j in outside:
-            if j < len(alloc.tables[row]) and alloc.tables[row][j] >= 0:
-                alloc.free_block(row, j)
-        copies = [c for row, a, e in writes for c in alloc.write(row, a, e)]
-        self._copies = _long(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
+        self._allocate(spans)
         # Read: each row's kept blocks, padded with block 0 (its slots marked -1, never attended).
         kept = [[j for j, b in enumerate(alloc.tables[row]) if b >= 0] for row in self.rows]
         n = max(1, max(len(k) for k in kept))
@@ -161,6 +134,24 @@ class PagedKVCache:
         self._blocks, self._lens = None, _long([alloc.lengths[row] for row in self.rows], self.device)
         self._peak = max(self._peak, self.nbytes)
         return key_pos.to(self.device)
+
+    def _allocate(self, spans: dict[int, tuple[int, int]]) -> None:
+        """Give each sequence the blocks for writing positions [start, end) of `spans`: forget its
+        positions >= start, free blocks outside the window, allocate (copy-on-write) -> self._copies.
+        Every change is worked out first, so that a step the pool cannot hold changes nothing."""
+        alloc = self.allocator
+        rewind = {row: a for row, (a, _) in spans.items() if alloc.lengths[row] > a}
+        outside = ([(row, j) for row, (a, _) in spans.items() for j in self._outside_window(row, a)]
+                   if self.window_size is not None else [])  # blocks no query from `start` on can see
+        writes = [(row, a, e) for row, (a, e) in spans.items()]
+        alloc.check_room(self._blocks_needed(writes, rewind, outside))  # before anything changes
+        for row, a in rewind.items():
+            alloc.truncate(row, a)
+        for row, j in outside:
+            if j < len(alloc.tables[row]) and alloc.tables[row][j] >= 0:
+                alloc.free_block(row, j)
+        copies = [c for row, a, e in writes for c in alloc.write(row, a, e)]
+        self._copies = _long(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
 
     def _outside_window(self, row: int, start: int) -> list[int]:
         """Logical blocks of `row` that no query from `start` on can see (attention.in_window is monotone)."""
