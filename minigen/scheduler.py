@@ -25,6 +25,7 @@ import torch
 
 from .blocks import BlockAllocator
 from .config import GenerationConfig
+from .serving import latency_stats
 
 
 def can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int, max_batch_size: int) -> bool:
@@ -157,15 +158,6 @@ class Request:
 
 
 # ---------------------------------------------------------------- the metrics, as vLLM names them
-def percentiles(values: list[float]) -> dict:
-    """{"p50", "p90", "p99", "mean", "n"} of `values` (nearest rank; zeros when there are none)."""
-    v = sorted(values)
-    if not v:
-        return {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0, "n": 0}
-    at = {f"p{round(q * 100)}": v[min(len(v) - 1, int(q * len(v)))] for q in (0.5, 0.9, 0.99)}
-    return {**at, "mean": sum(v) / len(v), "n": len(v)}
-
-
 def serving_metrics(requests: list[Request], steps: list[dict], now: float, preemptions: int,
                     hit_tokens: int, admitted_tokens: int) -> dict:
     """The metrics dict of Engine.metrics() (its docstring lists the keys), from the requests and steps."""
@@ -178,8 +170,8 @@ def serving_metrics(requests: list[Request], steps: list[dict], now: float, pree
     span = (max(r.finish_s for r in done) - min(r.arrival_s for r in done)) if done else 0.0
     out_tokens = sum(len(r.output) for r in done)
     return {
-        "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
-        "e2e_latency_s": percentiles(e2e), "queue_time_s": percentiles(queue),
+        "ttft_s": latency_stats(ttft), "tpot_s": latency_stats(tpot),
+        "e2e_latency_s": latency_stats(e2e), "queue_time_s": latency_stats(queue),
         "output_tokens_per_s": out_tokens / span if span > 0 else 0.0,
         "preemptions": preemptions,
         "prefix_cache_hit_rate": hit_tokens / admitted_tokens if admitted_tokens else 0.0,

@@ -23,8 +23,8 @@ LATENCIES = ("ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s")
 
 
 def latency_stats(values: Sequence[float]) -> dict:
-    """Percentiles by nearest rank (the q-th is sorted[min(n - 1, floor(q n))], as the Engine's
-    scheduler.percentiles, so that runs compare on one definition) and the mean; NaN when empty."""
+    """Percentiles by nearest rank (the q-th is sorted[min(n - 1, floor(q n))]; the Engine's metrics
+    use this too, so that runs compare on one definition) and the mean; NaN when empty."""
     v = sorted(float(x) for x in values)
     if not v:
         return {"p50": math.nan, "p90": math.nan, "p99": math.nan, "mean": math.nan, "n": 0}
