@@ -46,6 +46,7 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 6)"),
     "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 8)"),
     "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 8)"),
+    "fused_decode": (lambda c: c.fused_decode, "every layer of a batch-1 decode step in one C call (chapter 14)"),
 }
 
 # The pairs that do not combine: why, and the fix. Every pair not listed combines, and each
@@ -72,6 +73,22 @@ REFUSED: dict[frozenset[str], tuple[str, str]] = {
         "cuda_graphs captures the eager step; a compiled step is captured by torch.compile(mode='reduce-overhead')",
         "pick one: compile=False or cuda_graphs=False"),
 }
+# The fused step writes the contiguous cache's slots from C and attends every cached token.
+for _other, _why in (("use_cache=False", "the naive loop keeps no cache to decode from"),
+                     ("attention_backend", "the Triton kernel reads paged blocks; the fused step writes the contiguous cache"),
+                     ("cache_chunk_size", "the fused step writes the contiguous cache, not blocks"),
+                     ("prefetch_depth", "the fused step reads every layer's cache in one C call; the tier moves them from Python"),
+                     ("quant_bits", "the fused step stores keys and values in fp32 or bf16, not codes"),
+                     ("window_size", "the fused step attends every cached token; it has no window"),
+                     ("sparse", "the fused step attends every cached token; sparse selection needs the scores in torch"),
+                     ("kv_budget", "heavy hitters need the attention probabilities, which the fused step keeps in C"),
+                     ("compile", "the fused step is C, which torch.compile cannot trace"),
+                     ("cuda_graphs", "the fused step runs on a CPU; CUDA graphs on a GPU")):
+    _off = "use_cache=True" if _other == "use_cache=False" else (
+        f"{_other}=False" if _other in ("compile", "cuda_graphs") else
+        "attention_backend='torch'" if _other == "attention_backend" else
+        "sparse_top_k=None and sparsity_threshold=None" if _other == "sparse" else f"{_other}=None")
+    REFUSED[frozenset({"fused_decode", _other})] = (_why, f"drop one: fused_decode=False or {_off}")
 # Compiling and capturing need a decode step of fixed shapes and addresses, with no host sync and
 # no Python bookkeeping inside: the contiguous cache and the ring buffer have one.
 for _step, _why in (("use_cache=False", "the naive loop feeds a longer sequence every step: a new shape each time"),
@@ -132,6 +149,7 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
 # Features that cannot run rows at different positions (a ragged batch, the serving engine):
 # feature -> (why, the fix). Every other feature takes per-row positions [B, T] (cache.py).
 _OFF = {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
+        "fused_decode": "fused_decode=False",
         "attention_backend": "attention_backend='torch'", "sparse": "sparse_top_k=None and sparsity_threshold=None"}
 RAGGED_REFUSED: dict[str, str] = {
     "use_cache=False": "the naive loop recomputes every row's whole sequence; ragged batches go through the cache",
@@ -141,6 +159,7 @@ RAGGED_REFUSED: dict[str, str] = {
     "compile": "a compiled step has one shape; ragged rows plan their positions on the host",
     "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
     "attention_backend": "the Triton kernel reads rows at one shared length",
+    "fused_decode": "the fused step decodes one sequence at a time (batch 1)",
 }
 # The serving engine (engine.py) runs every sequence in one pool of full-precision paged blocks.
 ENGINE_REFUSED: dict[str, str] = {
@@ -178,7 +197,7 @@ def check_combinations(c: "GenerationConfig") -> None:
 def _describe(c: "GenerationConfig", feature: str) -> str:
     if feature == "use_cache=False":
         return feature
-    if feature in ("compile", "cuda_graphs"):
+    if feature in ("compile", "cuda_graphs", "fused_decode"):
         return f"{feature}=True"
     if feature == "sparse":
         keys = [k for k in ("sparse_top_k", "sparsity_threshold") if getattr(c, k) is not None]

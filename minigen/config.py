@@ -63,6 +63,7 @@ class GenerationConfig:
     kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the weights' dtype
     compile: bool = False  # torch.compile the decode step (the contiguous cache or the window's ring buffer)
     cuda_graphs: bool = False  # capture the decode step in a CUDA graph and replay it (CUDA only)
+    fused_decode: bool = False  # batch 1 on a CPU: every layer of a decode step in one C call (fused.py)
     # --- the fused kernel (chapter 9) ---
     attention_backend: str = "torch"  # decode attention: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
 
@@ -239,6 +240,7 @@ def _check_values(c: GenerationConfig) -> None:
                           "or None to store the cache in the weights' dtype")
     _check_bool("compile", c.compile)
     _check_bool("cuda_graphs", c.cuda_graphs)
+    _check_bool("fused_decode", c.fused_decode)
     if c.cuda_graphs and not torch.cuda.is_available():
         raise ConfigError("cuda_graphs=True needs CUDA, and torch.cuda.is_available() is False on this machine: "
                           "use compile=True, which compiles the decode step on a CPU too")

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from . import graphs, triton_attention
+from . import fused, graphs, triton_attention
 from .attention import AttentionObserver, AttentionPolicy
 from .cache import Cache, make_cache
 from .config import GenerationConfig, resolve_config
@@ -155,6 +155,8 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
     check_prompt(model, input_ids, config.max_new_tokens, config)
     check_step(model, config, observers)
     B, T = input_ids.shape
+    if config.fused_decode:
+        fused.check_run(model, B, config.kv_dtype, observers)
     n = config.max_new_tokens
     if n == 0:
         return
@@ -169,7 +171,8 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
     with torch.no_grad() if config.compile else torch.inference_mode():
         cache = make_cache(model, config, B, T + n)
         policy = make_policy(config, cache, observers)
-        step = graphs.compiled(decode_step, model) if config.compile else decode_step
+        step = graphs.compiled(decode_step, model) if config.compile else (
+            fused.decode_step if config.fused_decode else decode_step)
         replay = None  # cuda_graphs: the captured step, which samples inside the graph
         seq = input_ids
         logits = prefill(model, input_ids, cache, policy)
@@ -236,6 +239,8 @@ def check_step(model: Model, config: GenerationConfig, observers: tuple) -> None
         raise ConfigError(f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is "
                           f"on {model.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen "
                           "to run the kernel in Triton's interpreter (correct, slow)")
+    if config.fused_decode:
+        fused.check_model(model)
     if config.cuda_graphs and model.device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
                           "model.to('cuda'), or compile=True on a CPU")

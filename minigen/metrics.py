@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import fused
 from .cache import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
@@ -61,6 +62,9 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
         raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
     reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
     C = chunk_size or (1 if reads_back else T)
+    if config.fused_decode:  # the fused step decodes one token at a time: score what it computes
+        fused.check_run(model, 1, config.kv_dtype, tuple(observers))
+        C = 1
     logits = []
     with torch.inference_mode():
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
@@ -71,6 +75,9 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
             policy = make_policy(config, cache, observers)
             for s in range(0, T, C):
                 pos = torch.arange(s, min(s + C, T), device=ids.device)
+                if config.fused_decode:
+                    logits.append(fused.decode_step(model, ids[:, s:s + 1], pos, cache))  # [1, V]
+                    continue
                 logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")

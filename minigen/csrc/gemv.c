@@ -37,6 +37,7 @@
  * few regions. So the kernel backs off at the second late region within 32. A region that starts
  * after a pause is not judged at all: its threads went to sleep, and waking a core takes time.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -431,4 +432,167 @@ void gemv_q4(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
 #endif
     gemv(row_q4, &m, y, n, threads);
     free(xsum);
+}
+
+/* ---------------------------------------------------------------- a whole decode step (fused_decode)
+ * At batch 1 a decoder layer is four matrix-vector products and a dozen small operations: two
+ * norms, RoPE, the cache write, attention over the cached tokens, SiLU, two residual adds. In
+ * torch each small operation is a dispatch of several microseconds around almost no arithmetic,
+ * ~150 of them a layer with their views and conversions: 6 to 9 ms of a 25 ms SmolLM2 step here,
+ * which does not shrink when the weights do. `decode_layers` runs every layer of one token in C
+ * (what llama.cpp does): the products through the kernels above (one parallel region each), the
+ * small operations in between on the calling thread, attention over a head per thread once the
+ * context is long enough to pay for a parallel region. Llama family only: RMSNorm, RoPE in the
+ * rotate-half pairing, SwiGLU, grouped-query attention, optional q/k/v biases (Qwen2); fp32
+ * activations and fp32 sums throughout, the cache in fp32 or bf16 (rounded to nearest even, as
+ * torch's .to(torch.bfloat16) rounds). minigen/fused.py builds the descriptions and checks what
+ * applies. */
+typedef struct {
+    int32_t kind;              /* 0 fp32, 1 bf16, 2 int8 codes, 3 int4 codes */
+    int32_t pad;
+    const void *W;
+    const uint16_t *scales, *mins;
+    int64_t n, k, G;
+} Weight;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;  /* [D] fp32 */
+    Weight wqkv, wo, wgu, wdown;
+    const float *bqkv;                  /* [(H + 2 Hkv) Dh] or NULL */
+    void *kc, *vc;                      /* this layer's cache [Hkv, S, Dh] (batch row 0) */
+} Layer;
+
+typedef struct {
+    int64_t D, H, Hkv, Dh, F, S;        /* S: slots allocated per head in the cache */
+    int32_t cache_bf16, threads;
+    float eps;
+} Dims;
+
+/* y[n] = W x for any kind above (the bf16 and int4 kernels want x prepared, done here) */
+static void matvec_any(const Weight *w, const float *x, float *y, int threads, float *work) {
+    Mat m = {w->W, w->scales, w->mins, x, NULL, w->k, w->G, 0, 0};
+    if (w->kind == 0) { gemv(row_f32, &m, y, w->n, threads); return; }
+    if (w->kind == 1) {  /* x reordered as gemv_bf16 does */
+        int64_t j = 0;
+        for (; j + 16 <= w->k; j += 16)
+            for (int l = 0; l < 8; l++) { work[j + l] = x[j + 2 * l]; work[j + 8 + l] = x[j + 2 * l + 1]; }
+        for (; j < w->k; j++) work[j] = x[j];
+        m.x = work;
+        gemv(row_bf16, &m, y, w->n, threads);
+        return;
+    }
+    if (w->kind == 2) {
+#ifdef __AVX512F__
+        if (w->k / w->G <= MAX_ROW_GROUPS) { gemv(row_q8_wide, &m, y, w->n, threads); return; }
+#endif
+        gemv(row_q8, &m, y, w->n, threads);
+        return;
+    }
+    for (int64_t g = 0; g < w->k / w->G; g++) {  /* int4: the sum of x over each group */
+        float s = 0.0f;
+        for (int64_t j = g * w->G; j < (g + 1) * w->G; j++) s += x[j];
+        work[g] = s;
+    }
+    m.xsum = work;
+#ifdef __AVX512F__
+    if (w->k / w->G <= MAX_ROW_GROUPS) { gemv(row_q4_wide, &m, y, w->n, threads); return; }
+#endif
+    gemv(row_q4, &m, y, w->n, threads);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, the sum of squares in fp32 as F.rms_norm does */
+static void rms_norm(const float *x, const float *weight, float *out, int64_t D, float eps) {
+    float ss = 0.0f;
+    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    float r = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) out[i] = x[i] * r * weight[i];
+}
+
+/* Rotate one head in place: x * cos + roll(x, Dh/2) * sin_signed (model.apply_rope) */
+static void rope(float *x, const float *cos, const float *sin_signed, int64_t Dh) {
+    float tmp[1024];
+    int64_t half = Dh / 2;
+    for (int64_t i = 0; i < Dh; i++) tmp[i] = x[i];
+    for (int64_t i = 0; i < Dh; i++) x[i] = tmp[i] * cos[i] + tmp[(i + half) % Dh] * sin_signed[i];
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays NaN */
+    uint32_t b; memcpy(&b, &f, 4);
+    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((b >> 16) | 0x40);
+    b += 0x7FFFu + ((b >> 16) & 1u);
+    return (uint16_t)(b >> 16);
+}
+
+/* One query head against slots 0..pos of its key/value head: softmax(q k / sqrt(Dh)) v, fp32 */
+static void attend_head(const float *q, const void *kc, const void *vc, int bf16, int64_t base, int64_t pos,
+                        int64_t Dh, float *scores, float *out) {
+    float scale = 1.0f / sqrtf((float)Dh), best = -INFINITY;
+    for (int64_t s = 0; s <= pos; s++) {
+        float dot = 0.0f;
+        int64_t row = base + s * Dh;
+        if (bf16) for (int64_t d = 0; d < Dh; d++) dot += q[d] * bf16_to_f32(((const uint16_t *)kc)[row + d]);
+        else for (int64_t d = 0; d < Dh; d++) dot += q[d] * ((const float *)kc)[row + d];
+        scores[s] = dot * scale;
+        best = scores[s] > best ? scores[s] : best;
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s <= pos; s++) { scores[s] = expf(scores[s] - best); total += scores[s]; }
+    for (int64_t d = 0; d < Dh; d++) out[d] = 0.0f;
+    for (int64_t s = 0; s <= pos; s++) {
+        float p = scores[s] / total;
+        int64_t row = base + s * Dh;
+        if (bf16) for (int64_t d = 0; d < Dh; d++) out[d] += p * bf16_to_f32(((const uint16_t *)vc)[row + d]);
+        else for (int64_t d = 0; d < Dh; d++) out[d] += p * ((const float *)vc)[row + d];
+    }
+}
+
+/* Every layer of one decode token: x [D] (the embedded token) is updated in place to the last
+ * layer's output; cos, sin_signed [Dh] are RoPE's for position pos, whose slot is written in every
+ * layer's cache. Returns 0, or -1 when memory for the work buffers was not there. */
+int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, float *x, int64_t pos,
+                  const float *cos, const float *sin_signed) {
+    const int64_t D = d->D, H = d->H, Hkv = d->Hkv, Dh = d->Dh, F = d->F, S = d->S;
+    const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F;
+    float *buf = malloc(sizeof(float) * (size_t)(D + qkv_n + H * Dh + D + 2 * F + widest + H * (pos + 1)));
+    if (!buf || Dh > 1024) { free(buf); return -1; }
+    float *h = buf, *qkv = h + D, *att = qkv + qkv_n, *o = att + H * Dh, *gu = o + D, *work = gu + 2 * F,
+          *scores = work + widest;
+    const int group = (int)(H / Hkv), bf16 = d->cache_bf16;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const Layer *L = &layers[l];
+        rms_norm(x, L->attn_norm, h, D, d->eps);
+        matvec_any(&L->wqkv, h, qkv, d->threads, work);
+        if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) qkv[i] += L->bqkv[i];
+        for (int64_t hd = 0; hd < H + Hkv; hd++) rope(qkv + hd * Dh, cos, sin_signed, Dh);  /* q and k heads */
+        const float *k_new = qkv + H * Dh, *v_new = k_new + Hkv * Dh;
+        for (int64_t j = 0; j < Hkv; j++) {  /* write this position's slot */
+            int64_t at = (j * S + pos) * Dh;
+            for (int64_t i = 0; i < Dh; i++) {
+                if (bf16) {
+                    ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
+                    ((uint16_t *)L->vc)[at + i] = f32_to_bf16(v_new[j * Dh + i]);
+                } else {
+                    ((float *)L->kc)[at + i] = k_new[j * Dh + i];
+                    ((float *)L->vc)[at + i] = v_new[j * Dh + i];
+                }
+            }
+        }
+        int par = d->threads > 1 && (pos + 1) * H * Dh >= (1 << 16);  /* long enough to share out */
+        #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
+        for (int64_t hd = 0; hd < H; hd++)
+            attend_head(qkv + hd * Dh, L->kc, L->vc, bf16, (hd / group) * S * Dh, pos, Dh,
+                        scores + hd * (pos + 1), att + hd * Dh);
+        matvec_any(&L->wo, att, o, d->threads, work);
+        for (int64_t i = 0; i < D; i++) x[i] += o[i];
+        rms_norm(x, L->mlp_norm, h, D, d->eps);
+        matvec_any(&L->wgu, h, gu, d->threads, work);
+        for (int64_t i = 0; i < F; i++) {  /* silu(gate) * up, into the first half */
+            float g = gu[i];
+            gu[i] = g / (1.0f + expf(-g)) * gu[F + i];
+        }
+        matvec_any(&L->wdown, gu, o, d->threads, work);
+        for (int64_t i = 0; i < D; i++) x[i] += o[i];
+    }
+    free(buf);
+    return 0;
 }

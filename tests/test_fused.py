@@ -1,0 +1,149 @@
+"""fused_decode=True: every layer of a batch-1 decode step in one C call (fused.py, csrc/gemv.c).
+
+Oracle: the eager torch step (generate.decode_step) on the same model and prompt, step by step:
+the logits it returns and the keys/values it leaves in the cache; greedy tokens against eager and
+against transformers on SmolLM2. The arithmetic is the same in another order, so logits agree to
+~1e-5 of their largest value (fp32 caches); a bf16 cache rounds each key and value, and a sum that
+lands 1e-7 from a rounding boundary on one side rounds the other way: 1e-2 there.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minigen
+from conftest import tiny_hf
+from minigen import ConfigError, GenerationConfig, cpu_kernel, fused
+from minigen.entropy import EntropyRecorder
+from minigen.errors import CacheFullError
+from minigen.generate import decode_step, prefill
+from minigen.kv_cache import KVCache
+from minigen.metrics import score
+
+
+def side_by_side(model, prompt, steps, kv_dtype=None):
+    """Decode `steps` greedy tokens with the eager and the fused step, each on its own cache, feeding
+    both the eager step's token -> (worst |logit difference| / max |logit|, argmax agreements, caches)."""
+    dtype = getattr(torch, kv_dtype) if kv_dtype else None
+    T = prompt.shape[1]
+    eager, mine = (KVCache.for_model(model, 1, T + steps, dtype) for _ in range(2))
+    with torch.inference_mode():
+        token = prefill(model, prompt, eager).argmax(-1)
+        prefill(model, prompt, mine)
+        worst, same = 0.0, 0
+        for i in range(steps):
+            pos = torch.tensor([T + i])
+            a = decode_step(model, token[:, None], pos, eager)
+            b = fused.decode_step(model, token[:, None], pos, mine)
+            assert b.shape == a.shape and b.dtype == torch.float32
+            worst = max(worst, ((a - b).abs().max() / a.abs().max()).item())
+            same += int(torch.equal(a.argmax(-1), b.argmax(-1)))
+            token = a.argmax(-1)
+    return worst, same, eager, mine
+
+
+@pytest.fixture(scope="module")
+def prompt(smollm2, english_text_ids):
+    return english_text_ids[None, :100]  # the C step shares attention over heads from 114 tokens on
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_fp32_logits_and_cache_match_the_eager_step(smollm2, prompt, threads):
+    model, _ = smollm2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        worst, same, eager, mine = side_by_side(model, prompt, 24)
+    finally:
+        torch.set_num_threads(before)
+    assert worst < 1e-5 and same == 24, (worst, same)
+    written = slice(0, prompt.shape[1] + 23)  # the last token's keys are never written (it is not fed)
+    torch.testing.assert_close(mine.k[:, :, :, written], eager.k[:, :, :, written], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(mine.v[:, :, :, written], eager.v[:, :, :, written], atol=1e-4, rtol=1e-4)
+
+
+def test_smollm2_greedy_tokens_equal_eager_and_transformers(smollm2, prompt):
+    import transformers as tf
+    model, tokenizer = smollm2
+    ids = prompt[:, :32]
+    config = GenerationConfig(max_new_tokens=20, stop_token_ids=[])
+    mine = minigen.generate(model, ids, config.replace(fused_decode=True))
+    assert torch.equal(mine.tokens, minigen.generate(model, ids, config).tokens)
+    hf = tf.AutoModelForCausalLM.from_pretrained(minigen.loading.resolve_folder("smollm2-135m"),
+                                                 dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = hf.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)
+    assert torch.equal(mine.tokens, ref)
+
+
+@pytest.mark.parametrize("kind,bound", [("bf16", 1e-2), ("bf16+kv32", 1e-5), ("int8", 1e-5), ("int4", 1e-5)])
+def test_smollm2_every_weight_format(smollm2, prompt, kind, bound):
+    base, _ = smollm2
+    folder = minigen.loading.resolve_folder("smollm2-135m")
+    cfg, state = minigen.loading.read_config(folder), minigen.loading.read_safetensors(folder)
+    if kind.startswith("bf16"):
+        model = minigen.loading.build_model(cfg, state, torch.bfloat16)
+    else:
+        model = minigen.quantize_weights(minigen.loading.build_model(cfg, state), 8 if kind == "int8" else 4)
+    worst, same, _, _ = side_by_side(model, prompt[:, :40], 12, "float32" if kind.endswith("kv32") else None)
+    assert worst < bound and same == 12, (kind, worst, same)
+
+
+@pytest.mark.parametrize("kind,overrides", [
+    ("llama", {}),  # grouped-query, untied head
+    ("qwen2", {}),  # q/k/v biases
+    ("llama", dict(hidden_size=40, intermediate_size=72, num_attention_heads=4, num_key_value_heads=1)),  # tails
+])
+def test_tiny_models_match_the_eager_step(kind, overrides):
+    model = minigen.from_hf(tiny_hf(kind, **overrides))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prompt = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+        worst, same, eager, mine = side_by_side(model, prompt, 30)
+    finally:
+        torch.set_num_threads(before)
+    assert worst < 1e-5 and same == 30, (worst, same)
+    torch.testing.assert_close(mine.k[..., :38, :], eager.k[..., :38, :], atol=1e-5, rtol=1e-5)
+
+
+def test_score_runs_the_fused_step(smollm2, english_text_ids):
+    model, _ = smollm2
+    text = english_text_ids[:60]
+    fused_score = score(model, text, fused_decode=True)
+    eager = score(model, text, chunk_size=1)
+    torch.testing.assert_close(fused_score.nll, eager.nll, atol=1e-4, rtol=1e-5)
+    assert torch.equal(fused_score.top1, eager.top1)
+
+
+def test_what_the_fused_step_cannot_run_is_refused_up_front(smollm2):
+    model, _ = smollm2
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(ConfigError, match="fused_decode=True decodes one sequence.*batch 1.*fused_decode=False"):
+        minigen.generate(model, ids.repeat(2, 1), max_new_tokens=3, fused_decode=True)
+    with pytest.raises(ConfigError, match="fp32 or bf16, not torch.float16.*kv_dtype='float32'"):
+        minigen.generate(model, ids, max_new_tokens=3, fused_decode=True, kv_dtype="float16")
+    with pytest.raises(ConfigError, match="fused_decode=True with observers"):
+        minigen.generate(model, ids, max_new_tokens=3, fused_decode=True, observers=(EntropyRecorder(30),))
+    with pytest.raises(ConfigError, match="window_size=16 and fused_decode=True do not combine.*fused_decode=False"):
+        GenerationConfig(fused_decode=True, window_size=16)
+    with pytest.raises(ConfigError, match="fused_decode=True does not combine with a ragged batch"):
+        minigen.generate(model, [ids[0], ids[0, :2]], max_new_tokens=2, fused_decode=True)
+    with pytest.raises(ConfigError, match="fused_decode=True does not combine with the serving engine"):
+        minigen.Engine(model, GenerationConfig(fused_decode=True))
+    with pytest.raises(ConfigError, match="fused_decode=True runs the Llama family.*'gpt2'"):
+        minigen.generate(minigen.from_hf(tiny_hf("gpt2")), ids, max_new_tokens=2, fused_decode=True)
+    low = minigen.from_hf(tiny_hf("llama"))
+    low.precision = low.precision.replace(fp32_softmax=False)
+    with pytest.raises(ConfigError, match="fused_decode=True computes in fp32"):
+        minigen.generate(low, ids, max_new_tokens=2, fused_decode=True)
+    with cpu_kernel.enabled(False), pytest.raises(ConfigError, match="needs minigen's C kernel, which is off"):
+        minigen.generate(model, ids, max_new_tokens=2, fused_decode=True)
+
+
+def test_a_position_past_the_cache_raises_cache_full(smollm2):
+    model, _ = smollm2
+    cache = KVCache.for_model(model, 1, 8)
+    with torch.inference_mode(), pytest.raises(CacheFullError, match="holds 8 tokens but position 8"):
+        fused.decode_step(model, torch.tensor([[5]]), torch.tensor([8]), cache)
