@@ -182,6 +182,9 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
         model = quantize_weights(build_model(model_config, state, dtype), weight_bits)
         if compute is not None:
             model.precision = model.precision.replace(compute=compute)
+    elif dtype != torch.float32:  # the same run holds minigen in fp32, for the ratio (chapter 7)
+        floats32 = build_model(model_config, state, torch.float32)
+        runs["minigen float32"], modules["minigen float32"] = minigen_engine(floats32), floats32
     runs["minigen"], modules["minigen"] = minigen_engine(model), model
     if baseline:
         from transformers import AutoModelForCausalLM
@@ -230,6 +233,9 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     if weight_bits is not None:
         reference = result["engines"][f"minigen {_DTYPE_NAMES[dtype]}"]["decode_tokens_per_s"]
         result["speedup_vs_unquantized"] = result["engines"]["minigen"]["decode_tokens_per_s"] / reference
+    elif "minigen float32" in result["engines"]:
+        reference = result["engines"]["minigen float32"]["decode_tokens_per_s"]
+        result["speedup_vs_float32"] = result["engines"]["minigen"]["decode_tokens_per_s"] / reference
     if llama_cpp:
         result["speedup_vs_llama_cpp"] = (result["engines"]["minigen"]["decode_tokens_per_s"]
                                           / result["engines"]["llama.cpp"]["decode_tokens_per_s"])
@@ -290,6 +296,8 @@ def print_report(result: dict) -> None:
         print(f"minigen's precision: {result['precision']}"
               + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
                  if result.get("compile_s") else ""))
+    if result.get("config", {}).get("fused_decode"):
+        print("minigen's decode step: fused_decode=True, every layer of a token in one C call (fused.py)")
     if result.get("weight_bits"):
         print(f"minigen's weights: int{result['weight_bits']} (linear layers; the output head int8), "
               f"packed: the roofline counts the packed bytes")
@@ -305,6 +313,8 @@ def print_report(result: dict) -> None:
     if "speedup_vs_unquantized" in result:
         print(f"minigen int{result['weight_bits']} / minigen {result['dtype']} decode: "
               f"{result['speedup_vs_unquantized']:.2f}x (same run)")
+    if "speedup_vs_float32" in result:
+        print(f"minigen {result['dtype']} / minigen float32 decode: {result['speedup_vs_float32']:.2f}x (same run)")
     if "speedup_vs_llama_cpp" in result:
         print(f"minigen / llama.cpp decode: {result['speedup_vs_llama_cpp']:.2f}x")
     if "speedup" in result:
