@@ -377,6 +377,33 @@ def _():
     GenerationConfig(cuda_graphs=True)
 
 
+@case("fused-with-window")
+def _():
+    GenerationConfig(fused_decode=True, window_size=16)
+
+
+@case("fused-batch")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2, fused_decode=True)
+
+
+@case("fused-fp16-cache")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True, kv_dtype="float16")
+
+
+@case("fused-gpt2")
+def _():
+    minigen.generate(minigen.from_hf(tiny_hf("gpt2")), torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
+
+
+@case("fused-kernel-off")
+def _(tiny_model):
+    from minigen import cpu_kernel
+    with cpu_kernel.enabled(False):
+        minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
+
+
 # ---------------------------------------------------------------- checkpoints and the model cache
 @case("load-dtype-int8")
 def _(tiny_folder):
