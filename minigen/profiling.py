@@ -163,6 +163,10 @@ def check_profile_config(config: GenerationConfig, steps: int) -> None:
     if config.cuda_graphs:
         raise ConfigError("cuda_graphs=True replays a captured graph that the profiler sees as one launch: "
                           "profile with compile=True or without either")
+    if config.fused_decode:
+        raise ConfigError("fused_decode=True runs each decode step as one C call that the profiler cannot split into "
+                          "categories: profile without it, and time it with `python -m minigen bench --set "
+                          "fused_decode=true`")
 
 
 def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = None, steps: int = 8,

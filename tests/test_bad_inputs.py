@@ -766,6 +766,12 @@ def _(monkeypatch):
     cli("profile", "--set", "quant_bit=4")
 
 
+@case("profile-fused")
+def _(monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    cli("profile", "--set", "fused_decode=true")
+
+
 @case("profile-cli-without-cache")
 def _(monkeypatch):
     monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))

@@ -196,6 +196,8 @@ def test_vllm_engine_args_map_each_setting():
         "dtype": "float32", "kv_cache_dtype": "auto", "enforce_eager": True}
     compiled = production.vllm_engine_args(GenerationConfig(compile=True))
     assert compiled["compilation_config"] == {"cudagraph_mode": "NONE"} and compiled["enforce_eager"] is False
+    assert production.vllm_engine_args(GenerationConfig(fused_decode=True)) == {  # vLLM's step is fused its own way
+        "kv_cache_dtype": "auto", "enforce_eager": False}
     assert production.vllm_cli(args) == ["--block-size", "32", "--kv-cache-dtype", "float16", "--enforce-eager",
                                          "--max-num-seqs", "16", "--num-gpu-blocks-override", "100"]
     assert production.sampling_params(GenerationConfig(do_sample=True, temperature=0.7, top_k=50, seed=1,

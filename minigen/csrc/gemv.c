@@ -667,7 +667,12 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, int64_t 
                 }
             }
         }
-        int par = d->threads > 1 && (pos + 1) * H * Dh >= (1 << 16);  /* long enough to share out */
+        /* long enough to share out, and the products' regions have not backed off to one thread (a busy
+         * neighbour: see the top of this file) */
+        int par = d->threads > 1 && (pos + 1) * H * Dh >= (1 << 16);
+#ifdef _OPENMP
+        par = par && single_calls_left == 0;
+#endif
         #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
         for (int64_t hd = 0; hd < H; hd++)
             attend_head(qkv + hd * Dh, L->kc, L->vc, bf16, (hd / group) * S * Dh, pos, Dh,
