@@ -114,6 +114,9 @@ static void row_f32(const Mat *m, float *y, int64_t i) {
  * at a third of the bandwidth here). Each dot product keeps row_f32's order of sums (the same four
  * chains, the same tails), so a row of a batch gets exactly the bits it gets alone. */
 #define XROWS 4
+#ifndef PF_ROWS  /* prefetch the weight row this many rows ahead */
+#define PF_ROWS 2
+#endif
 static void rows_f32(const Mat *m, float *y, int64_t i) {
     const float *w = (const float *)m->W + i * m->k;
     int64_t k = m->k, r = 0;
@@ -123,6 +126,7 @@ static void rows_f32(const Mat *m, float *y, int64_t i) {
         int64_t j = 0;
         for (; j + 32 <= k; j += 32) {
             f32x8 w0 = load_f32(w + j), w1 = load_f32(w + j + 8), w2 = load_f32(w + j + 16), w3 = load_f32(w + j + 24);
+            if (r == 0 && i + PF_ROWS < m->n) { __builtin_prefetch(w + PF_ROWS * k + j); __builtin_prefetch(w + PF_ROWS * k + j + 16); }
             #pragma GCC unroll 8  /* unrolled, acc stays in registers: twice as fast as the rolled loop here */
             for (int q = 0; q < XROWS; q++) {
                 const float *xq = x + q * k + j;
