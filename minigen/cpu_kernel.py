@@ -123,6 +123,10 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.gemv_late_regions.restype = i64
         lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (fused.py)
         lib.decode_layers.restype = ctypes.c_int
+        lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
+        lib.attend_decode.restype = ctypes.c_int
+        lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps
+        lib.rms_norm_rows.restype = None
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {complaint}")
 
@@ -296,3 +300,60 @@ def _matvec_quantized(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
         return None
     return _gemv_q(x, w.codes, w.scales, mins, w.group_size)
+
+
+def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor | None:
+    """softmax(q k^T / sqrt(Dh) + mask) v for one query per row (a decode step) -> [B, H, 1, Dh], or
+    None where the C loop does not apply (then attention.attend uses torch's SDPA).
+
+    q [B, H, 1, Dh], k and v [B, Hkv, S, Dh] contiguous (a cache's own tensors), mask additive (0 or
+    -inf) [1, S] for every row or [B, 1, 1, S], all fp32 on the CPU; grouped-query heads as SDPA's
+    enable_gqa pairs them. Every (row, head) is summed alone in a fixed order, so a row of a batch
+    gets the bits it gets alone. The same rules for standing aside as `matvec`, and under
+    torch.compile it stands aside (the compiled graph keeps SDPA).
+    """
+    B, H, T, Dh = q.shape
+    if not (_enabled and T == 1 and k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[3] == Dh
+            and H % k.shape[1] == 0 and q.device.type == "cpu"
+            and all(t.dtype == torch.float32 for t in (q, k, v, mask))
+            and k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
+            and not torch.compiler.is_compiling()):
+        return None
+    S = k.shape[2]
+    if mask.shape == (1, S):
+        stride = 0
+    elif mask.shape == (B, 1, 1, S):
+        stride = S
+    else:
+        return None
+    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+        return None
+    q = q.contiguous()
+    out = torch.empty(B, H, 1, Dh, dtype=torch.float32)
+    if _lib.attend_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), stride, out.data_ptr(),
+                          B, H, k.shape[1], S, Dh, torch.get_num_threads()) != 0:
+        return None  # no memory for the scores: torch's path
+    return out
+
+
+# Rows RMSNorm takes in C: a decode step's few rows, where torch's seven small operations cost more
+# than the arithmetic (61 µs a norm at batch 8 here); a prompt's many rows stay with torch.
+MAX_NORM_ROWS = 64
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """x / sqrt(mean(x^2) + eps) * weight over x's last dim, fp32, for up to MAX_NORM_ROWS rows on the
+    CPU; None where the C loop does not apply (the same rules as `matvec`)."""
+    D = x.shape[-1]
+    if not (_enabled and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
+            and x.numel() <= MAX_NORM_ROWS * D and weight.shape == (D,) and weight.is_contiguous()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch.compiler.is_compiling()):
+        return None
+    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+        return None
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _lib.rms_norm_rows(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // D, D, eps)
+    return out
