@@ -50,11 +50,6 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = T
     step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 7 measures).
     """
     if fp32_softmax or q.dtype == torch.float32:
-        if q.shape[2] == 1 and mask.dtype != torch.bool:  # a decode step on a CPU: minigen's C loop
-            from . import cpu_kernel  # here: cpu_kernel imports the caches, which import this module
-            out = cpu_kernel.attend_decode(q, k, v, mask)
-            if out is not None:
-                return out
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     scores = attention_scores(q, k)  # [B, H, T, S] in q's dtype
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(q.dtype)

@@ -306,17 +306,17 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor | Non
     """softmax(q k^T / sqrt(Dh) + mask) v for one query per row (a decode step) -> [B, H, 1, Dh], or
     None where the C loop does not apply (then attention.attend uses torch's SDPA).
 
-    q [B, H, 1, Dh], k and v [B, Hkv, S, Dh] contiguous (a cache's own tensors), mask additive (0 or
+    q [B, H, 1, Dh], k and v [B, Hkv, S, Dh] (a cache's own tensors: contiguous), mask additive (0 or
     -inf) [1, S] for every row or [B, 1, 1, S], all fp32 on the CPU; grouped-query heads as SDPA's
     enable_gqa pairs them. Every (row, head) is summed alone in a fixed order, so a row of a batch
-    gets the bits it gets alone. The same rules for standing aside as `matvec`, and under
-    torch.compile it stands aside (the compiled graph keeps SDPA).
+    gets the bits it gets alone; every cache layout reaches the same loop, so the exact features
+    (blocks, an offload tier) keep their bits too. The same rules for standing aside as `matvec`,
+    and under torch.compile it stands aside (the compiled graph keeps SDPA).
     """
     B, H, T, Dh = q.shape
     if not (_enabled and T == 1 and k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[3] == Dh
             and H % k.shape[1] == 0 and q.device.type == "cpu"
             and all(t.dtype == torch.float32 for t in (q, k, v, mask))
-            and k.is_contiguous() and v.is_contiguous() and mask.is_contiguous()
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
             and not torch.compiler.is_compiling()):
         return None
@@ -329,7 +329,7 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor | Non
         return None
     if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
         return None
-    q = q.contiguous()
+    q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()  # a cache's own: no copy
     out = torch.empty(B, H, 1, Dh, dtype=torch.float32)
     if _lib.attend_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), stride, out.data_ptr(),
                           B, H, k.shape[1], S, Dh, torch.get_num_threads()) != 0:

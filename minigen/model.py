@@ -195,8 +195,11 @@ class Attention(nn.Module):
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 7)
-        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
-        out = attend(q, k, v, mask, fp32_softmax) if policy is None else policy.attend(q, k, v, mask, self.layer)
+        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6). One new token
+        # per row in fp32 on a CPU: the C loop (cpu_kernel.attend_decode), the same softmax as SDPA's.
+        out = cpu_kernel.attend_decode(q, k, v, mask) if policy is None and T == 1 else None
+        if out is None:
+            out = attend(q, k, v, mask, fp32_softmax) if policy is None else policy.attend(q, k, v, mask, self.layer)
         return self._project(out)
 
     def _project(self, out: Tensor) -> Tensor:
