@@ -49,6 +49,13 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "fused_decode": (lambda c: c.fused_decode, "every layer of a batch-1 decode step in one C call (chapter 14)"),
 }
 
+def _switch_off(feature: str) -> str:
+    """How to turn a feature of FEATURES off, as a fix names it."""
+    return {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
+            "fused_decode": "fused_decode=False", "attention_backend": "attention_backend='torch'",
+            "sparse": "sparse_top_k=None and sparsity_threshold=None"}.get(feature, f"{feature}=None")
+
+
 # The pairs that do not combine: why, and the fix. Every pair not listed combines, and each
 # feature in it is applied (tests/test_combinations.py runs the whole space).
 REFUSED: dict[frozenset[str], tuple[str, str]] = {
@@ -84,11 +91,7 @@ for _other, _why in (("use_cache=False", "the naive loop keeps no cache to decod
                      ("kv_budget", "heavy hitters need the attention probabilities, which the fused step keeps in C"),
                      ("compile", "the fused step is C, which torch.compile cannot trace"),
                      ("cuda_graphs", "the fused step runs on a CPU; CUDA graphs on a GPU")):
-    _off = "use_cache=True" if _other == "use_cache=False" else (
-        f"{_other}=False" if _other in ("compile", "cuda_graphs") else
-        "attention_backend='torch'" if _other == "attention_backend" else
-        "sparse_top_k=None and sparsity_threshold=None" if _other == "sparse" else f"{_other}=None")
-    REFUSED[frozenset({"fused_decode", _other})] = (_why, f"drop one: fused_decode=False or {_off}")
+    REFUSED[frozenset({"fused_decode", _other})] = (_why, f"drop one: fused_decode=False or {_switch_off(_other)}")
 # Compiling and capturing need a decode step of fixed shapes and addresses, with no host sync and
 # no Python bookkeeping inside: the contiguous cache and the ring buffer have one.
 for _step, _why in (("use_cache=False", "the naive loop feeds a longer sequence every step: a new shape each time"),
@@ -96,9 +99,8 @@ for _step, _why in (("use_cache=False", "the naive loop feeds a longer sequence 
                     ("prefetch_depth", "the offload tier moves layers with Python bookkeeping between them"),
                     ("quant_bits", "the quantized cache's step changes shape as groups leave its window"),
                     ("kv_budget", "heavy hitters evict on the host and observe attention from Python")):
-    _off = "use_cache=True" if _step == "use_cache=False" else f"{_step}=None"
-    REFUSED[frozenset({"compile", _step})] = (_why, f"drop one: compile=False or {_off}")
-    REFUSED[frozenset({"cuda_graphs", _step})] = (_why, f"drop one: cuda_graphs=False or {_off}")
+    REFUSED[frozenset({"compile", _step})] = (_why, f"drop one: compile=False or {_switch_off(_step)}")
+    REFUSED[frozenset({"cuda_graphs", _step})] = (_why, f"drop one: cuda_graphs=False or {_switch_off(_step)}")
 # The Triton kernel reads paged blocks (full precision or 8/4-bit codes) through the block tables,
 # one query token per row, with the window and sinks as masks from positions. What it cannot read:
 for _other, _why in (("use_cache=False", "the naive loop keeps no cache for the kernel to read"),
@@ -107,10 +109,8 @@ for _other, _why in (("use_cache=False", "the naive loop keeps no cache for the 
                      ("kv_budget", "heavy hitters need the attention probabilities, which the kernel never writes"),
                      ("compile", "the paged cache plans its blocks on the host every step"),
                      ("cuda_graphs", "the paged cache plans its blocks on the host every step")):
-    _off = "use_cache=True" if _other == "use_cache=False" else (
-        f"{_other}=False" if _other in ("compile", "cuda_graphs") else
-        "sparse_top_k=None and sparsity_threshold=None" if _other == "sparse" else f"{_other}=None")
-    REFUSED[frozenset({"attention_backend", _other})] = (_why, f"drop one: attention_backend='torch' or {_off}")
+    REFUSED[frozenset({"attention_backend", _other})] = (_why, f"drop one: attention_backend='torch' or "
+                                                              f"{_switch_off(_other)}")
 # How the less obvious pairs are applied (README's table shows these as notes).
 APPLIED: dict[frozenset[str], str] = {
     frozenset({"use_cache=False", "window_size"}): "the window masks the recomputed sequence",
@@ -148,9 +148,6 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
 # ---------------------------------------------------------------- per-row positions
 # Features that cannot run rows at different positions (a ragged batch, the serving engine):
 # feature -> (why, the fix). Every other feature takes per-row positions [B, T] (cache.py).
-_OFF = {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
-        "fused_decode": "fused_decode=False",
-        "attention_backend": "attention_backend='torch'", "sparse": "sparse_top_k=None and sparsity_threshold=None"}
 RAGGED_REFUSED: dict[str, str] = {
     "use_cache=False": "the naive loop recomputes every row's whole sequence; ragged batches go through the cache",
     "prefetch_depth": "the offload tier moves one batch's layers in lockstep",
@@ -176,7 +173,7 @@ def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
     """Refuse, with the key and the fix, a feature that cannot take per-row positions (`table`)."""
     for feature in c.features():
         if feature in table:
-            fix = _OFF.get(feature, f"{feature}=None")
+            fix = _switch_off(feature)
             raise ConfigError(f"{_describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
 
 
