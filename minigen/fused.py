@@ -78,7 +78,7 @@ def check_model(model: Model) -> None:
                               f"model with dtype=torch.bfloat16 or float32. {fix}")
     if cfg.head_dim > 1024 or cfg.head_dim % 2:
         raise ConfigError(f"fused_decode=True takes an even head dim up to 1024, not {cfg.head_dim}. {fix}")
-    if cpu_kernel.status().startswith(("off", "not built")):
+    if not cpu_kernel.available():
         raise ConfigError(f"fused_decode=True needs minigen's C kernel, which is {cpu_kernel.status()}. {fix}")
 
 
@@ -137,7 +137,6 @@ class _Plan:
                           int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq))
         self.x = torch.empty(cfg.dim)  # the residual stream, written by C
-        self.cache_id = id(cache)
 
 
 def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:

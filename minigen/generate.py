@@ -239,8 +239,6 @@ def check_step(model: Model, config: GenerationConfig, observers: tuple) -> None
         raise ConfigError(f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is "
                           f"on {model.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen "
                           "to run the kernel in Triton's interpreter (correct, slow)")
-    if config.fused_decode:
-        fused.check_model(model)
     if config.cuda_graphs and model.device.type != "cuda":
         raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
                           "model.to('cuda'), or compile=True on a CPU")
