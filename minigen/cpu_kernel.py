@@ -161,6 +161,21 @@ def status() -> str:
     return _reason
 
 
+def available() -> bool:
+    """Whether minigen's C kernels run here: switched on and built (status() says why not)."""
+    return _enabled and _load() is not None
+
+
+def _takes(*tensors: Tensor) -> bool:
+    """The rules for standing aside shared by the C calls below (matvec has its own, for compile):
+    on only where the kernel is on and built, the tensors are on the CPU, autograd does not track
+    them, and neither torch.compile nor a dispatch mode (FlopCounterMode) needs to see the op."""
+    return (_enabled and all(t.device.type == "cpu" for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and _load() is not None)
+
+
 def late_regions() -> int:
     """Parallel calls so far in which a thread arrived late, each followed by single-threaded calls
     (gemv.c): 0 on a quiet machine, many next to busy neighbours."""
@@ -272,12 +287,8 @@ def matmul_rows(x: Tensor, w: Tensor) -> Tensor | None:
     """x [M, k] @ w [n, k].T -> [M, n] fp32 for 2 <= M <= MAX_ROWS fp32 rows and fp32 weights, each
     row bit-identical to `matvec` of that row alone; None where the kernel does not apply (the
     same rules as `matvec`, and under torch.compile, which keeps torch's product)."""
-    if not (_enabled and 2 <= x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32
-            and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and not torch.compiler.is_compiling()):
-        return None
-    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+    if not (2 <= x.shape[0] <= MAX_ROWS and x.dim() == 2 and x.dtype == torch.float32
+            and w.dtype == torch.float32 and w.dim() == 2 and w.is_contiguous() and _takes(x, w)):
         return None
     (m, k), n = x.shape, w.shape[0]
     x = x.contiguous()
@@ -314,21 +325,12 @@ def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor | Non
     and under torch.compile it stands aside (the compiled graph keeps SDPA).
     """
     B, H, T, Dh = q.shape
-    if not (_enabled and T == 1 and k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[3] == Dh
-            and H % k.shape[1] == 0 and q.device.type == "cpu"
-            and all(t.dtype == torch.float32 for t in (q, k, v, mask))
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
-            and not torch.compiler.is_compiling()):
+    S = k.shape[2] if k.dim() == 4 else -1
+    if not (T == 1 and k.dim() == 4 and k.shape == v.shape and k.shape[0] == B and k.shape[3] == Dh
+            and H % k.shape[1] == 0 and mask.shape in ((1, S), (B, 1, 1, S))
+            and all(t.dtype == torch.float32 for t in (q, k, v, mask)) and _takes(q, k, v, mask)):
         return None
-    S = k.shape[2]
-    if mask.shape == (1, S):
-        stride = 0
-    elif mask.shape == (B, 1, 1, S):
-        stride = S
-    else:
-        return None
-    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
-        return None
+    stride = 0 if mask.shape == (1, S) else S  # one mask for every row, or one per row
     q, k, v, mask = q.contiguous(), k.contiguous(), v.contiguous(), mask.contiguous()  # a cache's own: no copy
     out = torch.empty(B, H, 1, Dh, dtype=torch.float32)
     if _lib.attend_decode(q.data_ptr(), k.data_ptr(), v.data_ptr(), mask.data_ptr(), stride, out.data_ptr(),
@@ -346,12 +348,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
     """x / sqrt(mean(x^2) + eps) * weight over x's last dim, fp32, for up to MAX_NORM_ROWS rows on the
     CPU; None where the C loop does not apply (the same rules as `matvec`)."""
     D = x.shape[-1]
-    if not (_enabled and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.device.type == "cpu"
-            and x.numel() <= MAX_NORM_ROWS * D and weight.shape == (D,) and weight.is_contiguous()
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.compiler.is_compiling()):
-        return None
-    if torch._C._len_torch_dispatch_stack() != 0 or _load() is None:
+    if not (x.dtype == torch.float32 and weight.dtype == torch.float32 and x.numel() <= MAX_NORM_ROWS * D
+            and weight.shape == (D,) and weight.is_contiguous() and _takes(x, weight)):
         return None
     x = x.contiguous()
     out = torch.empty_like(x)

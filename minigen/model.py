@@ -82,8 +82,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: Tensor, fp32: bool = True) -> Tensor:
-        # One torch op instead of five: a decode step runs 61 norms, and at batch 1 the cost of
-        # a small op is its dispatch, not its arithmetic.
+        # One C call (a decode step's few rows), else one torch op instead of five: a decode step runs
+        # 61 norms, and at batch 1 the cost of a small op is its dispatch, not its arithmetic.
         if x.dtype == torch.float32:  # fp32 activations (a 16-bit weight is widened: 576 numbers)
             out = cpu_kernel.rms_norm(x, self.weight.float(), self.eps)  # a decode step's rows: one C call
             return out if out is not None else F.rms_norm(x, (x.shape[-1],), self.weight.float(), self.eps)
