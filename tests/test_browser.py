@@ -222,15 +222,20 @@ def wait_for_change(page, locator, before: str, timeout: float = 60) -> str:
     return locator.inner_text()
 
 
+def open_panel(browser, lab, notebook: str, marker: str):
+    """A new page with `notebook`'s panel run -> (page, its output area, the panel's text, that text now)."""
+    base, token = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    output = open_and_run(page, base, token, notebook, marker)
+    text = output.locator(".widget-html-content").first
+    return page, output, text, text.inner_text()
+
+
 def test_quant_panel_in_jupyterlab(browser, lab, smollm2, tmp_path):
     """Chapter 04: moving the bits slider from 4 to 8 changes the bytes shown, to what the package
     computes for those settings (an fp16 model's cache at 4,096 tokens)."""
     model, _ = smollm2
-    base, token = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    output = open_and_run(page, base, token, "04_kv_quantization.ipynb", "quant_panel(")
-    text = output.locator(".widget-html-content").first
-    before = text.inner_text()
+    page, output, text, before = open_panel(browser, lab, "04_kv_quantization.ipynb", "quant_panel(")
     output.screenshot(path=tmp_path / "04_quant_panel_bits4.png")
     handle = output.locator(".widget-slider").first.locator(".noUi-handle")
     handle.focus()
@@ -254,11 +259,7 @@ def test_window_panel_in_jupyterlab(browser, lab, smollm2, english_text_ids, tmp
     """Chapter 05: moving the window slider down changes the perplexity shown, to what the package
     computes for that window, layer and head on the same tokens."""
     model, _ = smollm2
-    base, token = lab
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    output = open_and_run(page, base, token, "05_window_attention.ipynb", "window_panel(")
-    text = output.locator(".widget-html-content").first
-    before = text.inner_text()
+    page, output, text, before = open_panel(browser, lab, "05_window_attention.ipynb", "window_panel(")
     output.screenshot(path=tmp_path / "05_window_panel_default.png")
     sliders = output.locator(".widget-slider")
     window_before = int(sliders.nth(0).locator(".widget-readout").inner_text())
