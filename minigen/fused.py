@@ -15,8 +15,9 @@ What it takes (everything else is refused up front with the reason, never run an
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
 int8 or int4; the contiguous cache (chapter 2) in fp32 or bf16; one sequence (batch 1); no window,
-sparse selection, observers or compile. The prompt runs through torch as before; the embedding
-lookup, the final norm and the output head stay in torch (one product).
+sparse selection, observers or compile. The prompt runs through torch as before; a decode token
+runs in C from its embedding row to its logits (the final norm and the output head included: after
+the layers, torch's first small operations run with cold caches, ~0.2 ms a norm).
 
 The arithmetic is the eager step's, in another order: norms and attention sum in C rather than in
 torch's kernels, so logits agree to ~1e-5 and greedy tokens match (tests/test_fused.py).
@@ -32,7 +33,7 @@ from torch import Tensor
 from . import cpu_kernel, precision
 from .errors import ConfigError, PromptError
 from .kv_cache import KVCache
-from .model import Model, matmul
+from .model import Model
 from .weight_quant import QuantizedWeight
 
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4)
@@ -55,7 +56,8 @@ class _Dims(ctypes.Structure):
     _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("Dh", ctypes.c_int64),
                 ("F", ctypes.c_int64), ("S", ctypes.c_int64), ("cache_bf16", ctypes.c_int32),
                 ("threads", ctypes.c_int32), ("eps", ctypes.c_float), ("embed", _Weight),
-                ("embed_bf16", ctypes.c_int32), ("inv_freq", ctypes.c_void_p)]
+                ("embed_bf16", ctypes.c_int32), ("inv_freq", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("head", _Weight), ("logits", ctypes.c_void_p)]
 
 
 def check_model(model: Model) -> None:
@@ -72,7 +74,7 @@ def check_model(model: Model) -> None:
     if not (p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits):
         raise ConfigError(f"fused_decode=True computes in fp32 (activations, norms, softmax, logits), and this "
                           f"model's precision is {p.describe(model.dtype)}. {fix}")
-    for w in [*_matrices(model), model.embed]:
+    for w in [*_matrices(model), model.embed, model.head]:
         if w.dtype not in KINDS:  # a QuantizedWeight says the dtype it dequantizes to
             raise ConfigError(f"fused_decode=True reads fp32, bf16, int8 or int4 weights, not {w.dtype}: load the "
                               f"model with dtype=torch.bfloat16 or float32. {fix}")
@@ -135,7 +137,8 @@ class _Plan:
         self.layers = layers
         self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cache.max_len,
                           int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
-                          int(model.dtype == torch.bfloat16), fp32(model.inv_freq))
+                          int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
+                          _weight(model.head), None)
         self.x = torch.empty(cfg.dim)  # the residual stream, written by C
 
 
@@ -149,14 +152,17 @@ def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache,
         assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
             "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
         plan = cache._fused_plan = _Plan(model, cache)
-    cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
+    pos = int(input_pos[0])
+    if not 0 <= pos < cache.max_len:  # only then the contract's check (raises CacheFullError): prepare
+        cache.prepare(input_pos)      # runs torch operations, cold after a step (see decode_layers)
     token = int(tokens[0, 0])
     if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
         raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
     plan.dims.threads = torch.get_num_threads()
-    # the token's embedding, then every layer, in C: x holds the last layer's output
+    logits = torch.empty(1, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+    plan.dims.logits = logits.data_ptr()
+    # the token's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
     if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
-                         plan.x.data_ptr(), int(input_pos[0])) != 0:
+                         plan.x.data_ptr(), pos) != 0:
         raise MemoryError("fused_decode: the C step could not allocate its work buffers")
-    x = model.norm(plan.x.view(1, 1, -1), True)
-    return matmul(x, model.head, torch.float32).float()[:, -1]  # [1, V]
+    return logits
