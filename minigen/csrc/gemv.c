@@ -462,13 +462,17 @@ void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
 }
 
 /* y [M, n] = x [M, k] @ W [n, k]^T, fp32 */
+static void several_rows_f32(const Mat *m, float *y, int threads) {
+#ifdef __AVX512F__
+    gemv(rows_f32_pair, m, y, (m->n + 1) / 2, threads);  /* the threads split pairs of rows */
+#else
+    gemv(rows_f32, m, y, m->n, threads);
+#endif
+}
+
 void gemm_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int64_t M, int threads) {
     Mat m = {W, NULL, NULL, x, NULL, k, 0, M, n};
-#ifdef __AVX512F__
-    gemv(rows_f32_pair, &m, y, (n + 1) / 2, threads);  /* the threads split pairs of rows */
-#else
-    gemv(rows_f32, &m, y, n, threads);
-#endif
+    several_rows_f32(&m, y, threads);
 }
 
 void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
@@ -749,11 +753,7 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
 static void matmul_any(const Weight *w, const float *x, float *y, int64_t M, int threads, float *work) {
     if (M == 1) { matvec_any(w, x, y, threads, work); return; }
     Mat m = {w->W, NULL, NULL, x, NULL, w->k, 0, M, w->n};
-#ifdef __AVX512F__
-    gemv(rows_f32_pair, &m, y, (w->n + 1) / 2, threads);
-#else
-    gemv(rows_f32, &m, y, w->n, threads);
-#endif
+    several_rows_f32(&m, y, threads);
 }
 
 /* M decode tokens at one position (a static batch: every row at pos), embedding to logits: row r of
