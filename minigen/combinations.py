@@ -46,7 +46,7 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 6)"),
     "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 8)"),
     "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 8)"),
-    "fused_decode": (lambda c: c.fused_decode, "every layer of a decode step in one C call (chapter 14)"),
+    "fused_decode": (lambda c: c.fused_decode, "every layer of a batch-1 decode step in one C call (chapter 14)"),
 }
 
 def _switch_off(feature: str) -> str:
@@ -156,7 +156,7 @@ RAGGED_REFUSED: dict[str, str] = {
     "compile": "a compiled step has one shape; ragged rows plan their positions on the host",
     "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
     "attention_backend": "the Triton kernel reads rows at one shared length",
-    "fused_decode": "the fused step runs every row at one position (a static batch of equal prompts)",
+    "fused_decode": "the fused step decodes one sequence at a time (batch 1)",
 }
 # The serving engine (engine.py) runs every sequence in one pool of full-precision paged blocks.
 ENGINE_REFUSED: dict[str, str] = {

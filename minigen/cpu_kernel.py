@@ -121,7 +121,7 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
         lib.gemv_q8.restype = lib.gemv_q4.restype = None
         lib.gemv_late_regions.restype = i64
-        lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64]  # layers, L, dims, tokens, M, x, pos (fused.py)
+        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (fused.py)
         lib.decode_layers.restype = ctypes.c_int
         lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
         lib.attend_decode.restype = ctypes.c_int

@@ -1,4 +1,4 @@
-"""The fused decode step (`fused_decode=True`): every layer of a decode token in one C call.
+"""The fused decode step (`fused_decode=True`): every layer of a batch-1 token in one C call.
 
 A decode step at batch 1 is 4 matrix-vector products a layer and, between them, small operations:
 two norms, RoPE, the cache write, attention over the cached tokens, SiLU and two residual adds.
@@ -14,9 +14,8 @@ one head per thread once the context is long enough to share out.
 What it takes (everything else is refused up front with the reason, never run another way):
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
-int8 or int4; the contiguous cache (chapter 2) in fp32 or bf16; one sequence, or a static batch (rows
-of one length, at one position) with fp32 weights, whose products run in the several-row kernel
-(chapter 10); no window, sparse selection, observers or compile. The prompt runs through torch as before; a decode token
+int8 or int4; the contiguous cache (chapter 2) in fp32 or bf16; one sequence (batch 1); no window,
+sparse selection, observers or compile. The prompt runs through torch as before; a decode token
 runs in C from its embedding row to its logits (the final norm and the output head included: after
 the layers, torch's first small operations run with cold caches, ~0.2 ms a norm).
 
@@ -86,15 +85,12 @@ def check_model(model: Model) -> None:
 
 
 def check_run(model: Model, batch: int, kv_dtype: str | None, observers: tuple = ()) -> None:
-    """Refuse up front what the fused step cannot decode: the model (check_model), a batch with
-    weights other than fp32, a cache dtype other than fp32 or bf16, observers (they watch attention in
-    torch)."""
+    """Refuse up front what the fused step cannot decode: the model (check_model), a batch, a cache
+    dtype other than fp32 or bf16, observers (they watch attention in torch)."""
     check_model(model)
-    if batch != 1 and not all(w.dtype == torch.float32 and not isinstance(w, QuantizedWeight)
-                              for w in [*_matrices(model), model.head]):
-        raise ConfigError(f"fused_decode=True decodes a batch ({batch} rows) with fp32 weights only: the bf16, int8 "
-                          "and int4 kernels take one row at a time, and would read the weights once per row. "
-                          "Fix: fused_decode=False, or one prompt per call.")
+    if batch != 1:
+        raise ConfigError(f"fused_decode=True decodes one sequence (batch 1), not {batch}: a batch's products "
+                          "run best in the several-row kernel. Fix: fused_decode=False, or one prompt per call.")
     dtype = precision.dtype_of(kv_dtype, "kv_dtype") if kv_dtype is not None else model.dtype
     if dtype not in CACHE_DTYPES:
         raise ConfigError(f"fused_decode=True keeps the cache in fp32 or bf16, not {dtype}: set kv_dtype='float32' "
@@ -143,35 +139,30 @@ class _Plan:
                           int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
                           _weight(model.head), None)
-        self.x = torch.empty(cache.k.shape[1], cfg.dim)  # the residual stream of each row, written by C
+        self.x = torch.empty(cfg.dim)  # the residual stream, written by C
 
 
 def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
-    """generate.decode_step's contract, fused: the tokens [B, 1] at position input_pos [1] (every row at
-    one position: a static batch) -> logits [B, V]."""
-    assert policy is None and tokens.dim() == 2 and tokens.shape[1] == 1 and input_pos.shape == (1,), \
-        "fused_decode takes one token per row at one position and no attention policy (the config refuses the rest)"
+    """generate.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
+    assert policy is None and tokens.shape == (1, 1) and input_pos.shape == (1,), \
+        "fused_decode takes one token of one sequence and no attention policy (the config refuses the rest)"
     lib = cpu_kernel._load()
     plan = getattr(cache, "_fused_plan", None)
     if plan is None:
-        assert type(cache) is KVCache and cache.k.shape[1] == tokens.shape[0] and cache.k.dtype in CACHE_DTYPES, \
-            "fused_decode writes a contiguous cache in fp32 or bf16, a row per sequence (check_run refuses the rest)"
+        assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
+            "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
         plan = cache._fused_plan = _Plan(model, cache)
     pos = int(input_pos[0])
     if not 0 <= pos < cache.max_len:  # only then the contract's check (raises CacheFullError): prepare
         cache.prepare(input_pos)      # runs torch operations, cold after a step (see decode_layers)
-    ids = tokens[:, 0].tolist()
-    for token in ids:
-        if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
-            raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
+    token = int(tokens[0, 0])
+    if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
+        raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
     plan.dims.threads = torch.get_num_threads()
-    B = len(ids)
-    logits = torch.empty(B, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+    logits = torch.empty(1, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
     plan.dims.logits = logits.data_ptr()
-    # the tokens' embeddings, every layer, the final norm and the head, in C (x: the last layer's output)
-    done = lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), (ctypes.c_int64 * B)(*ids),
-                             B, plan.x.data_ptr(), pos)
-    if done == -1:
+    # the token's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
+    if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
+                         plan.x.data_ptr(), pos) != 0:
         raise MemoryError("fused_decode: the C step could not allocate its work buffers")
-    assert done == 0, "fused_decode: several rows with weights other than fp32 (check_run refuses them)"
     return logits

@@ -3,14 +3,13 @@ issue 12's target (a batch of 8 at 4x the output tokens/s of one prompt at a tim
 batching row.
 
     python scripts/batch_speeds.py [--prompts 8] [--prompt-len 32] [--new-tokens 32] [--rounds 5]
-                                   [--batches 1 2 4 8] [--fused-decode] [--json FILE]
+                                   [--batches 1 2 4 8] [--json FILE]
 
 `--prompts` different windows of the benchmark's English text, `--prompt-len` tokens each, each
 generating `--new-tokens` greedy tokens (no stop token), fp32, the default config. Each round runs,
 in turn: every prompt alone, one after the other (batch 1); the prompts in static batches of each
 `--batches` size (`minigen.generate` on [B, T]); and all of them through `minigen.Engine` with
-`max_batch_size` = the largest batch. `--fused-decode` sets fused_decode=True for the static batches
-(every layer of a step in one C call, batch 1 included); the Engine refuses it and runs its default. Times are wall clock from the first call to the last token,
+`max_batch_size` = the largest batch. Times are wall clock from the first call to the last token,
 prefill included. The table gives the median over rounds of output tokens/s and of each round's
 ratio to batch 1 in the same round (neighbours on a shared machine slow whole rounds). The tokens
 of every batch and of the Engine are checked against batch 1's.
@@ -40,7 +39,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--fused-decode", action="store_true", help="fused_decode=True for batch 1 and the static batches")
     parser.add_argument("--json", help="write the rounds and the table to this file")
     args = parser.parse_args(argv)
     if args.prompts % max(args.batches) or 1 not in args.batches:
@@ -49,13 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     text = bench.prompt_ids(tokenizer, args.prompts * args.prompt_len)[0]
     prompts = torch.stack([text[i * args.prompt_len:(i + 1) * args.prompt_len] for i in range(args.prompts)])
     settings = {"max_new_tokens": args.new_tokens, "stop_token_ids": []}
-    static_settings = {**settings, "fused_decode": args.fused_decode}
     n_out = args.prompts * args.new_tokens
 
     def static(B: int) -> tuple[float, Tensor]:
         began = time.perf_counter()
-        tokens = [minigen.generate(model, prompts[i:i + B], **static_settings).tokens
-                  for i in range(0, args.prompts, B)]
+        tokens = [minigen.generate(model, prompts[i:i + B], **settings).tokens for i in range(0, args.prompts, B)]
         return time.perf_counter() - began, torch.cat(tokens)
 
     def engine() -> tuple[float, Tensor]:
@@ -77,8 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             assert torch.equal(tokens[name], tokens["batch 1"]), f"{name}: tokens differ from one prompt at a time"
         rounds.append({name: n_out / s for name, s in seconds.items()})
         print(f"round {r + 1}: " + ", ".join(f"{name} {v:.1f}" for name, v in rounds[-1].items()), flush=True)
-    print(f"\nSmolLM2-135M fp32{', fused_decode (static batches)' if args.fused_decode else ''}, "
-          f"{args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new each, "
+    print(f"\nSmolLM2-135M fp32, {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new each, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}; kernel: {cpu_kernel.status()}")
     print(f"{'':<10}{'output tok/s':>14}{'x batch 1 (median of rounds)':>31}{'each round':>40}")
     table = []

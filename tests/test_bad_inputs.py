@@ -384,8 +384,7 @@ def _():
 
 @case("fused-batch")
 def _(tiny_model):
-    bf16 = minigen.from_hf(tiny_hf("llama")).to(torch.bfloat16)
-    minigen.generate(bf16, torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2, fused_decode=True)
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2, fused_decode=True)
 
 
 @case("fused-fp16-cache")

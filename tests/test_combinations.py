@@ -200,9 +200,13 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
 
     # It runs, through generate too (sampling, stops, stats), and its rows are independent.
     prompts = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
-    if config.fused_decode:  # the C step is the torch step's arithmetic, in another order
+    if config.fused_decode:  # one sequence at a time: a batch is refused; the C step is the torch step's arithmetic
+        with pytest.raises(ConfigError, match="fused_decode=True decodes one sequence"):
+            minigen.generate(tiny, prompts, config)
+        assert minigen.generate(tiny, prompts[:1], config).tokens.shape[1] <= 20 + config.max_new_tokens
         torch.testing.assert_close(nll, run_nll(tiny, text, config.replace(fused_decode=False)),
                                    atol=EXACT_ATOL, rtol=EXACT_RTOL)
+        return
     both = minigen.generate(tiny, prompts, config)
     assert both.tokens.shape[0] == 2 and both.tokens.shape[1] <= 20 + config.max_new_tokens
     if not config.do_sample and config.max_new_tokens:

@@ -462,17 +462,13 @@ void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
 }
 
 /* y [M, n] = x [M, k] @ W [n, k]^T, fp32 */
-static void several_rows_f32(const Mat *m, float *y, int threads) {
-#ifdef __AVX512F__
-    gemv(rows_f32_pair, m, y, (m->n + 1) / 2, threads);  /* the threads split pairs of rows */
-#else
-    gemv(rows_f32, m, y, m->n, threads);
-#endif
-}
-
 void gemm_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int64_t M, int threads) {
     Mat m = {W, NULL, NULL, x, NULL, k, 0, M, n};
-    several_rows_f32(&m, y, threads);
+#ifdef __AVX512F__
+    gemv(rows_f32_pair, &m, y, (n + 1) / 2, threads);  /* the threads split pairs of rows */
+#else
+    gemv(rows_f32, &m, y, n, threads);
+#endif
 }
 
 void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
@@ -748,37 +744,17 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
     }
 }
 
-/* y [M, n] = x [M, k] W^T for M rows: one row through matvec_any, several (fp32 weights only: the
- * several-row kernel, each row with the bits it gets alone) through gemm_f32's loop. */
-static void matmul_any(const Weight *w, const float *x, float *y, int64_t M, int threads, float *work) {
-    if (M == 1) { matvec_any(w, x, y, threads, work); return; }
-    Mat m = {w->W, NULL, NULL, x, NULL, w->k, 0, M, w->n};
-    several_rows_f32(&m, y, threads);
-}
-
-/* M decode tokens at one position (a static batch: every row at pos), embedding to logits: row r of
- * x [M, D] gets tokens[r]'s embedding, then each layer's output in turn; RoPE's angles for pos are
- * worked out here (fp32 pos * inv_freq, as Model.forward), and pos's slot is written in every
- * layer's cache, row r's at kc + r * row_stride; then the final norm and the head write d->logits
- * [M, V]. Every row meets the same arithmetic in the same order as alone (the several-row kernel,
- * attention and norms row by row), so a row of a batch gets the logits it gets alone. Several rows
- * need fp32 weights (fused.py refuses the rest). Returns 0, -1 when memory for the work buffers was
- * not there, -2 for several rows and a weight that is not fp32.
+/* One decode token, embedding to logits: x [D] gets the token's embedding, then each layer's output
+ * in turn; RoPE's angles for position pos are worked out here (fp32 pos * inv_freq, as
+ * Model.forward), and pos's slot is written in every layer's cache; then the final norm and the
+ * head write d->logits. Returns 0, or -1 when memory for the work buffers was not there.
  * The norm and the head are here, not in torch, for what surrounds them: after a step has streamed
  * the weights through the caches, torch's first small operations run cold (~0.2 ms for a norm that
  * takes 8 us in a loop), a few percent of an int4 step. */
-int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t M,
-                  float *x, int64_t pos) {
+int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, int64_t token, float *x, int64_t pos) {
     const int64_t D = d->D, H = d->H, Hkv = d->Hkv, Dh = d->Dh, F = d->F, S = d->S;
-    const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F, row_stride = Hkv * S * Dh;
-    if (M > 1) {
-        int fp32 = d->head.kind == 0;
-        for (int64_t l = 0; l < n_layers; l++)
-            fp32 = fp32 && layers[l].wqkv.kind == 0 && layers[l].wo.kind == 0 && layers[l].wgu.kind == 0
-                   && layers[l].wdown.kind == 0;
-        if (!fp32) return -2;
-    }
-    float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + H * (pos + 1)) + widest));
+    const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F;
+    float *buf = malloc(sizeof(float) * (size_t)(D + qkv_n + H * Dh + D + 2 * F + widest + H * (pos + 1)));
     if (!buf || Dh > 1024) { free(buf); return -1; }
     float cos[1024], sin_signed[1024];
     for (int64_t i = 0; i < Dh / 2; i++) {
@@ -787,63 +763,54 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
         sin_signed[i] = -sinf(angle);
         sin_signed[i + Dh / 2] = sinf(angle);
     }
-    for (int64_t r = 0; r < M; r++) embed_row(&d->embed, tokens[r], d->embed_bf16, x + r * D);
-    float *h = buf, *qkv = h + M * D, *att = qkv + M * qkv_n, *o = att + M * H * Dh, *gu = o + M * D,
-          *scores = gu + M * 2 * F, *work = scores + M * H * (pos + 1);
+    embed_row(&d->embed, token, d->embed_bf16, x);
+    float *h = buf, *qkv = h + D, *att = qkv + qkv_n, *o = att + H * Dh, *gu = o + D, *work = gu + 2 * F,
+          *scores = work + widest;
     const int group = (int)(H / Hkv), bf16 = d->cache_bf16;
     for (int64_t l = 0; l < n_layers; l++) {
         const Layer *L = &layers[l];
-        for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, L->attn_norm, h + r * D, D, d->eps);
-        matmul_any(&L->wqkv, h, qkv, M, d->threads, work);
-        for (int64_t r = 0; r < M; r++) {
-            float *row = qkv + r * qkv_n;
-            if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) row[i] += L->bqkv[i];
-            for (int64_t hd = 0; hd < H + Hkv; hd++) rope(row + hd * Dh, cos, sin_signed, Dh);  /* q and k heads */
-            const float *k_new = row + H * Dh, *v_new = k_new + Hkv * Dh;
-            for (int64_t j = 0; j < Hkv; j++) {  /* write this position's slot */
-                int64_t at = r * row_stride + (j * S + pos) * Dh;
-                for (int64_t i = 0; i < Dh; i++) {
-                    if (bf16) {
-                        ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
-                        ((uint16_t *)L->vc)[at + i] = f32_to_bf16(v_new[j * Dh + i]);
-                    } else {
-                        ((float *)L->kc)[at + i] = k_new[j * Dh + i];
-                        ((float *)L->vc)[at + i] = v_new[j * Dh + i];
-                    }
+        rms_norm(x, L->attn_norm, h, D, d->eps);
+        matvec_any(&L->wqkv, h, qkv, d->threads, work);
+        if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) qkv[i] += L->bqkv[i];
+        for (int64_t hd = 0; hd < H + Hkv; hd++) rope(qkv + hd * Dh, cos, sin_signed, Dh);  /* q and k heads */
+        const float *k_new = qkv + H * Dh, *v_new = k_new + Hkv * Dh;
+        for (int64_t j = 0; j < Hkv; j++) {  /* write this position's slot */
+            int64_t at = (j * S + pos) * Dh;
+            for (int64_t i = 0; i < Dh; i++) {
+                if (bf16) {
+                    ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
+                    ((uint16_t *)L->vc)[at + i] = f32_to_bf16(v_new[j * Dh + i]);
+                } else {
+                    ((float *)L->kc)[at + i] = k_new[j * Dh + i];
+                    ((float *)L->vc)[at + i] = v_new[j * Dh + i];
                 }
             }
         }
         /* long enough to share out, and the products' regions have not backed off to one thread (a busy
          * neighbour: see the top of this file) */
-        int par = d->threads > 1 && M * (pos + 1) * H * Dh >= (1 << 16);
+        int par = d->threads > 1 && (pos + 1) * H * Dh >= (1 << 16);
 #ifdef _OPENMP
         par = par && single_calls_left == 0;
 #endif
         #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
-        for (int64_t rh = 0; rh < M * H; rh++) {
-            const int64_t r = rh / H, hd = rh % H;
-            attend_head(qkv + r * qkv_n + hd * Dh, L->kc, L->vc, bf16, r * row_stride + (hd / group) * S * Dh,
-                        pos + 1, Dh, NULL, scores + rh * (pos + 1), att + rh * Dh);
+        for (int64_t hd = 0; hd < H; hd++)
+            attend_head(qkv + hd * Dh, L->kc, L->vc, bf16, (hd / group) * S * Dh, pos + 1, Dh, NULL,
+                        scores + hd * (pos + 1), att + hd * Dh);
+        matvec_any(&L->wo, att, o, d->threads, work);
+        for (int64_t i = 0; i < D; i++) x[i] += o[i];
+        rms_norm(x, L->mlp_norm, h, D, d->eps);
+        matvec_any(&L->wgu, h, gu, d->threads, work);
+        int64_t i = 0;
+        for (; i + 8 <= F; i += 8) {  /* silu(gate) * up, into the first half */
+            f32x8 g = load_f32(gu + i), a = g / (1.0f + exp8(-g)) * load_f32(gu + F + i);
+            memcpy(gu + i, &a, sizeof a);
         }
-        matmul_any(&L->wo, att, o, M, d->threads, work);
-        for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
-        for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, L->mlp_norm, h + r * D, D, d->eps);
-        matmul_any(&L->wgu, h, gu, M, d->threads, work);
-        for (int64_t r = 0; r < M; r++) {  /* silu(gate) * up, into the first half of each row */
-            float *row = gu + r * 2 * F;
-            int64_t i = 0;
-            for (; i + 8 <= F; i += 8) {
-                f32x8 g = load_f32(row + i), a = g / (1.0f + exp8(-g)) * load_f32(row + F + i);
-                memcpy(row + i, &a, sizeof a);
-            }
-            for (; i < F; i++) row[i] = row[i] / (1.0f + expf(-row[i])) * row[F + i];
-            if (M > 1) memmove(gu + r * F, row, sizeof(float) * (size_t)F);  /* rows of F for the next product */
-        }
-        matmul_any(&L->wdown, gu, o, M, d->threads, work);
-        for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
+        for (; i < F; i++) gu[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[F + i];
+        matvec_any(&L->wdown, gu, o, d->threads, work);
+        for (int64_t i = 0; i < D; i++) x[i] += o[i];
     }
-    for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, d->final_norm, h + r * D, D, d->eps);
-    matmul_any(&d->head, h, d->logits, M, d->threads, work);
+    rms_norm(x, d->final_norm, h, D, d->eps);
+    matvec_any(&d->head, h, d->logits, d->threads, work);
     free(buf);
     return 0;
 }
