@@ -34,8 +34,9 @@ EXACT_ATOL = 2e-5  # NLLs of ~5 nats, summed in another order (gathered blocks, 
 EXACT_RTOL = 1e-5  # and of up to ~11 nats (a 16-bit cache: measured 6.4e-6 relative between the paged and contiguous layouts)
 # A 16-bit cache (kv_dtype) where a layout sums in another order upstream: one fp32 ulp there can round a later
 # layer's key to the neighbouring 16-bit number (an fp16 ulp is 2^-11 of it). Measured 6.6e-5 relative (window 12,
-# no sinks, fp16, paged against the ring); a wrong key or a lost block moves NLLs by 1e-3 to 1 (CHANGE).
-FLIP_RTOL = 1e-3
+# no sinks, fp16, paged against the ring): three times that, ~1e-3 of a 5-nat NLL, still well under what a
+# wrong key or a lost block moves (1e-3 to 1, CHANGE).
+FLIP_RTOL = 2e-4
 CHANGE = 1e-4  # a lossy feature that bites moves some NLL by far more (measured: 1e-3 to 1)
 
 
