@@ -101,6 +101,17 @@ static inline float f16_to_f32(uint16_t h) {
     float f; memcpy(&f, &bits, 4); return f;
 }
 
+/* The end of an fp32 dot product w . x [k] whose first j weights (a multiple of 32) are in the
+ * chains a, b, c, d: the 8-wide tail into a, the chains summed, the scalar tail. Every fp32 row
+ * kernel ends here, so a row of a batch gets exactly the bits row_f32 gives it alone. */
+static inline float finish_f32(f32x8 a, f32x8 b, f32x8 c, f32x8 d, const float *w, const float *x, int64_t j,
+                               int64_t k) {
+    for (; j + 8 <= k; j += 8) a = fma8(load_f32(w + j), load_f32(x + j), a);
+    float s = sum8((a + b) + (c + d));
+    for (; j < k; j++) s = fmaf(w[j], x[j], s);  /* k not a multiple of 8 */
+    return s;
+}
+
 /* fp32: y[i] = W[i, :] @ x, 32 weights a pass into four sums (independent multiply-add chains) */
 static void row_f32(const Mat *m, float *y, int64_t i) {
     const float *w = (const float *)m->W + i * m->k, *x = m->x;
@@ -112,10 +123,7 @@ static void row_f32(const Mat *m, float *y, int64_t i) {
         c += load_f32(w + j + 16) * load_f32(x + j + 16);
         d += load_f32(w + j + 24) * load_f32(x + j + 24);
     }
-    for (; j + 8 <= k; j += 8) a = fma8(load_f32(w + j), load_f32(x + j), a);
-    float s = sum8((a + b) + (c + d));
-    for (; j < k; j++) s = fmaf(w[j], x[j], s);  /* k not a multiple of 8; fmaf: the same rounding in rows_f32 */
-    y[i] = s;
+    y[i] = finish_f32(a, b, c, d, w, x, j, k);
 }
 
 /* Several rows of x at once (a batch's decode step, a short prompt): y[r, i] = W[i, :] @ x[r, :].
@@ -150,14 +158,8 @@ static void rows_f32(const Mat *m, float *y, int64_t i) {
                 acc[q][3] += w3 * load_f32(xq + 24);
             }
         }
-        for (int q = 0; q < XROWS; q++) {
-            const float *xq = x + q * k;
-            int64_t t = j;
-            for (; t + 8 <= k; t += 8) acc[q][0] = fma8(load_f32(w + t), load_f32(xq + t), acc[q][0]);
-            float s = sum8((acc[q][0] + acc[q][1]) + (acc[q][2] + acc[q][3]));
-            for (; t < k; t++) s = fmaf(w[t], xq[t], s);
-            y[(r + q) * m->n + i] = s;
-        }
+        for (int q = 0; q < XROWS; q++)
+            y[(r + q) * m->n + i] = finish_f32(acc[q][0], acc[q][1], acc[q][2], acc[q][3], w, x + q * k, j, k);
     }
     for (; r < m->M; r++) {  /* the rows left over: one at a time, as row_f32 does them */
         Mat one = *m;
@@ -202,15 +204,9 @@ static void rows_f32_pair(const Mat *m, float *y, int64_t p) {
             }
         }
         for (int q = 0; q < XROWS; q++)
-            for (int h = 0; h < 2; h++) {  /* row_f32's tails and sum, on its chains a, b, c, d */
-                const float *xq = x + q * k, *w = h ? w1 : w0;
-                f32x8 a = low8(acc[q][h][0]), b = high8(acc[q][h][0]), c = low8(acc[q][h][1]), d = high8(acc[q][h][1]);
-                int64_t t = j;
-                for (; t + 8 <= k; t += 8) a = fma8(load_f32(w + t), load_f32(xq + t), a);
-                float s = sum8((a + b) + (c + d));
-                for (; t < k; t++) s = fmaf(w[t], xq[t], s);
-                y[(r + q) * m->n + i + h] = s;
-            }
+            for (int h = 0; h < 2; h++)  /* row_f32's end, on its chains a, b, c, d */
+                y[(r + q) * m->n + i + h] = finish_f32(low8(acc[q][h][0]), high8(acc[q][h][0]), low8(acc[q][h][1]),
+                                                       high8(acc[q][h][1]), h ? w1 : w0, x + q * k, j, k);
     }
     for (; r < m->M; r++) {  /* the rows of x left over: one at a time, as row_f32 does them */
         Mat one = *m;
