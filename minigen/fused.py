@@ -152,9 +152,8 @@ def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache,
         assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
             "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
         plan = cache._fused_plan = _Plan(model, cache)
+    cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
     pos = int(input_pos[0])
-    if not 0 <= pos < cache.max_len:  # only then the contract's check (raises CacheFullError): prepare
-        cache.prepare(input_pos)      # runs torch operations, cold after a step (see decode_layers)
     token = int(tokens[0, 0])
     if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
         raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")

@@ -24,7 +24,10 @@ def check_fits(input_pos: Tensor, capacity: int) -> None:
     """
     if input_pos.device.type != "cpu" or torch.compiler.is_compiling():
         return
-    first, last = int(input_pos.min()), int(input_pos.max())
+    if input_pos.numel() == 1:  # a decode step: one read, not two reductions (each costs a cold dispatch)
+        first = last = int(input_pos)
+    else:
+        first, last = int(input_pos.min()), int(input_pos.max())
     if first < 0:
         raise CacheFullError(f"positions must be >= 0, got {first}")
     if last >= capacity:
