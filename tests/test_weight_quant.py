@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minigen
@@ -49,6 +49,8 @@ def test_pack4_puts_weight_j_and_j_plus_16_in_one_byte():
 
 @needs_cc
 @settings(max_examples=30, deadline=None)
+@example(bits=4, n=37, groups=18, group_size=32, threads=2, seed=1)  # SmolLM2's width: 4 blocks of 128, 2 groups
+@example(bits=4, n=5, groups=48, group_size=32, threads=1, seed=2)  # its MLP's: 12 blocks, no rest
 @given(bits=st.sampled_from([8, 4]), n=st.integers(1, 70), groups=st.sampled_from([1, 2, 5, 16, 37]),
        group_size=st.sampled_from([32, 64]), threads=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
 def test_kernel_equals_the_dequantized_product(bits, n, groups, group_size, threads, seed):
