@@ -174,7 +174,11 @@ static void rows_f32(const Mat *m, float *y, int64_t i) {
  * two 16-lane registers. Lanes 0-7 of the first register are row_f32's chain a, lanes 8-15 its
  * chain b, the second register chains c and d: the same multiply-adds on the same lanes, so the
  * same bits. Each x load now serves two rows, and the four rows of x for a 1,536-wide row stay in
- * L1 (w_down at M = 8, one thread: 21 -> 29 multiply-adds per ns). */
+ * L1 (w_down at M = 8, one thread: 21 -> 29 multiply-adds per ns). Left to itself GCC folds each
+ * x load into both rows' multiply-adds, loading it twice: 20 loads for 16 multiply-adds, and the
+ * loads, not the multiply-adds, set the pace. An empty asm statement keeps xab and xcd in registers
+ * (12 loads for 16): one thread in L2, 18.5 -> 26.7 multiply-adds per ns; SmolLM2's matrices and
+ * head at M = 8 from memory, 2 threads, 34.0 -> 30.5 ms. The same instructions, the same bits. */
 static inline f32x8 low8(__m512 v) { __m256 h = _mm512_castps512_ps256(v); f32x8 r; memcpy(&r, &h, 32); return r; }
 static inline f32x8 high8(__m512 v) { __m256 h = _mm512_extractf32x8_ps(v, 1); f32x8 r; memcpy(&r, &h, 32); return r; }
 
@@ -198,6 +202,7 @@ static void rows_f32_pair(const Mat *m, float *y, int64_t p) {
             #pragma GCC unroll 8
             for (int q = 0; q < XROWS; q++) {
                 __m512 xab = _mm512_loadu_ps(x + q * k + j), xcd = _mm512_loadu_ps(x + q * k + j + 16);
+                __asm__("" : "+v"(xab), "+v"(xcd));  /* in registers: see above */
                 acc[q][0][0] = _mm512_fmadd_ps(ab0, xab, acc[q][0][0]);
                 acc[q][0][1] = _mm512_fmadd_ps(cd0, xcd, acc[q][0][1]);
                 acc[q][1][0] = _mm512_fmadd_ps(ab1, xab, acc[q][1][0]);
