@@ -190,6 +190,7 @@ static inline f32x8 high8(__m512 v) { __m256 h = _mm512_extractf32x8_ps(v, 1); f
 /* sum8 of eight vectors at once: lane o of the result is sum8(v[o]), the same additions in the same
  * order (0 + lane 0, + lane 1, ... + lane 7), so the same bits, after an 8 x 8 transpose: 32
  * instructions for eight sums instead of ~15 each on a chain of eight dependent additions. */
+_Static_assert(2 * XROWS == 8, "rows_f32_pair hands sum8_x8 eight sums a pass");
 static inline f32x8 sum8_x8(const f32x8 v[8]) {
     __m256 r[8], t[8];
     for (int o = 0; o < 8; o++) memcpy(&r[o], &v[o], 32);
@@ -434,11 +435,11 @@ static void row_q4_wide(const Mat *m, float *y, int64_t i) {
  * of each index, so permuting the vector (0, 1, ..., 15) by the shifted words turns 16 codes into
  * 16 fp32 numbers in one instruction: no widening, masking or conversion, the work that limits
  * row_q4_wide. x is reordered once per call to match (prepare_q4); lane d of every vector belongs
- * to group 4 * block + d / 4. Measured on Zen 4 (2.6 GHz), in turns in one process: one thread in
+ * to group 4 * block + d / 4. Measured on Zen 4, in turns in one process: one thread in
  * cache, 1.25-1.35x row_q4_wide's weights per ns; SmolLM2's 30 layers from memory, 6.6 -> 5.2-5.4
  * ms on 2 threads, 9.3-9.9 -> 7.5-8.1 ms on one. Tried and slower: making the floats with integer
  * operations instead (the code or'ed into an exponent, minus that power of two; alone or for half
- * of the codes). The prefetch a few rows ahead took 6-10% off. */
+ * of the codes). Prefetching the codes 2 KB ahead took 6-10% off. */
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 2048  /* bytes of codes ahead */
 #endif
