@@ -355,7 +355,7 @@ static void row_q4(const Mat *m, float *y, int64_t i) {
 #ifdef __AVX512F__
 /* With AVX-512 (chapter 14), int8 and int4 rows run 16 lanes wide: a block of 32 codes becomes two
  * vectors in four instructions instead of eight, and the widening, not memory, is what limits
- * these rows (measured on Zen 4 at 2.6 GHz, one thread: int4 10.9 -> 14.6 to 15.8 weights per ns).
+ * these rows (measured on Zen 4, one thread: int4 10.9 -> 14.6 to 15.8 weights per ns).
  * A row's scales and minimums are widened to fp32 once, 16 at a time, into a small array. */
 #define MAX_ROW_GROUPS 1024  /* k / G of the row arrays below; a longer row takes the 8-wide loop */
 
