@@ -19,6 +19,9 @@ comment at the top of gemv.c): waiting for a descheduled thread costs more than 
 
 Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `matvec` returns None and the model uses
 `F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
+
+Prompts (more rows than MAX_ROWS) are not this file's loops: `linear` hands them to oneDNN's GEMM,
+which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
 """
 
 from __future__ import annotations
@@ -295,6 +298,27 @@ def matmul_rows(x: Tensor, w: Tensor) -> Tensor | None:
     y = torch.empty(m, n, dtype=torch.float32)
     _lib.gemm_f32(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, m, torch.get_num_threads())
     return y
+
+
+# Many fp32 rows (a prompt): oneDNN's GEMM, torch's own, which torch.compile's CPU backend also uses
+# for linear layers. F.linear reaches MKL's sgemm, which on this AMD CPU ran a 256-row prompt's
+# products at 50-66 multiply-adds per ns where oneDNN ran them at 79-86 (SmolLM2's shapes, 2 threads).
+_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor | None:
+    """x [..., k] @ w [n, k].T in fp32 through oneDNN (torch.ops.mkldnn._linear_pointwise), or None
+    where it does not apply: the kernels switched off, not fp32, not on the CPU, autograd tracking,
+    under torch.compile or a dispatch mode (FlopCounterMode), or a torch built without oneDNN."""
+    if not (_ONEDNN and _enabled and x.dtype == torch.float32 and w.dtype == torch.float32 and w.dim() == 2
+            and x.dim() >= 1 and x.shape[-1] == w.shape[1] and x.device.type == "cpu" and w.device.type == "cpu"
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0):
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    except RuntimeError:  # a oneDNN that refuses the shape or the CPU: torch's F.linear
+        return None
 
 
 def _matvec_quantized(x: Tensor, w: QuantizedWeight) -> Tensor | None:

@@ -145,8 +145,10 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor
     A single row (a decode step at batch 1) on the CPU goes through minigen's C matrix-vector
     kernel, which streams fp32 or bf16 weights faster than torch's paths and sums in fp32; up to
     cpu_kernel.MAX_ROWS fp32 rows (a batch's decode step, a short prompt) go through its several-row
-    form, each row with the bits it gets alone; everything else (longer prompts, GPUs) is F.linear. fp32 activations against 16-bit
-    weights stay fp32: several rows widen the weights for the product (chapter 7).
+    form, each row with the bits it gets alone; longer fp32 prompts on a CPU go through oneDNN's
+    GEMM (cpu_kernel.linear: faster here than F.linear's MKL), and everything else is F.linear.
+    fp32 activations against 16-bit weights stay fp32: several rows widen the weights for the
+    product (chapter 7).
     """
     out_dtype = out_dtype or x.dtype
     if x.numel() == x.shape[-1]:
@@ -161,8 +163,11 @@ def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor
     if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): dequantize for the product
         w = w.dequantize()
     if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
-        return F.linear(x.float(), w.float()).to(out_dtype)  # fp32 sums and result
-    return F.linear(x, w)
+        x, w = x.float(), w.float()  # fp32 sums and result
+        y = cpu_kernel.linear(x, w)
+        return (y if y is not None else F.linear(x, w)).to(out_dtype)
+    y = cpu_kernel.linear(x, w)  # fp32 rows on a CPU: oneDNN's GEMM (cpu_kernel.linear says why)
+    return y if y is not None else F.linear(x, w)
 
 
 class Attention(nn.Module):

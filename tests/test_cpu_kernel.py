@@ -109,6 +109,46 @@ def test_matvec_stands_aside_where_torch_must_see_the_op():
         assert cpu_kernel.matvec(x.detach(), w) is None
 
 
+needs_onednn = pytest.mark.skipif(not cpu_kernel._ONEDNN, reason="this torch has no oneDNN")
+
+
+@needs_onednn
+@settings(max_examples=20, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 300), n=st.integers(1, 200), k=st.integers(1, 700), seed=st.integers(0, 2**16))
+def test_prompt_products_through_onednn_match_linear(rows, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(2, rows, k, generator=g), torch.randn(n, k, generator=g)
+    y, ref = cpu_kernel.linear(x, w), F.linear(x, w)
+    assert y is not None and y.shape == ref.shape and y.dtype == torch.float32
+    # two fp32 summation orders: within k roundings of the sum of |w x| (the same bound as matvec's)
+    bound = k * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T) + 1e-30
+    assert ((y - ref).abs() <= bound).all()
+
+
+def test_onednn_stands_aside_where_torch_must_see_the_op():
+    w, x = torch.randn(8, 16), torch.randn(40, 16)
+    with cpu_kernel.enabled(False):
+        assert cpu_kernel.linear(x, w) is None
+    assert cpu_kernel.linear(x.bfloat16(), w.bfloat16()) is None
+    assert cpu_kernel.linear(x.requires_grad_(), w) is None  # autograd
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False):
+        assert cpu_kernel.linear(x.detach(), w) is None
+
+
+@needs_onednn
+def test_a_prompt_runs_its_products_on_onednn(tiny_llama):
+    # Past MAX_ROWS rows, model.matmul hands fp32 products to oneDNN, not F.linear (MKL); the
+    # profiler sees the op, so a path that silently fell back would fail here.
+    from torch.profiler import profile
+    model = tiny_llama[1]
+    prompt = torch.randint(0, model.config.vocab_size, (1, cpu_kernel.MAX_ROWS + 4))
+    with torch.inference_mode(), profile() as p:
+        model(prompt, torch.arange(prompt.shape[1]))
+    ops = {e.key: e.count for e in p.key_averages()}
+    assert ops.get("mkldnn::_linear_pointwise", 0) >= 2 * model.config.n_layers, ops
+
+
 def test_without_a_compiler_decoding_falls_back_with_a_notice(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
