@@ -7,7 +7,8 @@ torch's fp32 matrix-vector path streams them at about half of this course's CPU 
 
 The kernel is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) into
 `$MINIGEN_CACHE/kernels/` the first time it is needed (well under a second), and called through
-ctypes on the tensors' memory. With torch's Linux wheels it links the same OpenMP runtime
+ctypes on the tensors' memory. Each build is named by its source, compiler, flags and CPU; making
+a new one removes those not loaded for UNUSED_DAYS. With torch's Linux wheels it links the same OpenMP runtime
 (libgomp) as torch, so its threads are torch's threads: `torch.set_num_threads` governs both,
 and two thread pools never compete for the cores. A compiler without OpenMP (Apple's clang)
 builds it single-threaded, with a notice; `MINIGEN_CPU_KERNEL_OPENMP=0` forces that build.
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -72,6 +74,19 @@ def _compiler() -> str | None:
     return None
 
 
+UNUSED_DAYS = 30  # a build of the kernel not loaded for this long is removed when a new one is made
+
+
+def _prune(kernels: Path, keep: Path) -> None:
+    """Remove builds of older sources, flags or CPUs that nothing loaded for UNUSED_DAYS (each load
+    touches its file): without this, every edit of gemv.c left one more library in the cache."""
+    old = time.time() - UNUSED_DAYS * 86400
+    for lib in kernels.glob("gemv-*.so"):
+        with contextlib.suppress(OSError):  # another process pruning, or a file we may not remove
+            if lib != keep and lib.stat().st_mtime < old:
+                lib.unlink()
+
+
 def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
     """Compile SOURCE into lib_path (beside it, then renamed) -> None, or the compiler's complaint."""
     lib_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,6 +97,7 @@ def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
         if done.returncode != 0:
             return done.stderr.strip()[-500:]
         os.replace(out, lib_path)
+    _prune(lib_path.parent, lib_path)
     return None
 
 
@@ -114,6 +130,8 @@ def _build() -> tuple[ctypes.CDLL, bool]:
             if complaint:
                 continue
             lib = ctypes.CDLL(str(lib_path))
+        with contextlib.suppress(OSError):  # in use: _prune keeps it (a read-only cache still works)
+            os.utime(lib_path)
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.gemv_f32, lib.gemv_bf16):
             fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads

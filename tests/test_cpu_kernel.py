@@ -4,7 +4,9 @@ benchmark that measures it against transformers."""
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 
 import pytest
 import torch
@@ -187,6 +189,25 @@ def test_a_corrupt_cached_kernel_is_rebuilt(monkeypatch, tmp_path):
     assert corrupt.stat().st_size > 100  # rebuilt in place, whole
     w, x = torch.randn(37, 53), torch.randn(53)
     torch.testing.assert_close(cpu_kernel.matvec(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@needs_cc
+def test_a_new_build_removes_builds_unused_for_a_month(monkeypatch, tmp_path):
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    stale, recent, other = kernels / "gemv-0000000000000000.so", kernels / "gemv-1111111111111111.so", kernels / "notes.txt"
+    for f in (stale, recent, other):
+        f.write_bytes(b"x")
+    month = time.time() - (cpu_kernel.UNUSED_DAYS + 1) * 86400
+    os.utime(stale, (month, month))
+    os.utime(other, (month, month))
+    os.utime(recent, (month + 2 * 86400, month + 2 * 86400))  # loaded 29 days ago: kept
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    fresh_kernel(monkeypatch)
+    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    assert not stale.exists() and recent.exists() and other.exists()
+    [built] = set(kernels.glob("gemv-*.so")) - {recent}
+    assert built.stat().st_mtime > time.time() - 60  # the build in use is fresh
 
 
 @needs_cc
