@@ -171,7 +171,8 @@ class Engine:
 
     # ---------------------------------------------------------------- one step
     def step(self) -> dict[int, list[int]]:
-        """Schedule, run one prefill and one decode forward, sample -> {request_id: new token ids}."""
+        """Schedule, run one prefill and one decode forward, sample -> {request_id: new token ids}.
+        With nothing to run (no request has arrived) it returns {} and records no step."""
         began, t = time.perf_counter(), self.now()
         # 1. the running sequences' next tokens first: preempt the newest while the pool cannot hold them
         while self.running and self._decode_blocks() > len(self.alloc.free):
@@ -193,6 +194,8 @@ class Engine:
             committed += fresh
         decoding = list(self.running)
         new: dict[int, list[int]] = {}
+        if not admitted and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
+            return new
         with torch.inference_mode():
             if admitted:  # 3. one ragged prefill of every admitted prompt (from its first uncached position)
                 self._forward(admitted, [r.tokens[r.computed:] for r in admitted], new)

@@ -135,6 +135,15 @@ def test_metrics_schema_and_sanity(tiny):
         assert all(a <= b for _, a, b in r["phases"]) and {ph for ph, _, _ in r["phases"]} <= {
             "queued", "prefill", "decode", "preempted"}
         assert r["first_scheduled_s"] >= r["arrival_s"]  # not admitted before it arrived
+    assert min(m["batch_size"]) >= 1  # every recorded step ran something
+
+
+def test_a_step_with_nothing_to_run_records_nothing(tiny):
+    # Stepping while the only request has not arrived yet runs no forward and adds no step to the
+    # metrics (a batch of 0 would pull the batch-size and KV-usage curves down).
+    engine = Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=2, num_blocks=8)
+    engine.add_request(workload(1, seed=5)[0], max_new_tokens=3, stop_token_ids=[], arrival_s=engine.now() + 3600)
+    assert engine.step() == {} and engine.steps == [] and engine.unfinished()
 
 
 def test_bad_inputs(tiny):
