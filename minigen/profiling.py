@@ -46,7 +46,8 @@ CATEGORIES = {
                                              h2o.HeavyHitterCache, offload.OffloadedKVCache)
                      for name in ("prepare", "update") if name in vars(cls)],
 }
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "minigen::matvec")
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "minigen::matvec",
+              "mkldnn::_linear_pointwise")  # the last: a prompt's products (cpu_kernel.linear)
 
 
 def _ranged(fn, category: str):
