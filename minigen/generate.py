@@ -210,6 +210,12 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
                     stats.compile_s = time.perf_counter() - began if _graphs_compiled() > before else 0.0
                 else:
                     logits = step(model, token[:, None], pos, cache, policy)
+    _finish_stats(stats, start)
+
+
+def _finish_stats(stats: GenerationStats, start: float) -> None:
+    """The decode time, rate and latency percentiles from what the loop recorded (start: the call's
+    perf_counter)."""
     stats.decode_s = time.perf_counter() - start - stats.ttft_s - stats.compile_s
     if stats.new_tokens > 1 and stats.decode_s > 0:
         stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
@@ -352,7 +358,7 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
         ids[b, T - lens[b]:], pos[b, T - lens[b]:] = p.to(device), torch.arange(lens[b], device=device)
     stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
     new: list[list[int]] = [[] for _ in range(B)]
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     with torch.inference_mode():
         cache = make_cache(model, config, B, T + n, ragged=True)
         policy = make_policy(config, cache)
@@ -362,8 +368,11 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
         done = [False] * B
         for i in range(n):
             token = sample(logits, config, generator)  # [B]
+            now = time.perf_counter()
             if i == 0:
-                stats.ttft_s = time.perf_counter() - start
+                stats.ttft_s = now - start
+            stats.token_latencies_s.append(now - last)
+            last = now
             for b, t in enumerate(token.tolist()):
                 if not done[b]:
                     new[b].append(t)
@@ -374,8 +383,6 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
             step_pos = torch.tensor([[-1 if done[b] else lens[b] + i] for b in range(B)], device=device)  # [B, 1]
             logits = decode_step(model, token[:, None], step_pos, cache, policy)
         _record_cache(stats, cache)
-    stats.decode_s = time.perf_counter() - start - stats.ttft_s
-    if stats.new_tokens > 1 and stats.decode_s > 0:
-        stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
+    _finish_stats(stats, start)
     tokens = [torch.cat([p, torch.tensor(t, dtype=p.dtype, device=p.device)]) for p, t in zip(prompts, new)]
     return GenerationOutput(tokens=tokens, stats=stats)

@@ -55,6 +55,17 @@ def test_every_row_equals_generating_it_alone(tiny, name, lengths, seed):
     assert_rows_equal_alone(tiny, prompts_of(lengths, seed), max_new_tokens=7, stop_token_ids=[], **CACHES[name])
 
 
+def test_a_ragged_batch_fills_the_stats_a_tensor_batch_fills(tiny):
+    # the same timing fields as generate on a [B, T] tensor: one latency per new token, percentiles
+    # of the decode tokens, the decode rate and the cache's bytes
+    prompts = prompts_of([3, 9], seed=2)
+    stats = minigen.generate(tiny, prompts, max_new_tokens=6, stop_token_ids=[]).stats
+    assert stats.new_tokens == 6 and len(stats.token_latencies_s) == 6
+    assert 0 < stats.prefill_s <= stats.ttft_s and stats.decode_s > 0 and stats.decode_tokens_per_s > 0
+    assert 0 < stats.latency_p50_s <= stats.latency_p90_s <= stats.latency_p99_s
+    assert stats.kv_cache_bytes > 0
+
+
 @pytest.mark.parametrize("name", ["contiguous", "paged"])
 def test_each_row_stops_at_its_own_stop(tiny, name):
     prompts = prompts_of([2, 8, 5], seed=3)
