@@ -692,6 +692,7 @@ def _(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
     with bench.PeakRSS() as mem:  # psutil polls
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed
+        time.sleep(0.2)  # held long enough for the polling thread to run on a busy machine too
         del block
     assert mem._source == "poll" and mem.added >= 48 * 2**20
     monkeypatch.setitem(sys.modules, "psutil", None)  # psutil not installed: getrusage's peak

@@ -253,6 +253,8 @@ def test_bench_runs_both_engines_and_writes_the_promised_json(tmp_path):
         assert engine["peak_memory_bytes"] >= engine["weight_bytes"] > 0
     assert result["exact"] and result["greedy_token_agreement"] == 1.0
     assert result["roofline_tokens_per_s"] > 0 and result["hardware"]["threads"] >= 1
+    probes = result["hardware"]["memory_read_gb_s_probes"]  # before and after the runs; the roofline takes the better
+    assert len(probes) == 2 and min(probes) > 0 and result["hardware"]["memory_read_gb_s"] == max(probes)
     json.dumps(result)  # everything in it is plain JSON
 
 
