@@ -187,14 +187,15 @@ def available() -> bool:
     return _enabled and _load() is not None
 
 
-def _takes(*tensors: Tensor) -> bool:
+def _takes(*tensors: Tensor, built: bool = True) -> bool:
     """The rules for standing aside shared by the C calls below (matvec has its own, for compile):
-    on only where the kernel is on and built, the tensors are on the CPU, autograd does not track
-    them, and neither torch.compile nor a dispatch mode (FlopCounterMode) needs to see the op."""
+    on only where the kernels are on (and, with `built`, the C kernel built), the tensors are on the
+    CPU, autograd does not track them, and neither torch.compile nor a dispatch mode
+    (FlopCounterMode) needs to see the op."""
     return (_enabled and all(t.device.type == "cpu" for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
             and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and _load() is not None)
+            and (not built or _load() is not None))
 
 
 def late_regions() -> int:
@@ -328,10 +329,8 @@ def linear(x: Tensor, w: Tensor) -> Tensor | None:
     """x [..., k] @ w [n, k].T in fp32 through oneDNN (torch.ops.mkldnn._linear_pointwise), or None
     where it does not apply: the kernels switched off, not fp32, not on the CPU, autograd tracking,
     under torch.compile or a dispatch mode (FlopCounterMode), or a torch built without oneDNN."""
-    if not (_ONEDNN and _enabled and x.dtype == torch.float32 and w.dtype == torch.float32 and w.dim() == 2
-            and x.dim() >= 1 and x.shape[-1] == w.shape[1] and x.device.type == "cpu" and w.device.type == "cpu"
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-            and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0):
+    if not (_ONEDNN and x.dtype == torch.float32 and w.dtype == torch.float32 and w.dim() == 2
+            and x.shape[-1] == w.shape[1] and _takes(x, w, built=False)):  # oneDNN needs no C build
         return None
     try:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
