@@ -311,9 +311,10 @@ def print_report(result: dict) -> None:
         print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}"
               f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['kv_cache_bytes'] / 2**20:>9.2f}"
               f"{r.get('bytes_per_token', result['bytes_per_token']) / 1e6:>9.0f}{r['roofline_fraction']:>12.0%}")
-    probes = ", ".join(f"{b:.1f}" for b in hw.get("memory_read_gb_s_probes", []))
-    print(f"memory read bandwidth (measured now, the better of {probes} before and after the runs): "
-          f"{hw['memory_read_gb_s']:.1f} GB/s; "
+    probes = hw.get("memory_read_gb_s_probes")  # absent from a result saved before bench probed twice
+    when = (f"the better of {', '.join(f'{b:.1f}' for b in probes)} before and after the runs" if probes
+            else "measured now")
+    print(f"memory read bandwidth ({when}): {hw['memory_read_gb_s']:.1f} GB/s; "
           f"bytes per decode step (minigen): {result['bytes_per_token'] / 1e6:.0f} MB; "
           f"roofline: {result['roofline_tokens_per_s']:.1f} tok/s")
     if "speedup_vs_unquantized" in result:
