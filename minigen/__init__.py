@@ -1,17 +1,18 @@
 """minigen: how a large language model generates text fast, one readable step at a time."""
 
-from .cache import Cache, make_cache
+from .caches.contract import Cache
+from .caches.make import make_cache
 from .config import GenerationConfig
-from .engine import Engine
+from .serving.engine import Engine
 from .errors import (BenchError, CacheFullError, ConfigError, LedgerError, MinigenError, ModelLoadError, PositionError,
                      PromptError, QueueFullError, RequestError)
 from .generate import (GenerationOutput, GenerationStats, decode_step, generate, parallel_sample, prefill,
                        sample, stream)
 from .loading import from_hf, load
-from .metrics import perplexity, score, top1_agreement
+from .evaluate import perplexity, score, top1_agreement
 from .model import Model, ModelConfig
-from .plan import plan
-from .weight_quant import quantize_weights
+from .measure.plan import plan
+from .numerics.weight_quant import quantize_weights
 
 __all__ = ["Cache", "Engine", "GenerationConfig", "GenerationOutput", "GenerationStats", "Model", "ModelConfig",
            "BenchError", "CacheFullError", "ConfigError", "LedgerError", "MinigenError", "ModelLoadError",

@@ -89,7 +89,7 @@ def cmd_generate(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .bench import check_bench_args, print_report, run_bench
+    from .measure.bench import check_bench_args, print_report, run_bench
     from .errors import BenchError
     from .paths import unwritable_file
     # everything that can be checked without the model, before a run of minutes
@@ -122,10 +122,10 @@ def _check_json_arg(path: str | None, error) -> None:
 
 def cmd_profile(args) -> None:
     from . import load
-    from .bench import prompt_ids
-    from .cache import check_for_model
+    from .measure.bench import prompt_ids
+    from .caches.make import check_for_model
     from .errors import ConfigError
-    from .profiling import check_profile_config, format_profile, profile
+    from .measure.profiling import check_profile_config, format_profile, profile
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} is invalid: use an integer >= 1 (decode steps to profile)")
     _check_json_arg(args.json, ConfigError)
@@ -145,7 +145,7 @@ def cmd_profile(args) -> None:
 
 def cmd_plan(args) -> None:
     from .errors import ConfigError
-    from .plan import format_plan, plan
+    from .measure.plan import format_plan, plan
     _check_json_arg(args.json, ConfigError)
     result = plan(args.model, batch=args.batch, context=args.context, budget_bytes=args.budget_bytes,
                   dtype=args.dtype, cache_chunk_size=args.cache_chunk_size)
@@ -157,7 +157,7 @@ def cmd_plan(args) -> None:
 
 def cmd_ledger(args) -> None:
     from .errors import LedgerError
-    from .ledger import CLAIMS, format_ledger, load_claims, to_dict
+    from .course.ledger import CLAIMS, format_ledger, load_claims, to_dict
     _check_json_arg(args.json, LedgerError)
     claims = load_claims(args.file or CLAIMS)
     print(format_ledger(claims))
@@ -179,7 +179,7 @@ def write_json(data: dict, path: Path) -> None:
 
 def cmd_serve_bench(args) -> None:
     from .errors import BenchError
-    from .serve_bench import DEFAULT_ENGINES, ENGINES, format_serve_bench, serve_bench_cli
+    from .measure.serve_bench import DEFAULT_ENGINES, ENGINES, format_serve_bench, serve_bench_cli
     _check_json_arg(args.json, BenchError)
     engines = args.engine or DEFAULT_ENGINES
     if any(e not in ENGINES for e in engines) or len(set(engines)) < 2:

@@ -20,9 +20,11 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from . import fused, graphs, triton_attention
+from .steps import fused, graphs
+from .kernels import triton_attention
 from .attention import AttentionObserver, AttentionPolicy
-from .cache import Cache, make_cache
+from .caches.contract import Cache
+from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model

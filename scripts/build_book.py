@@ -31,9 +31,9 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a plain checkout works too, not only an installed minigen
 
-from minigen.book import Book, article_page, ledger_page, load_book, readme_chapter_list  # noqa: E402
-from minigen.ledger import load_claims  # noqa: E402
-from minigen.widgets import snapshot_html  # noqa: E402
+from minigen.course.book import Book, article_page, ledger_page, load_book, readme_chapter_list  # noqa: E402
+from minigen.course.ledger import load_claims  # noqa: E402
+from minigen.course.widgets import snapshot_html  # noqa: E402
 
 # Folders beside book.toml that chapters may read from (`../figures/x.png` from notebooks/).
 ASSET_DIRS = ("figures",)

@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import minigen  # noqa: E402
-from minigen import bench, cpu_kernel  # noqa: E402
+from minigen.kernels import cpu as cpu_kernel  # noqa: E402
+from minigen.measure import bench  # noqa: E402
 from minigen.loading import build_model, load_tokenizer, read_config, read_safetensors, resolve_folder  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{'vs fp32 same mode':>19}")
     rows = []
     for (name, c), t in ms.items():
-        mb = minigen.weight_quant.weight_bytes(models[name]) / 1e6
+        mb = minigen.numerics.weight_quant.weight_bytes(models[name]) / 1e6
         rows.append({"weights": name, "mode": c, "mb": mb, "step_ms": t, "vs_fp32_eager": ms["fp32", "eager"] / t,
                      "vs_fp32_same_mode": ms["fp32", c] / t})
         print(f"{name:<10}{c:<10}{mb:>14.0f}{t:>9.2f}{1e3 / t:>8.1f}{ms['fp32', 'eager'] / t:>14.2f}x"

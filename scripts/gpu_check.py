@@ -28,13 +28,13 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
-from minigen.cache import make_cache  # noqa: E402
+from minigen.caches.make import make_cache
 from minigen.generate import decode_step, prefill  # noqa: E402
 from minigen.model import Model, ModelConfig  # noqa: E402
-from minigen.paged import BlockView  # noqa: E402
-from minigen.precision import Precision  # noqa: E402
-from minigen.quant import QuantizedTensor, dequantize, quantize  # noqa: E402
-from minigen.triton_attention import decode_attention  # noqa: E402
+from minigen.caches.contract import BlockView
+from minigen.numerics.precision import Precision  # noqa: E402
+from minigen.numerics.quant import QuantizedTensor, dequantize, quantize  # noqa: E402
+from minigen.kernels.triton_attention import decode_attention  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}

@@ -22,7 +22,8 @@ import torch
 
 WORKER = r"""
 import json, statistics, sys, time, torch, minigen
-from minigen import GenerationConfig, cpu_kernel
+from minigen import GenerationConfig
+from minigen.kernels import cpu as cpu_kernel
 from minigen.generate import decode_step, make_cache, prefill
 steps = int(sys.argv[1])
 model, tok = minigen.load("smollm2-135m")

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import minigen
-from minigen import article_bench as ab
+from minigen.measure import article_bench as ab
 from minigen.errors import ConfigError
-from minigen.roofline import GPT3_175B, LLAMA2_7B, SMOLLM2_135M, streamed_params
+from minigen.measure.roofline import GPT3_175B, LLAMA2_7B, SMOLLM2_135M, streamed_params
 from conftest import tiny_hf
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: OpenMP hand-offs cost more than the work
@@ -79,7 +79,7 @@ def test_c7_no_175b_setting_that_fits_an_8_gpu_node_gets_near_4_8x():
 
 def test_longest_context_is_what_plan_counts():
     cfg, plain = SMOLLM2_135M, minigen.GenerationConfig()
-    from minigen.plan import activation_bytes, kv_cache_bytes, weights_bytes
+    from minigen.measure.plan import activation_bytes, kv_cache_bytes, weights_bytes
     budget = weights_bytes(cfg) + kv_cache_bytes(cfg, plain, 1, 2048) + activation_bytes(cfg, 1, 2048)
     assert ab.longest_context(cfg, plain, budget) == 2048
     assert ab.longest_context(cfg, plain, weights_bytes(cfg)) == 0
@@ -110,7 +110,7 @@ def test_run_measures_both_configs_on_a_tiny_model():
 
 def test_the_ledger_states_what_the_models_compute():
     """C6c and C7's numbers in claims.toml are the ones these models give (chapter 12 asserts the verdicts)."""
-    from minigen.ledger import load_claims
+    from minigen.course.ledger import load_claims
     claims = {c.id: c for c in load_claims()}
     mask_only = next(c for c in ab.a100_table(window_frees=False) if (c.model, c.batch) == ("Llama-2-7B", 24))
     assert f"{mask_only.optimized_memory / 1e9:.1f} GB" in claims["C6c"].measured

@@ -23,12 +23,13 @@ import torch
 
 import minigen
 from conftest import tiny_hf
-from minigen import GenerationConfig, bench, errors, loading
+from minigen import GenerationConfig, errors, loading
+from minigen.measure import bench
 from minigen.__main__ import build_parser
-from minigen.batching import RequestQueue, group_by_length, pad_batch
-from minigen.kv_cache import KVCache
-from minigen.paged import BlockAllocator
-from minigen.quant import QuantizedKVCache
+from minigen.serving.batching import RequestQueue, group_by_length, pad_batch
+from minigen.caches.contiguous import KVCache
+from minigen.caches.blocks import BlockAllocator
+from minigen.caches.quantized import QuantizedKVCache
 from test_loading import save_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -399,7 +400,7 @@ def _():
 
 @case("fused-kernel-off")
 def _(tiny_model):
-    from minigen import cpu_kernel
+    from minigen.kernels import cpu as cpu_kernel
     with cpu_kernel.enabled(False):
         minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
 
@@ -674,7 +675,7 @@ def _(monkeypatch, tmp_path):
     import io
 
     import psutil._common
-    from minigen import cpu_kernel
+    from minigen.kernels import cpu as cpu_kernel
     real_open = builtins.open
 
     def no_proc(file, *args, **kwargs):
@@ -756,7 +757,7 @@ def _():
 # ---------------------------------------------------------------- the C kernel
 # The same checks as the two tests in test_cpu_kernel.py, which hold them with the kernel's others.
 def needs_compiler() -> None:
-    from minigen import cpu_kernel
+    from minigen.kernels import cpu as cpu_kernel
     if cpu_kernel._compiler() is None:
         pytest.skip("no C compiler on this machine")
 
@@ -781,13 +782,13 @@ def _(monkeypatch):
 
 @case("profile-without-cache")
 def _(tiny_model):
-    from minigen import profiling
+    from minigen.measure import profiling
     profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(use_cache=False))
 
 
 @case("profile-group-size-vs-head-dim")
 def _(tiny_model, monkeypatch):
-    from minigen import profiling
+    from minigen.measure import profiling
     monkeypatch.setattr(profiling, "torch_profile", lambda *a, **k: pytest.fail("profiled before the check"))
     profiling.profile(tiny_model, torch.tensor([[1, 2, 3]]), GenerationConfig(quant_bits=4, quant_group_size=32))
 
@@ -799,7 +800,7 @@ def _(tiny_model):
 
 @case("plan-context-past-model")
 def _(tiny_model, monkeypatch):
-    monkeypatch.setattr(sys.modules["minigen.plan"], "model_config", lambda name: tiny_model.config)
+    monkeypatch.setattr(sys.modules["minigen.measure.plan"], "model_config", lambda name: tiny_model.config)
     cli("plan", "--model", "tiny", "--context", "200", "--budget-bytes", "10000000")
 
 
@@ -811,7 +812,7 @@ def _(tmp_path):
 
 @case("ledger-bad-verdict")
 def _(tmp_path):
-    from minigen.ledger import load_claims
+    from minigen.course.ledger import load_claims
     (tmp_path / "claims.toml").write_text(
         '[[claim]]\nid = "C1"\nclaim = "x"\narticle_value = "2.3x"\nmeasured = "4x"\nmachine = "2-core CPU"\n'
         'verdict = "true"\nchapter = "01"\nsource = "chapter 01"\n', encoding="utf-8")

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minigen import ConfigError, PromptError, QueueFullError
-from minigen.batching import PAD_CAP, RequestQueue, group_by_length, pad_batch, padding_waste
+from minigen.serving.batching import PAD_CAP, RequestQueue, group_by_length, pad_batch, padding_waste
 
 lengths_st = st.lists(st.integers(1, 600), min_size=1, max_size=40)
 

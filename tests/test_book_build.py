@@ -15,10 +15,10 @@ import pytest
 import torch
 from ipywidgets.embed import dependency_state
 
-from minigen.book import article_page, claim_label, ledger_page, load_book
-from minigen.ledger import Claim, load_claims
+from minigen.course.book import article_page, claim_label, ledger_page, load_book
+from minigen.course.ledger import Claim, load_claims
 from minigen.model import ModelConfig
-from minigen.widgets import LIVE_NOTE, quant_panel, snapshot_html
+from minigen.course.widgets import LIVE_NOTE, quant_panel, snapshot_html
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("build_book", ROOT / "scripts" / "build_book.py")

@@ -41,8 +41,8 @@ import pytest
 import torch
 from IPython.core.inputtransformer2 import TransformerManager
 
-from minigen.book import load_book
-from minigen.widgets import _quant_numbers, window_numbers
+from minigen.course.book import load_book
+from minigen.course.widgets import _quant_numbers, window_numbers
 
 sync_api = pytest.importorskip(
     "playwright.sync_api",

@@ -1,4 +1,4 @@
-"""The cache contract (minigen/cache.py), checked the same way on every cache class.
+"""The cache contract (minigen/caches/contract.py), checked the same way on every cache class.
 
 Oracle: the keys and values written, position by position, kept in a plain dict by the test; a
 cache must give back exactly those of the positions it says it holds (8-bit caches: within half a
@@ -7,20 +7,26 @@ quantization step), and nothing of an older sequence.
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import pkgutil
+
 import pytest
 import torch
 
 import minigen
 from conftest import tiny_hf
 from minigen import CacheFullError, GenerationConfig
-from minigen.cache import CACHE_CLASSES, Cache, make_cache
+from minigen.caches.contract import Cache
+from minigen.caches.make import make_cache
 from minigen.generate import decode_step, make_policy, prefill
-from minigen.h2o import HeavyHitterCache
-from minigen.kv_cache import KVCache
-from minigen.offload import OffloadedKVCache
-from minigen.paged import PagedKVCache
-from minigen.quant import QuantizedKVCache, QuantizedPagedKVCache
-from minigen.window import WindowKVCache
+from minigen.caches.h2o import HeavyHitterCache
+from minigen.caches.contiguous import KVCache
+from minigen.caches.offload import OffloadedKVCache
+from minigen.caches.paged import PagedKVCache
+from minigen.caches.quantized import QuantizedKVCache, QuantizedPagedKVCache
+from minigen.caches.rowwise import RowwiseCache
+from minigen.caches.window import WindowKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,9 +46,21 @@ LAYERS = {"offloaded": L + 1}  # the offload tier serves more layers than its in
 TOLERANCE = {"quantized": 0.05, "quantized paged": 0.05}
 
 
+def cache_classes() -> set[type]:
+    """Every class of minigen.caches that implements the contract's two moves (prepare, update)."""
+    found = set()
+    for info in pkgutil.iter_modules(minigen.caches.__path__, "minigen.caches."):
+        for _, cls in inspect.getmembers(importlib.import_module(info.name), inspect.isclass):
+            if cls.__module__ == info.name and {"prepare", "update"} <= set(vars(cls)) and cls is not Cache:
+                found.add(cls)
+    return found
+
+
 def test_every_cache_class_is_covered():
     built = {type(make()) for make in FACTORIES.values()}
-    assert built == set(CACHE_CLASSES)
+    classes = cache_classes()
+    assert KVCache in classes and PagedKVCache in classes  # the discovery sees the package
+    assert built == classes - {RowwiseCache}  # one cache per row: its rows are the classes above
 
 
 class Written:
@@ -239,7 +257,7 @@ NO_ROWS = ("heavy hitters", "offloaded")  # refuse it (make_cache refuses their 
 def test_per_row_positions_give_back_each_rows_own_writes(name):
     """Rows at different positions in one call, padding (-1) in between: each row reads back exactly
     what was written at its own positions, and padding is never written."""
-    from minigen.rowwise import RowwiseCache
+    from minigen.caches.rowwise import RowwiseCache
     if name in NO_ROWS:
         with pytest.raises(minigen.PositionError, match=r"one position vector \[T\].*ragged=True"):
             FACTORIES[name]().prepare(torch.tensor([[0, 1], [0, -1]]))

@@ -127,7 +127,7 @@ def test_bench_json_that_cannot_be_written_exits_2_before_the_run(tiny_folder, t
     (tmp_path / "ro").mkdir()
     real = os.access  # a read-only folder, as os.access reports it (root ignores a chmod)
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != tmp_path / "ro" and real(p, mode, **kw))
-    monkeypatch.setattr(minigen.bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran first"))
+    monkeypatch.setattr(minigen.measure.bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran first"))
     status, _, err = run_main(capsys, "bench", "--model", str(tiny_folder), "--json", str(tmp_path / where))
     assert status == 2 and err.startswith("error: --json") and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["ro"]  # nothing written

@@ -25,7 +25,7 @@ import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig
 from minigen.config import FEATURES, REFUSED, combination_table
-from minigen.metrics import score
+from minigen.evaluate import score
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,7 +15,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minigen
-from minigen import bench, cpu_kernel
+from minigen.measure import bench
+from minigen.kernels import cpu as cpu_kernel
 from minigen.generate import generate
 
 from conftest import tiny_hf

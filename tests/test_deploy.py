@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 import minigen
-from minigen import deploy, production
+from minigen.production import deploy, engines as production
 from minigen.config import GenerationConfig
 from minigen.errors import ConfigError, DeployError
-from minigen.exercises import ExerciseFailed, ch11
+from minigen.course.exercises import ExerciseFailed, ch11
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

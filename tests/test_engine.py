@@ -13,7 +13,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, Engine, PromptError, RequestError
-from minigen.scheduler import PrefixAllocator, block_hashes, can_admit
+from minigen.serving.scheduler import PrefixAllocator, block_hashes, can_admit
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ import torch
 
 import minigen
 from minigen.entropy import EntropyMonitor, entropy, normalized_entropy
-from minigen.metrics import attention_entropy
+from minigen.evaluate import attention_entropy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minigen
-from minigen.kv_cache import KVCache
+from minigen.caches.contiguous import KVCache
 from conftest import tiny_hf
 
 # Tolerance for fp32 logits. Both sides compute the same math with a different summation order

@@ -11,7 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import minigen.model
-from minigen.exercises import ExerciseFailed, ch01, ch02, ch03, ch04, ch05, ch06
+from minigen.course.exercises import ExerciseFailed, ch01, ch02, ch03, ch04, ch05, ch06
 from minigen.model import Model, ModelConfig, rope_frequencies
 
 
@@ -54,7 +54,7 @@ def test_forward_flops_matches_counted_matmuls(arch, monkeypatch):
     for n in (1, 5, 13):  # a naive step: n tokens attending n keys, logits for the last
         assert counted_flops(model, n) == cfg.forward_flops(n, n)
     # A cached decode step attends every slot of the preallocated cache (masked or not).
-    cache = minigen.kv_cache.KVCache.for_model(model, 1, 20)
+    cache = minigen.caches.contiguous.KVCache.for_model(model, 1, 20)
     counted_flops(model, 6, cache)
     assert counted_flops(model, 1, cache, start=6) == cfg.forward_flops(1, 20)
 
@@ -116,7 +116,7 @@ def test_max_cached_tokens():
 
 # ---------------------------------------------------------------- chapter 0
 def test_greedy_by_hand():
-    from minigen.exercises import ch00
+    from minigen.course.exercises import ch00
     from minigen.generate import decode_step, make_cache, prefill, sample
     # Wide weights, so that logits depend strongly on positions and a wrong one changes the tokens.
     model = tiny_model("llama", std=0.5)
@@ -170,7 +170,7 @@ def test_quantized_cache_bytes_counts_an_fp16_models_cache():
 
 # ---------------------------------------------------------------- chapter 7
 def test_round_to_bf16():
-    from minigen.exercises import ch07
+    from minigen.course.exercises import ch07
     assert ch07.check_round_to_bf16(ch07.solution_round_to_bf16)
 
     def unsigned_top(x, bias):  # the top 16 bits after adding `bias`, as a bf16 tensor
@@ -190,7 +190,7 @@ def test_round_to_bf16():
 def test_round_mantissa_is_ieee_rounding():
     """round_mantissa against torch's own conversions: 7 bits is bf16 (whole fp32 range), 10 bits is
     fp16 inside fp16's normal range (TF32 has fp16's mantissa and fp32's exponent), 23 is the identity."""
-    from minigen.exercises import ch07
+    from minigen.course.exercises import ch07
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(4096, generator=g) * 10.0 ** (torch.rand(4096, generator=g) * 60 - 30)
     assert torch.equal(ch07.round_mantissa(wide, 7), wide.to(torch.bfloat16).float())
@@ -204,7 +204,7 @@ def test_round_mantissa_is_ieee_rounding():
 
 # ---------------------------------------------------------------- chapter 8
 def test_step_without_syncs():
-    from minigen.exercises import ch08
+    from minigen.course.exercises import ch08
     args = ch08._cases()[1][1]
     assert ch08.count_host_syncs(ch08.synced_step, *args) == 2  # .item() and the `if`
     assert ch08.count_host_syncs(ch08.solution_step_without_syncs, *args) == 0
@@ -228,7 +228,7 @@ def test_step_without_syncs():
 
 # ---------------------------------------------------------------- chapter 9
 def test_dequantize_on_load():
-    from minigen.exercises import ch09
+    from minigen.course.exercises import ch09
     assert ch09.check_dequantize_on_load(ch09.solution_dequantize_on_load)
     for wrong, hint in ch09.MISTAKES:
         with pytest.raises(ExerciseFailed, match=re.escape(hint)):
@@ -239,7 +239,7 @@ def test_dequantize_on_load():
 
 # ---------------------------------------------------------------- chapter 14
 def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
-    from minigen.exercises import ch14
+    from minigen.course.exercises import ch14
     assert ch14.check_pack4(ch14.solution_pack4) and ch14.check_unpack4(ch14.solution_unpack4)
 
     def adjacent(codes):  # codes j and j + 1 in one byte: the layout many people expect
@@ -259,8 +259,8 @@ def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
 
 # ---------------------------------------------------------------- chapter 12
 def test_ch12_roofline_checkers_take_the_solutions_and_name_the_usual_mistakes():
-    from minigen.exercises import ch12
-    from minigen.roofline import decode_point, streamed_params
+    from minigen.course.exercises import ch12
+    from minigen.measure.roofline import decode_point, streamed_params
     assert ch12.check_decode_intensity(ch12.solution_decode_intensity)
     assert ch12.check_predict_tokens_per_s(ch12.solution_predict_tokens_per_s)
     with pytest.raises(ExerciseFailed, match="read once for the whole batch"):
@@ -276,7 +276,7 @@ def test_ch12_roofline_checkers_take_the_solutions_and_name_the_usual_mistakes()
 
 # ---------------------------------------------------------------- chapter 13
 def test_ch13_cheapest_fit_agrees_with_the_planner_and_names_the_usual_mistakes():
-    from minigen.exercises import ch13
+    from minigen.course.exercises import ch13
     assert ch13.check_cheapest_fit(ch13.solution_cheapest_fit)
     # a tie in loss and bytes (bf16 against fp16 storage, one of the cases) accepts either
     assert any(want and "kv_dtype" in want for _, _, _, want in ch13._cases())
@@ -295,7 +295,7 @@ def test_ch13_cheapest_fit_agrees_with_the_planner_and_names_the_usual_mistakes(
 
 # ---------------------------------------------------------------- chapter 10
 def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
-    from minigen.exercises import ch10
+    from minigen.course.exercises import ch10
     assert ch10.check_group(ch10.solution_group)
 
     def arrival_order(lengths, b):  # the batches a FIFO cut gives: more padding
@@ -313,7 +313,7 @@ def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
 
 
 def test_ch10_admission_checker_asks_the_engine_and_names_the_usual_mistakes():
-    from minigen.exercises import ch10
+    from minigen.course.exercises import ch10
     assert ch10.check_can_admit(ch10.solution_can_admit)
     for wrong, hint in [
             (lambda need, free, reserved, running, b: running < b and need <= free, "free - reserved"),

@@ -14,12 +14,14 @@ import torch
 
 import minigen
 from conftest import tiny_hf
-from minigen import ConfigError, GenerationConfig, cpu_kernel, fused
+from minigen import ConfigError, GenerationConfig
+from minigen.kernels import cpu as cpu_kernel
+from minigen.steps import fused
 from minigen.entropy import EntropyRecorder
 from minigen.errors import CacheFullError
 from minigen.generate import decode_step, prefill
-from minigen.kv_cache import KVCache
-from minigen.metrics import score
+from minigen.caches.contiguous import KVCache
+from minigen.evaluate import score
 
 
 def side_by_side(model, prompt, steps, kv_dtype=None):

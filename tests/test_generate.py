@@ -14,7 +14,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import CacheFullError, GenerationConfig, sample
-from minigen.kv_cache import KVCache
+from minigen.caches.contiguous import KVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -16,7 +16,8 @@ from torch._dynamo.utils import counters
 
 import minigen
 from conftest import tiny_hf
-from minigen import ConfigError, graphs
+from minigen import ConfigError
+from minigen.steps import graphs
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,7 +119,7 @@ def test_replayed_tokens_equal_eager(settings, sampling):
 
 @pytest.mark.gpu
 def test_no_step_recaptures(monkeypatch):
-    from minigen import graphs
+    from minigen.steps import graphs
     captures = []
     real = graphs.CudaGraphDecoder.__init__
     monkeypatch.setattr(graphs.CudaGraphDecoder, "__init__", lambda self, *a, **k: captures.append(1) or real(self, *a, **k))

@@ -1,5 +1,7 @@
-"""The package's layout: no import cycles, no imports hidden in functions to dodge one, the core
-never imports the course layer, and the modules stay readable in size (STYLE.md)."""
+"""The package's layout (README, "Layout"): the folders are the course's layers, and the imports
+keep to them. No import cycles, no imports hidden in functions to dodge one, the core never imports
+the outer layers, the model is the math (no kernel module), no private name crosses a module, and
+the modules stay readable in size (STYLE.md)."""
 
 from __future__ import annotations
 
@@ -9,48 +11,79 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigen"
-COURSE = {"plots", "widgets", "simulation", "book", "exercises", "bench", "serve_bench", "__main__"}  # may import anything
+# The layers, inside out. The core: the generator and everything it runs on.
+CORE_PACKAGES = {"caches", "numerics", "kernels", "steps"}
+# The outer layers: they may import the core, never the other way round.
+OUTER_PACKAGES = {"serving", "measure", "course", "production"}
+FACES = {"__init__", "__main__"}  # the public face and the CLI: they may import anything
+KERNELS = "kernels"  # op kernels sit below the model: model.py imports none of them
+STEPS = "steps"  # whole-step executors sit above the model: they may drive it
 
 
 def module_name(path: Path) -> str:
+    """minigen/caches/paged.py -> 'caches.paged'; minigen/caches/__init__.py -> 'caches'."""
     rel = path.relative_to(PACKAGE).with_suffix("")
     return ".".join(rel.parts).removesuffix(".__init__") or "__init__"
 
 
-def minigen_imports(path: Path) -> list[tuple[str, bool]]:
-    """(imported minigen module, whether the import sits inside a function) for every import."""
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path) -> list[tuple[str, list[str], bool]]:
+    """(imported minigen module, names imported from it, whether the import sits inside a function)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    here = module_name(path).split(".")
+    name = module_name(path)
+    package = name.split(".") if path.name == "__init__.py" and name != "__init__" else name.split(".")[:-1]
     out = []
 
     def visit(node, in_function: bool):
         for child in ast.iter_child_nodes(node):
             inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
-            if isinstance(child, ast.ImportFrom) and child.level:  # from .x import y / from ..x import y
-                base = here[:len(here) - child.level] if path.name != "__init__.py" else here[:len(here) - child.level + 1]
-                target = ".".join(base + ([child.module] if child.module else []))
-                names = [target] if child.module else [".".join(base + [a.name]) for a in child.names]
-                out.extend((n.removeprefix("__init__.").strip("."), inside) for n in names)
-            elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("minigen"):
-                out.append((child.module.removeprefix("minigen").strip("."), inside))
+            if isinstance(child, ast.ImportFrom) and (child.level or (child.module or "").startswith("minigen")):
+                if child.level:
+                    base = package[:len(package) - child.level + 1]
+                    target = ".".join(base + ([child.module] if child.module else []))
+                else:
+                    target = child.module.removeprefix("minigen").strip(".")
+                names = [a.name for a in child.names]
+                submodules = [f"{target}.{n}".strip(".") for n in names if f"{target}.{n}".strip(".") in MODULES]
+                if submodules:  # from .caches import paged, window: each a module
+                    out.extend((m, [], inside) for m in submodules)
+                    names = [n for n in names if f"{target}.{n}".strip(".") not in MODULES]
+                if names or not submodules:
+                    out.append((target or "__init__", names, inside))
+            elif isinstance(child, ast.Import):
+                out.extend((a.name.removeprefix("minigen").strip(".") or "__init__", [], inside)
+                           for a in child.names if a.name.startswith("minigen"))
             visit(child, inside)
 
     visit(tree, False)
-    return [(name.split(".")[0] if name else "__init__", inside) for name, inside in out]
+    return out
 
 
-MODULES = {module_name(p).split(".")[0]: p for p in sorted(PACKAGE.glob("*.py"))}
+def layer(module: str) -> str:
+    """'caches.paged' -> 'caches'; 'model' -> 'model' (a top-level module is its own room)."""
+    return module.split(".")[0]
+
+
+def is_core(module: str) -> bool:
+    return layer(module) not in OUTER_PACKAGES | FACES
+
+
+def test_the_parser_sees_the_imports():
+    graph = {m for m, _, _ in imports(MODULES["caches.make"])}
+    assert {"caches.contiguous", "caches.paged", "caches.quantized", "config"} <= graph
+    assert "kernels.cpu" in {m for m, _, _ in imports(MODULES["kernels.dispatch"])}
 
 
 def test_no_import_cycles():
-    graph = {name: {m for m, inside in minigen_imports(path) if not inside and m in MODULES and m != name}
+    graph = {name: {m for m, _, inside in imports(path) if not inside and m in MODULES and m != name}
              for name, path in MODULES.items() if name != "__init__"}
-    assert {"kv_cache", "paged", "quant"} <= graph["cache"] and "paged" in graph["quant"]  # the parser sees imports
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def walk(node, path):
         state[node] = 1
-        for nxt in graph.get(node, ()):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 raise AssertionError(f"import cycle: {' -> '.join(path + [node, nxt])}")
             if nxt not in state:
@@ -62,17 +95,54 @@ def test_no_import_cycles():
             walk(name, [])
 
 
-@pytest.mark.parametrize("name", sorted(set(MODULES) - COURSE - {"__init__"}))
-def test_the_core_imports_at_the_top_and_never_the_course_layer(name):
-    for module, inside in minigen_imports(MODULES[name]):
-        assert not inside, f"{name}.py imports {module} inside a function: import it at the top"
-        assert module not in COURSE, f"{name}.py imports the course layer ({module})"
+def test_the_tree_has_the_course_layers():
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert folders == CORE_PACKAGES | OUTER_PACKAGES
+    top = {p.stem for p in PACKAGE.glob("*.py")} - FACES
+    assert len(top) <= 12, f"minigen/ holds {len(top)} modules at the top: the folders are the map ({sorted(top)})"
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if is_core(m)))
+def test_the_core_imports_at_the_top_and_never_an_outer_layer(name):
+    for module, _, inside in imports(MODULES[name]):
+        assert not inside, f"{name} imports {module} inside a function: import it at the top"
+        assert is_core(module), f"{name} (the core) imports the outer layer {module}"
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if layer(m) == KERNELS))
+def test_kernels_sit_below_the_model(name):
+    for module, _, _ in imports(MODULES[name]):
+        assert layer(module) in {KERNELS, "numerics", "errors", "paths"} or module == "caches.contract", \
+            f"{name} imports {module}: an op kernel knows only numbers, tensors and the cache contract's views"
+
+
+def test_the_model_is_the_math():
+    """model.py imports no kernel and no step module: which implementation runs an op is decided in
+    kernels/dispatch.py, installed on a model from outside (loading.py)."""
+    for module, _, _ in imports(MODULES["model"]):
+        assert layer(module) not in {KERNELS, STEPS}, f"model.py imports {module}"
+    text = MODULES["model"].read_text(encoding="utf-8")
+    assert "ctypes" not in text and "triton" not in text.lower().replace("kernels/dispatch.py", "")
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_private_name_crosses_a_module(name):
+    for module, names, _ in imports(MODULES[name]):
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{name} imports private {private} from {module}: make it public or keep it at home"
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_stay_readable(name):
     lines = len(MODULES[name].read_text(encoding="utf-8").splitlines())
-    assert lines <= 420, f"{name}.py has {lines} lines: split it by concept (STYLE.md: past ~400)"
+    assert lines <= 420, f"{name} has {lines} lines: split it by concept (STYLE.md: past ~400)"
+
+
+def test_no_reexport_shims():
+    """A name is imported where it lives: no `# noqa: F401` re-exports outside the public face."""
+    for name, path in MODULES.items():
+        if name not in FACES and not name.endswith("__init__"):
+            assert "noqa: F401" not in path.read_text(encoding="utf-8"), f"{name} re-exports a name"
 
 
 def test_einops_is_used_where_it_is_declared():

@@ -12,10 +12,10 @@ import pytest
 
 from minigen.__main__ import main
 from minigen.errors import LedgerError
-from minigen.ledger import CLAIMS, VERDICTS, load_claims
+from minigen.course.ledger import CLAIMS, VERDICTS, load_claims
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-planner = importlib.import_module("minigen.plan")  # the module: `minigen.plan` is the function
+planner = importlib.import_module("minigen.measure.plan")  # the module: `minigen.measure.plan` is the function
 
 
 def by_id() -> dict:

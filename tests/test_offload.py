@@ -13,11 +13,11 @@ import minigen
 from conftest import tiny_hf
 from minigen import GenerationConfig
 from minigen.generate import make_cache
-from minigen.kv_cache import KVCache
-from minigen.metrics import score
-from minigen.offload import OffloadedKVCache
-from minigen.paged import PagedKVCache
-from minigen.quant import QuantizedPagedKVCache
+from minigen.caches.contiguous import KVCache
+from minigen.evaluate import score
+from minigen.caches.offload import OffloadedKVCache
+from minigen.caches.paged import PagedKVCache
+from minigen.caches.quantized import QuantizedPagedKVCache
 
 
 @pytest.fixture(scope="module")

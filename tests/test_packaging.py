@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minigen.book import Book, BookError, load_book, parse_book, readme_chapter_list
+from minigen.course.book import Book, BookError, load_book, parse_book, readme_chapter_list
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -16,12 +16,13 @@ import minigen
 from conftest import tiny_hf
 from minigen import CacheFullError, ConfigError, GenerationConfig
 from minigen.generate import make_cache
-from minigen.metrics import score
+from minigen.evaluate import score
 from minigen.generate import parallel_sample
-from minigen.paged import BlockAllocator, PagedKVCache
-from minigen.quant import QuantizedPagedKVCache
-from minigen.simulation import simulate
-from minigen.quant import round_trip
+from minigen.caches.paged import PagedKVCache
+from minigen.caches.blocks import BlockAllocator
+from minigen.caches.quantized import QuantizedPagedKVCache
+from minigen.course.simulation import simulate
+from minigen.numerics.quant import round_trip
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +234,7 @@ def test_article_config_runs_and_stays_close(smollm2, english_text_ids, tmp_path
 
 # ---------------------------------------------------------------- chapter 3's exercises
 def test_exercise_solutions_pass_and_wrong_answers_fail():
-    from minigen.exercises import ExerciseFailed, ch03
+    from minigen.course.exercises import ExerciseFailed, ch03
     assert ch03.check_slot_of(ch03.solution_slot_of)
     assert ch03.check_blocks_held(ch03.solution_blocks_held)
     with pytest.raises(ExerciseFailed, match="multiply the physical block"):

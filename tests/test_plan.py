@@ -12,11 +12,11 @@ import minigen
 from minigen import GenerationConfig
 from minigen.__main__ import main
 from minigen.errors import CacheFullError, ConfigError
-from minigen.kv_cache import KVCache
-from minigen.paged import BlockAllocator
+from minigen.caches.contiguous import KVCache
+from minigen.caches.blocks import BlockAllocator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-planner = importlib.import_module("minigen.plan")  # the module: `minigen.plan` is the function
+planner = importlib.import_module("minigen.measure.plan")  # the module: `minigen.measure.plan` is the function
 
 CONFIGS = [{}, dict(cache_chunk_size=16), dict(cache_chunk_size=4), dict(quant_bits=8, quant_group_size=8),
            dict(quant_bits=4, quant_group_size=8), dict(quant_bits=4, quant_group_size=8, cache_chunk_size=8),

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import minigen  # noqa: E402
-from minigen import plots  # noqa: E402
+from minigen.course import plots  # noqa: E402
 
 
 def bench_result(engines: dict[str, float], roofline: float = 31.5) -> dict:

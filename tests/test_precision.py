@@ -14,7 +14,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig
-from minigen.precision import Precision
+from minigen.numerics.precision import Precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from minigen import GenerationConfig, profiling
+from minigen import GenerationConfig
+from minigen.measure import profiling
 from minigen.__main__ import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -19,9 +19,10 @@ from conftest import tiny_hf
 from minigen.config import GenerationConfig
 from minigen.errors import CacheFullError, ConfigError
 from minigen.generate import make_cache
-from minigen.kv_cache import KVCache
-from minigen.metrics import score
-from minigen.quant import GROUP_AXIS, QuantizedKVCache, dequantize, pack, quantize, round_trip, unpack
+from minigen.caches.contiguous import KVCache
+from minigen.evaluate import score
+from minigen.numerics.quant import GROUP_AXIS, dequantize, pack, quantize, round_trip, unpack
+from minigen.caches.quantized import QuantizedKVCache
 
 
 def error_bound(x: torch.Tensor, q) -> torch.Tensor:
@@ -207,7 +208,7 @@ def test_keys_beyond_fp16_range_never_come_back_nan():
 
 def dequantize_store(cache, layer):
     """Every quantized key of one layer, in full precision (the store's groups, dequantized)."""
-    from minigen.quant import QuantizedTensor
+    from minigen.numerics.quant import QuantizedTensor
     k = cache.k
     return dequantize(QuantizedTensor(k.data[layer], k.scales[layer], k.zeros[layer], k.bits, k.group_size,
                                       k.axis, k.dtype))
@@ -270,8 +271,8 @@ def test_smollm2_perplexity_at_8_and_4_bits(smollm2, english_text_ids):
 
 # ---------------------------------------------------------------- the chapter's panel and exercises
 def test_quant_panel_shows_the_cache_bytes_and_updates_live():
-    from minigen.exercises.ch01 import SMOLLM2_135M as cfg
-    from minigen.widgets import quant_panel
+    from minigen.course.exercises.ch01 import SMOLLM2_135M as cfg
+    from minigen.course.widgets import quant_panel
     g = torch.Generator().manual_seed(0)
     keys, values = torch.randn(3, 96, 64, generator=g), torch.randn(3, 96, 64, generator=g)
     panel = quant_panel(keys, values, cfg, context=4096)
@@ -289,7 +290,7 @@ def test_quant_panel_shows_the_cache_bytes_and_updates_live():
 
 
 def test_chapter_4_exercise_solutions_pass_and_mistakes_fail():
-    from minigen.exercises import ExerciseFailed, ch04
+    from minigen.course.exercises import ExerciseFailed, ch04
     assert ch04.check_quantize_group(ch04.solution_quantize_group)
     assert ch04.check_quantized_cache_bytes(ch04.solution_quantized_cache_bytes)
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from minigen import roofline as rl
+from minigen.measure import roofline as rl
 from minigen.model import Model
 
 
@@ -87,8 +87,9 @@ def test_chapter_12_plots_draw_what_they_are_given():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from minigen import article_bench, plots
-    from minigen.profiling import CATEGORY_NAMES, Profile
+    from minigen.measure import article_bench
+    from minigen.course import plots
+    from minigen.measure.profiling import CATEGORY_NAMES, Profile
     fake_cpu = rl.Ceiling("cpu", 1e11, 2e10, 0.0, "fp32", "measured")
     ax = plots.plot_roofline([fake_cpu, *rl.GPUS], rl.roofline_points(), rl.A100_80GB)
     assert len(ax.lines) == 4 + 18 + 3  # a roof per ceiling, a marker per point, a legend entry per model

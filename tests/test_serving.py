@@ -18,14 +18,14 @@ import torch  # noqa: E402
 
 from conftest import tiny_hf  # noqa: E402
 from minigen import ConfigError  # noqa: E402
-from minigen import plots  # noqa: E402
+from minigen.course import plots  # noqa: E402
 import minigen  # noqa: E402
 from minigen import Engine, GenerationConfig  # noqa: E402
 from minigen.__main__ import main  # noqa: E402
-from minigen.serve_bench import (StaticBatches, TransformersContinuous, format_serve_bench, pool_blocks,  # noqa: E402
+from minigen.measure.serve_bench import (StaticBatches, TransformersContinuous, format_serve_bench, pool_blocks,  # noqa: E402
                                  run_serve_bench)
-from minigen.serving import batch_efficiency, latency_stats, summarize  # noqa: E402
-from minigen.workload import LengthDist, make_workload, replay  # noqa: E402
+from minigen.serving.metrics import batch_efficiency, latency_stats, summarize  # noqa: E402
+from minigen.serving.workload import LengthDist, make_workload, replay  # noqa: E402
 
 
 # ---------------------------------------------------------------- the workload

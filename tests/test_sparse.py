@@ -11,7 +11,7 @@ import minigen
 from minigen.attention import AttentionPolicy, attention_scores, sparse_keep
 from minigen.errors import ConfigError
 from minigen.generate import make_policy
-from minigen.h2o import HeavyHitterCache
+from minigen.caches.h2o import HeavyHitterCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -208,7 +208,7 @@ def test_smollm2_sparse_perplexity(smollm2, english_text_ids):
 
 # ---------------------------------------------------------------- chapter 6 exercises
 def test_ch06_exercises():
-    from minigen.exercises import ExerciseFailed, ch06
+    from minigen.course.exercises import ExerciseFailed, ch06
     assert ch06.check_keep_keys(ch06.solution_keep_keys)
     with pytest.raises(ExerciseFailed, match=r"\|score\|"):  # ranks by the signed score
         ch06.check_keep_keys(lambda s, k, t: ch06.solution_keep_keys(s - s.min() + 1e-3, k, t))

@@ -11,7 +11,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig, PromptError
-from minigen.cache import check_for_model
+from minigen.caches.make import check_for_model
 from minigen.model import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

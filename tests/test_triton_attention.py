@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 import minigen
 from conftest import tiny_hf
 from minigen import model as model_module
-from minigen.paged import BlockView
-from minigen.quant import QuantizedTensor, dequantize, quantize
-from minigen.triton_attention import BLOCK_N, decode_attention
+from minigen.caches.contract import BlockView
+from minigen.numerics.quant import QuantizedTensor, dequantize, quantize
+from minigen.kernels.triton_attention import BLOCK_N, decode_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -218,7 +218,7 @@ def test_forked_rows_read_their_shared_blocks(tiny, launches, settings):
 
 def test_a_compiled_kernel_refuses_a_cpu_model(tiny, monkeypatch):
     """Where CUDA exists Triton compiles for it: a model on the CPU is refused before any work."""
-    from minigen import triton_attention
+    from minigen.kernels import triton_attention
     monkeypatch.setattr(triton_attention, "INTERPRETED", False)
     with pytest.raises(minigen.ConfigError, match="compiles its kernel for CUDA.*TRITON_INTERPRET=1"):
         minigen.generate(tiny, torch.tensor([[1, 2, 3]]), attention_backend="triton", cache_chunk_size=4)
@@ -241,7 +241,7 @@ os.environ["TRITON_INTERPRET"] = "0"  # before minigen decorates its kernels: co
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from minigen import triton_attention as ta, triton_steps as ts
+from minigen.kernels import triton_attention as ta, triton_steps as ts
 
 def compile_for_hopper(kernel, types, constexprs):
     names = list(inspect.signature(kernel.fn).parameters)

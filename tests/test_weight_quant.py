@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 import minigen
 from conftest import tiny_hf
-from minigen import ConfigError, cpu_kernel
-from minigen.weight_quant import QuantizedWeight, pack4, quantize_matrix, quantize_weights, unpack4, weight_bytes
+from minigen import ConfigError
+from minigen.kernels import cpu as cpu_kernel
+from minigen.numerics.weight_quant import QuantizedWeight, pack4, quantize_matrix, quantize_weights, unpack4, weight_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_cc = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
@@ -100,7 +101,7 @@ def test_a_quantized_model_decodes_through_the_kernel_and_prefills_dequantized()
     # the oracle: the float model holding exactly the dequantized weights
     ref = minigen.from_hf(hf)
     with torch.no_grad():
-        for (m, name), (rm, _) in zip(minigen.weight_quant.linear_weights(model), minigen.weight_quant.linear_weights(ref)):
+        for (m, name), (rm, _) in zip(minigen.numerics.weight_quant.linear_weights(model), minigen.numerics.weight_quant.linear_weights(ref)):
             getattr(rm, name).copy_(getattr(m, name).dequantize())
         ref.lm_head.copy_(model.lm_head.dequantize())
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(0))
@@ -116,7 +117,7 @@ def test_a_tied_head_is_the_embedding_quantized_once():
     assert model.lm_head is None and isinstance(model.embed, QuantizedWeight) and model.head is model.embed
     ids = torch.tensor([[3, 7]])
     torch.testing.assert_close(model.embed[ids], model.embed.dequantize()[ids])  # lookups dequantize rows
-    linear = sum(getattr(m, n).nbytes for m, n in minigen.weight_quant.linear_weights(model))
+    linear = sum(getattr(m, n).nbytes for m, n in minigen.numerics.weight_quant.linear_weights(model))
     norms = sum(p.nbytes for p in model.parameters())
     assert weight_bytes(model) == linear + model.embed.nbytes + norms
 
@@ -169,7 +170,7 @@ def test_smollm2_quality_and_the_shipped_values(smollm2, english_text_ids):
 
 
 def test_bench_times_the_quantized_model_beside_the_float_one(tmp_path):
-    from minigen import bench
+    from minigen.measure import bench
     from test_loading import save_tiny_tokenizer
     tiny_hf("llama", hidden_size=64).save_pretrained(tmp_path / "tiny")
     save_tiny_tokenizer(tmp_path / "tiny")
@@ -184,7 +185,8 @@ def test_bench_times_the_quantized_model_beside_the_float_one(tmp_path):
 
 def test_llama_cpp_engine_needs_its_package():
     import importlib.util
-    from minigen import BenchError, bench
+    from minigen import BenchError
+    from minigen.measure import bench
     if importlib.util.find_spec("llama_cpp") is not None:
         pytest.skip("llama-cpp-python is installed here")
     with pytest.raises(BenchError, match="pip install llama-cpp-python"):

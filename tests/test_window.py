@@ -10,8 +10,8 @@ import torch
 import minigen
 from minigen.attention import AttentionPolicy, attend, in_window, window_attention, window_mask
 from minigen.errors import ConfigError
-from minigen.exercises.ch05 import article_window_attention
-from minigen.window import WindowKVCache
+from minigen.course.exercises.ch05 import article_window_attention
+from minigen.caches.window import WindowKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -213,7 +213,7 @@ def test_smollm2_window_perplexity_needs_sinks(smollm2, english_text_ids):
 
 # ---------------------------------------------------------------- chapter 5 exercises
 def test_ch05_exercises():
-    from minigen.exercises import ExerciseFailed, ch05
+    from minigen.course.exercises import ExerciseFailed, ch05
     assert ch05.check_slot_of(ch05.solution_slot_of)
     with pytest.raises(ExerciseFailed, match="keep the sink slots"):
         ch05.check_slot_of(lambda p, W, s: p % W)

@@ -1,0 +1,85 @@
+"""`make_cache`: the one place that builds the cache a GenerationConfig selects (the contract is
+contract.py; which features combine, combinations.py)."""
+
+from __future__ import annotations
+
+import math
+
+from ..combinations import RAGGED_REFUSED, check_rows
+from ..config import GenerationConfig
+from ..errors import ConfigError
+from ..numerics.precision import DTYPES
+from .contiguous import KVCache
+from .h2o import HeavyHitterCache
+from .offload import OffloadedKVCache
+from .paged import PagedKVCache
+from .quantized import QuantizedKVCache, QuantizedPagedKVCache
+from .rowwise import RowwiseCache
+from .window import WindowKVCache
+
+
+def check_for_model(config: GenerationConfig, model_config) -> None:
+    """The settings whose validity depends on the model's shapes, refused before any work."""
+    if config.quant_bits is None:
+        return
+    G, Dh, bits = config.quant_group_size, model_config.head_dim, config.quant_bits
+    if Dh % G:  # values (and keys per token) are grouped over the channels of one head
+        per_byte = 8 // bits
+        fits = [g for g in range(per_byte, Dh + 1, per_byte) if Dh % g == 0]  # divisors filling whole bytes
+        fix = (f"use a divisor of {Dh} that fills whole bytes, e.g. quant_group_size="
+               f"{max([g for g in fits if g <= G] or fits[:1])}" if fits else "use quant_bits=8")
+        raise ConfigError(f"quant_group_size={G} does not divide this model's head dim {Dh}: values (and "
+                          f"keys with quant_key_axis='token') are grouped over the {Dh} channels of a head, "
+                          f"so at quant_bits={bits} {fix}")
+    bs = config.cache_chunk_size
+    if bs is not None and config.quant_key_axis == "channel" and bs % G:
+        raise ConfigError(f"cache_chunk_size={bs} is not a multiple of quant_group_size={G}: keys are "
+                          f"quantized per channel over {G} tokens of one block, so use "
+                          f"cache_chunk_size={G * math.ceil(bs / G)}, or quant_key_axis='token'")
+
+
+def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_rows: int | None = None,
+               ragged: bool = False):
+    """The cache `config` selects for `batch` rows of up to `max_len` positions; None for the naive loop.
+    A paged pool holds `pool_rows` rows (default `batch`; more for rows forked later).
+    ragged=True: a cache that takes per-row positions [B, T] (features that cannot are refused,
+    combinations.RAGGED_REFUSED); the quantized caches then run one cache per row (rowwise.py).
+
+    Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the weights' dtype);
+    values full precision or quantized (quant_bits); what is kept all, a window with sinks
+    (window_size) or heavy hitters (kv_budget); with prefetch_depth, an offload tier wraps it.
+    config.py's REFUSED says which pairs combine.
+    """
+    if ragged:
+        check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
+        if config.quant_bits is not None:
+            return RowwiseCache([make_cache(model, config, 1, max_len) for _ in range(batch)])
+    if not config.use_cache:
+        return None
+    check_for_model(config, model.config)
+    c, device = model.config, model.device
+    dtype = DTYPES[config.kv_dtype] if config.kv_dtype is not None else model.dtype  # storage (chapter 7)
+    # With an offload tier, the device holds only the layers in flight: prefetch_depth + 1.
+    L = c.n_layers if config.prefetch_depth is None else min(c.n_layers, config.prefetch_depth + 1)
+    window, sinks = config.window_size, (config.sink_tokens if config.window_size is not None else 0)
+    quant = dict(bits=config.quant_bits, group_size=config.quant_group_size, key_axis=config.quant_key_axis)
+    if config.cache_chunk_size is not None:  # blocks from a pool sized for every row's max_len
+        bs = config.cache_chunk_size
+        paged = dict(block_size=bs, n_blocks=(pool_rows or batch) * math.ceil(max_len / bs), dtype=dtype, device=device,
+                     window_size=window, sink_tokens=sinks)
+        if config.quant_bits is not None:
+            cache = QuantizedPagedKVCache(L, batch, c.n_kv_heads, c.head_dim, **quant, **paged)
+        else:
+            cache = PagedKVCache(L, batch, c.n_kv_heads, c.head_dim, **paged)
+    elif config.quant_bits is not None:  # a window still applies, through the mask
+        cache = QuantizedKVCache(L, batch, c.n_kv_heads, max_len, c.head_dim, residual=config.quant_residual,
+                                 dtype=dtype, device=device, **quant)
+    elif config.kv_budget is not None:  # kv_budget slots per row, evicting the least attended
+        cache = HeavyHitterCache(L, batch, c.n_kv_heads, c.head_dim, config.kv_budget, dtype=dtype, device=device)
+    elif window is not None:  # a ring buffer of sinks + window slots, whatever max_len
+        cache = WindowKVCache(L, batch, c.n_kv_heads, c.head_dim, window, sinks, dtype=dtype, device=device)
+    else:
+        cache = KVCache(L, batch, c.n_kv_heads, max_len, c.head_dim, dtype=dtype, device=device)
+    if config.prefetch_depth is not None:
+        cache = OffloadedKVCache(cache, c.n_layers, config.prefetch_depth)
+    return cache

@@ -1,0 +1,271 @@
+"""The paged (chunked) KV cache (chapter 3): a pool of fixed-size blocks and one block table per sequence.
+
+Shapes: L layers, N blocks in the pool, bs = block_size token slots per block, B batch rows (one
+sequence each), Hkv key/value heads, Dh head dim, T new tokens, n blocks read, S = n * bs key slots.
+
+A contiguous cache reserves prompt + max_new_tokens slots per sequence up front; when sequences end
+early or lengths vary, most of that reservation is never written. vLLM's PagedAttention (Kwon et al.
+2023) instead hands out blocks of `block_size` tokens on demand from one preallocated pool, so a
+sequence wastes at most one partly filled block. A block table maps each sequence's logical block j
+(positions j*bs .. j*bs + bs - 1) to a physical block of the pool; attention reads the blocks in
+table order: `update` gathers them for torch's attention, `update_blocks` hands the pool and the
+tables to a kernel that reads through them without the copy (vLLM's; minigen's triton_attention.py).
+
+Blocks are reference counted, so sequences forked from one prompt (parallel sampling) share the
+prompt's blocks; a shared block that is about to be written is copied first (copy-on-write).
+With a window, blocks wholly outside it (and holding no sink token) go back to the pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+from torch import Tensor
+
+from ..attention import in_window
+from ..errors import PositionError
+from .blocks import BlockAllocator
+from .contract import BlockView, long_tensor
+
+
+# ---------------------------------------------------------------- the cache (full precision)
+class PagedKVCache:
+    """KV cache in a pool of blocks [L, N, bs, Hkv, Dh] read through block tables.
+
+    With input_pos [T] the rows advance in lockstep, each with its own block table, so the rows'
+    tables have the same shape; with input_pos [B, T] each row writes its own positions (a ragged
+    batch, or the serving engine's sequences, which set `rows` before each step). It follows the cache contract of cache.py:
+    `prepare` allocates, copies on write, frees blocks outside the window and forgets positions
+    at or after a write that starts early (a new sequence or a rollback); `update` only writes and
+    gathers. A step the pool cannot hold raises CacheFullError before anything changes.
+    """
+    observers = ()
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, block_size: int,
+                 n_blocks: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 window_size: int | None = None, sink_tokens: int = 0):
+        self.allocator = BlockAllocator(n_blocks, block_size)
+        self.rows = [self.allocator.add_sequence() for _ in range(batch)]  # the sequence of each row
+        self.block_size, self.window_size, self.sink_tokens = block_size, window_size, sink_tokens
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self._make_storage()
+        self._table = self._copies = self._write_slots = None  # this step's plan, set by prepare
+        self._write_index: Tensor | None = None  # per-row positions: which of the B * T tokens are written
+        self._blocks = self._lens = None  # this step's logical tables [B, n] (-1: freed) and lengths [B]
+        self._read: dict[str, Tensor] = {}  # "k"/"v" -> the buffer attention reads gathered blocks from
+        self._peak = self.nbytes
+
+    def _make_storage(self) -> None:
+        # [L, N, bs, Hkv, Dh]: a block's slots and heads are contiguous, the layout of FlashAttention's
+        # paged kernels; one gather of a block table then views as [B, S, Hkv, Dh].
+        shape = (self.n_layers, self.allocator.n_blocks, self.block_size, self.n_kv_heads, self.head_dim)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # --- bookkeeping, once per forward call (layer independent)
+    def prepare(self, input_pos: Tensor) -> Tensor:
+        """Plan this step's blocks (rewind, window, allocation, copy-on-write) -> the position of
+        each read slot [S], -1 where a slot holds nothing. Per-row positions [B, T]: `_prepare_rows`."""
+        if input_pos.dim() == 2:
+            return self._prepare_rows(input_pos)
+        self._write_index = None
+        start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
+        if start < 0 or end - start != input_pos.shape[0]:
+            raise PositionError(f"the paged cache takes consecutive positions >= 0, got {start}..{end - 1} "
+                                f"for {input_pos.shape[0]} tokens")
+        self._allocate({row: (start, end) for row in self.rows})
+        key_pos = self._plan(start, end, [self.allocator.tables[row] for row in self.rows])
+        self._peak = max(self._peak, self.nbytes)
+        return key_pos
+
+    def _prepare_rows(self, input_pos: Tensor) -> Tensor:
+        """Per-row positions [B, T], -1 for padding: each row writes its own run of consecutive
+        positions (or nothing) -> key positions [B, S], each row's blocks in table order, -1 where
+        a slot holds nothing (rows with fewer blocks are padded)."""
+        pos, alloc, bs = input_pos.cpu(), self.allocator, self.block_size  # one host sync per forward call
+        spans = {}  # sequence -> (start, end) of the positions it writes
+        for b, row in enumerate(self.rows):
+            real = pos[b][pos[b] >= 0]
+            if real.numel():
+                start, end = int(real[0]), int(real[-1]) + 1
+                if not torch.equal(real, torch.arange(start, end)):
+                    raise PositionError(f"the paged cache takes consecutive positions >= 0 in each row; row {b} "
+                                        f"has {real.tolist()}")
+                spans[row] = (start, end)
+        self._allocate(spans)
+        # Read: each row's kept blocks, padded with block 0 (its slots marked -1, never attended).
+        kept = [[j for j, b in enumerate(alloc.tables[row]) if b >= 0] for row in self.rows]
+        n = max(1, max(len(k) for k in kept))
+        self._table = long_tensor([[alloc.tables[row][j] for j in k] + [0] * (n - len(k))
+                             for row, k in zip(self.rows, kept)], self.device)  # [B, n]
+        key_pos = torch.full((len(self.rows), n * bs), -1, dtype=torch.long)
+        for b, (row, k) in enumerate(zip(self.rows, kept)):
+            held = (long_tensor(k)[:, None] * bs + torch.arange(bs)).flatten()
+            key_pos[b, :held.numel()] = held.masked_fill(held >= alloc.lengths[row], -1)
+        # Write: the pool slot of every real token, and where it sits in the flattened [B * T] batch.
+        rows, cols = (pos >= 0).nonzero(as_tuple=True)
+        p = pos[rows, cols]
+        block = long_tensor([alloc.tables[self.rows[r]][q // bs] for r, q in zip(rows.tolist(), p.tolist())])
+        self._write_slots = (block * bs + p % bs).to(self.device)
+        self._write_index = (rows * pos.shape[1] + cols).to(self.device)
+        self._blocks, self._lens = None, long_tensor([alloc.lengths[row] for row in self.rows], self.device)
+        self._peak = max(self._peak, self.nbytes)
+        return key_pos.to(self.device)
+
+    def _allocate(self, spans: dict[int, tuple[int, int]]) -> None:
+        """Give each sequence the blocks for writing positions [start, end) of `spans`: forget its
+        positions >= start, free blocks outside the window, allocate (copy-on-write) -> self._copies.
+        Every change is worked out first, so that a step the pool cannot hold changes nothing."""
+        alloc = self.allocator
+        rewind = {row: a for row, (a, _) in spans.items() if alloc.lengths[row] > a}
+        outside = ([(row, j) for row, (a, _) in spans.items() for j in self._outside_window(row, a)]
+                   if self.window_size is not None else [])  # blocks no query from `start` on can see
+        writes = [(row, a, e) for row, (a, e) in spans.items()]
+        alloc.check_room(self._blocks_needed(writes, rewind, outside))  # before anything changes
+        for row, a in rewind.items():
+            alloc.truncate(row, a)
+        for row, j in outside:
+            if j < len(alloc.tables[row]) and alloc.tables[row][j] >= 0:
+                alloc.free_block(row, j)
+        copies = [c for row, a, e in writes for c in alloc.write(row, a, e)]
+        self._copies = long_tensor(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
+
+    def _outside_window(self, row: int, start: int) -> list[int]:
+        """Logical blocks of `row` that no query from `start` on can see (attention.in_window is monotone)."""
+        bs, out = self.block_size, []
+        for j, b in enumerate(self.allocator.tables[row]):
+            first, last = j * bs, j * bs + bs - 1
+            # Sinks are a prefix and the window a suffix of the positions, so a block is visible
+            # when its first or its last position is.
+            if b >= 0 and last < start and not (in_window(first, start, self.window_size, self.sink_tokens)
+                                                or in_window(last, start, self.window_size, self.sink_tokens)):
+                out.append(j)
+        return out
+
+    def _blocks_needed(self, writes, rewind: dict[int, int], outside: list[tuple[int, int]]) -> int:
+        """Blocks this step takes from the pool, minus the ones rewinding (row -> the position it
+        rewinds to) and the window give back."""
+        alloc = self.allocator
+        kept = {row: math.ceil(start / self.block_size) for row, start in rewind.items()}  # blocks a rewind keeps
+        need = alloc.blocks_needed(writes, kept)
+        # Given back first: whole blocks after the rewind point, and blocks outside the window, each
+        # once its last holder lets go (a block shared with a sequence outside this batch stays).
+        holders: dict[int, int] = {}
+        for row in rewind:
+            for b in alloc.tables[row][kept[row]:]:
+                if b >= 0:
+                    holders[b] = holders.get(b, 0) + 1
+        for row, j in outside:
+            b = alloc.tables[row][j]
+            holders[b] = holders.get(b, 0) + 1
+        returned = sum(1 for b, n in holders.items() if alloc.refs[b] == n)
+        return max(0, need - returned)
+
+    def _plan(self, start: int, end: int, tables: list[list[int]]) -> Tensor:
+        """Set this step's write slots and read table from the rows' block tables -> key positions [S]."""
+        bs = self.block_size
+        kept = [j for j, b in enumerate(tables[0]) if b >= 0]  # logical blocks still held (same in every row)
+        self._table = long_tensor([[t[j] for j in kept] for t in tables], self.device)  # [B, n]
+        self._blocks, self._lens = long_tensor(tables, self.device), torch.full((len(tables),), end, device=self.device)
+        pos = torch.arange(start, end)
+        write_blocks = long_tensor([[t[p // bs] for p in range(start, end)] for t in tables])  # [B, T]
+        self._write_slots = (write_blocks * bs + pos % bs).flatten().to(self.device)  # [B*T] slots of the pool
+        key_pos = (long_tensor(kept)[:, None] * bs + torch.arange(bs)).flatten()  # [S]
+        return key_pos.masked_fill(key_pos >= end, -1).to(self.device)  # unwritten slots: -1
+
+    # --- storage, once per layer
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, Hkv, T, Dh] into their blocks; return the rows' blocks [B, Hkv, S, Dh]
+        (views of a buffer that the next layer's update overwrites)."""
+        return self._update_one(self.k[layer], k, "k"), self._update_one(self.v[layer], v, "v")
+
+    def update_blocks(self, layer: int, k: Tensor, v: Tensor) -> BlockView:
+        """Write k, v [B, Hkv, T, Dh] as `update` does; return the pool and the tables in place of a gather."""
+        self._write(self.k[layer], k)
+        self._write(self.v[layer], v)
+        return BlockView(self.k[layer], self.v[layer], self._blocks, self.block_size, self._lens, self._lens)
+
+    def _write(self, pool: Tensor, x: Tensor) -> None:
+        B, Hkv, T, Dh = x.shape
+        x = x.to(pool.dtype)  # stored in the cache's dtype (kv_dtype)
+        if self._copies is not None:  # copy-on-write: give each writer its own copy of a shared block
+            pool[self._copies[1]] = pool[self._copies[0]]
+        slots = pool.view(-1, Hkv, Dh)  # [N*bs, Hkv, Dh]
+        x = rearrange(x, "b h t d -> (b t) h d")
+        if self._write_index is not None:  # per-row positions: only the real tokens, not the padding
+            x = x[self._write_index]
+        slots.index_copy_(0, self._write_slots, x)
+
+    def _update_one(self, pool: Tensor, x: Tensor, name: str) -> Tensor:
+        B = x.shape[0]
+        self._write(pool, x)
+        n = self._table.shape[1]
+        blocks = torch.index_select(pool, 0, self._table.flatten(), out=self._buffer(name, B * n))  # [B*n, bs, Hkv, Dh]
+        return rearrange(blocks, "(b n) s h d -> b h (n s) d", b=B)  # [B, Hkv, S, Dh], S = n * bs
+
+    def _buffer(self, name: str, n_blocks: int) -> Tensor:
+        """A reused [n_blocks, bs, Hkv, Dh] buffer to gather into (grown by doubling): a fresh tensor
+        per layer and step cost more than the copy itself on the machine this course is measured on
+        (page faults of large allocations), and a fixed buffer is what a CUDA graph needs anyway."""
+        buf = self._read.get(name)
+        if buf is None or buf.shape[0] < n_blocks:
+            size = max(n_blocks, 2 * buf.shape[0] if buf is not None else 1)
+            shape = (size, self.block_size, self.n_kv_heads, self.head_dim)
+            buf = self._read[name] = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._peak = max(self._peak, self.nbytes)
+        return buf[:n_blocks]
+
+    def layer_tensors(self) -> list[Tensor]:
+        """Every tensor that holds per-layer state, layer first (what an offload tier moves)."""
+        return [self.k, self.v]
+
+    # --- sequences
+    def fork(self, n: int) -> None:
+        """Turn a batch of one sequence into n rows that share its blocks (parallel sampling)."""
+        if len(self.rows) != 1:
+            raise PositionError(f"fork a batch of one sequence, not {len(self.rows)}: prefill one prompt, then fork")
+        self.rows += self.allocator.fork(self.rows[0], n - 1)
+
+    def free(self) -> None:
+        """Every row finished: give all blocks back to the pool."""
+        for row in self.rows:
+            self.allocator.free_sequence(row)
+        self.rows = []
+
+    def reset(self) -> None:
+        """Forget every position: each row's blocks go back to the pool (prepare at position 0 does it too)."""
+        for row in self.rows:
+            self.allocator.truncate(row, 0)
+
+    # --- accounting
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block: keys and values of block_size tokens in every layer."""
+        return sum(t[:, 0].nbytes for t in self.layer_tensors())
+
+    @property
+    def nbytes(self) -> int:
+        """Every byte held: the whole preallocated pool, the block tables (int32 entries) and the
+        buffers attention reads gathered blocks from."""
+        entries = sum(len(self.allocator.tables[row]) for row in self.rows)
+        return (sum(t.nbytes for t in self.layer_tensors()) + 4 * entries
+                + sum(b.nbytes for b in self._read.values()))
+
+    @property
+    def peak_nbytes(self) -> int:
+        return self._peak
+
+    device_nbytes = nbytes
+
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the blocks that sequences hold now (the rest of the pool is free for others)."""
+        return self.allocator.n_used * self.block_nbytes
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """(blocks in use, blocks in the pool)."""
+        return self.allocator.n_used, self.allocator.n_blocks

@@ -1,0 +1,111 @@
+"""Teacher-forced evaluation through the same cache path that generation uses.
+
+Shapes: T tokens in the text, C tokens fed per step (`chunk_size`), V vocabulary.
+
+Lossy caches (quantized, windowed, sparse) only show their loss when the model reads back what
+they stored, so `score` feeds the text `chunk_size` tokens at a time into the cache that the
+config selects: `chunk_size=1` is exactly how decoding sees the cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .steps import fused
+from .caches.make import make_cache
+from .config import GenerationConfig, resolve_config
+from .entropy import EntropyRecorder
+from .errors import PromptError
+from .generate import check_prompt, make_policy
+from .model import Model
+
+
+@dataclass
+class Score:
+    nll: Tensor  # [T-1] negative log-likelihood of each next token, in nats
+    top1: Tensor  # [T-1] the model's argmax prediction for each next token
+
+    @property
+    def perplexity(self) -> float:
+        """exp(mean NLL); inf when the mean is past what a float holds (a model that is sure and wrong)."""
+        mean = self.nll.mean().item()
+        return math.exp(mean) if mean < 709 else math.inf
+
+
+def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+          chunk_size: int | None = None, *, observers=(), **overrides) -> Score:
+    """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call.
+
+    chunk_size=None feeds the whole text at once, except when the config's cache changes what a
+    later token reads (quant_bits, kv_budget): the tokens of one call are attended as computed,
+    so these caches are then fed one token at a time, as decoding reads them.
+    `observers` see every layer's attention probabilities (attention.AttentionObserver).
+    """
+    config = resolve_config(config, overrides)
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() not in (1, 2):
+        raise PromptError(f"token_ids must be an integer tensor [T] or [1, T], got "
+                          f"{tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
+    ids = token_ids.reshape(1, -1) if token_ids.dim() == 1 else token_ids
+    if ids.shape[0] != 1 or ids.shape[1] < 2:
+        raise PromptError(f"score a single sequence of at least 2 tokens, got shape {tuple(token_ids.shape)}")
+    T = ids.shape[1]
+    if T > model.config.max_seq_len:
+        raise PromptError(f"the text has {T} tokens but the model's context is {model.config.max_seq_len}: "
+                          f"score at most {model.config.max_seq_len} tokens at a time")
+    check_prompt(model, ids, 0)  # integer ids inside the vocabulary
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):  # before `or`: 0 is falsy
+        raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
+    reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
+    C = chunk_size or (1 if reads_back else T)
+    if config.fused_decode:  # the fused step decodes one token at a time: score what it computes
+        fused.check_run(model, 1, config.kv_dtype, tuple(observers))
+        C = 1
+    logits = []
+    with torch.inference_mode():
+        if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
+            policy = make_policy(config, None, observers)
+            logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])
+        else:
+            cache = make_cache(model, config, 1, T)
+            policy = make_policy(config, cache, observers)
+            for s in range(0, T, C):
+                pos = torch.arange(s, min(s + C, T), device=ids.device)
+                if config.fused_decode:
+                    logits.append(fused.decode_step(model, ids[:, s:s + 1], pos, cache))  # [1, V]
+                    continue
+                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
+    logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+    return Score(nll=nll, top1=logits.argmax(-1))
+
+
+def perplexity(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+               chunk_size: int | None = None, **overrides) -> float:
+    """exp(mean next-token NLL) of token_ids under the cache path that `config` selects."""
+    return score(model, token_ids, config, chunk_size, **overrides).perplexity
+
+
+def top1_agreement(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+                   reference: GenerationConfig | None = None, chunk_size: int | None = 1,
+                   **overrides) -> float:
+    """Fraction of positions where `config`'s argmax equals the reference config's (default: exact)."""
+    test = score(model, token_ids, config, chunk_size, **overrides).top1
+    ref = score(model, token_ids, reference or GenerationConfig(), chunk_size).top1
+    return (test == ref).float().mean().item()
+
+
+def attention_entropy(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
+                      chunk_size: int | None = None, **overrides) -> Tensor:
+    """Entropy in nats of every layer's, head's and query's attention over token_ids: [L, H, T].
+
+    Runs `score` through the cache and attention policy that `config` selects (window, sinks,
+    sparse), so the entropy is that of the attention the model really used. See entropy.py.
+    """
+    recorder = EntropyRecorder(model.config.n_layers)
+    score(model, token_ids, config, chunk_size, observers=(recorder,), **overrides)
+    return recorder.result()

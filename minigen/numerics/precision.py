@@ -1,0 +1,64 @@
+"""Mixed precision (chapter 7): what each number is stored in, and what it is computed in.
+
+    weights      model.dtype           fp32, bf16 or fp16: minigen.load(name, dtype=...)
+    activations  model.precision       fp32, or the weights' dtype: the residual stream between ops
+    KV cache     config.kv_dtype       fp32, bf16 or fp16 storage (None: the weights' dtype)
+    critical     model.precision       norms, softmax and logits in fp32 whatever the rest
+
+A product of 16-bit weights and fp32 activations keeps the activations exact: one row (a decode
+step at batch 1) runs on the C kernel, which widens each bf16 weight to fp32 in a register; several
+rows (a prompt, a batch) widen the weights to fp32 for the product. The default policy follows
+the hardware: on a CPU, fp32 activations (its small ops are fast in fp32, and the kernel reads bf16
+weights at the price of bf16 bytes); on a GPU, the weights' dtype (native 16-bit arithmetic).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_of(value, key: str) -> torch.dtype:
+    """torch.float32/bfloat16/float16, or its name -> the torch dtype; anything else raises
+    ConfigError naming `key` and the choices (an integer dtype would round every weight to 0)."""
+    if isinstance(value, str) and value in DTYPES:
+        return DTYPES[value]
+    if isinstance(value, torch.dtype) and value in DTYPES.values():
+        return value
+    raise ConfigError(f"{key}={value!r} is not supported: use torch.float32, torch.bfloat16 or torch.float16 "
+                      f"(or the strings {', '.join(map(repr, DTYPES))})")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a model computes: the activations' dtype, and which critical paths stay in fp32."""
+    compute: torch.dtype = torch.float32  # activations between ops (the residual stream, q, k, v)
+    fp32_norms: bool = True  # RMSNorm / LayerNorm: a mean of squares over the model width
+    fp32_softmax: bool = True  # attention's probabilities: many small numbers that must sum to 1
+    fp32_logits: bool = True  # the output head's sums, and the logits sampling reads
+
+    @classmethod
+    def default(cls, weights: torch.dtype, device: torch.device | str) -> "Precision":
+        """fp32 activations on a CPU, the weights' dtype on a GPU (see the module docstring)."""
+        return cls(compute=torch.float32 if torch.device(device).type == "cpu" else weights)
+
+    def replace(self, **changes) -> "Precision":
+        if "compute" in changes:
+            changes["compute"] = dtype_of(changes["compute"], "compute")
+        for key in ("fp32_norms", "fp32_softmax", "fp32_logits"):
+            if key in changes and not isinstance(changes[key], bool):
+                raise ConfigError(f"{key}={changes[key]!r} is invalid: use True or False")
+        return replace(self, **changes)
+
+    def describe(self, weights: torch.dtype) -> str:
+        """One line for reports: e.g. 'bf16 weights, fp32 activations, fp32 norms/softmax/logits'."""
+        name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        low = [p for p, keep in (("norms", self.fp32_norms), ("softmax", self.fp32_softmax),
+                                 ("logits", self.fp32_logits)) if not keep]
+        critical = "fp32 norms, softmax and logits" if not low else f"{', '.join(low)} in {name[self.compute]}"
+        return f"{name[weights]} weights, {name[self.compute]} activations, {critical}"

@@ -1,0 +1,292 @@
+"""`Engine`: continuous batching over one pool of paged blocks (chapter 10).
+
+Shapes: B sequences in a step, T tokens per row of a prefill, V vocabulary; a block holds
+`cache_chunk_size` (bs) token positions of every layer, as in vLLM.
+
+    engine = Engine(model, max_batch_size=8, num_blocks=64)
+    rid = engine.add_request(prompt_ids, max_new_tokens=32, temperature=0.7, do_sample=True, seed=1)
+    for request_id, token in engine.stream(): ...   # each new token as it is sampled
+    tokens = engine.run()                            # {request_id: prompt + new tokens, 1-D}
+    engine.metrics()                                 # TTFT, TPOT, KV usage, hit rate, ... (scheduler.py)
+
+Every `step()` (iteration-level scheduling, as in Orca and vLLM):
+  1. reserves a block for each running sequence whose next token opens one; when the pool
+     cannot, preempts the newest running sequence (its blocks go back; it is recomputed later);
+  2. admits waiting requests that have arrived, first come first served, while `can_admit`
+     (scheduler.py) says a batch slot and their prompts' blocks are free, reusing cached prefix blocks;
+  3. runs the admitted prompts as one ragged prefill ([B, T], each row at its own positions) and
+     the running sequences as one decode step ([B, 1], each row at its own position), both
+     through the same paged cache, and samples each row with its own settings and generator;
+  4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
+Each request's tokens equal generating it alone: rows never see each other (per-row positions
+and masks), and each row samples from its own generator, seeded by its own `seed`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from ..combinations import ENGINE_REFUSED, check_rows
+from ..config import GenerationConfig, resolve_config
+from ..errors import ConfigError, PromptError, RequestError
+from ..generate import _generator, check_prompt, make_policy, sample
+from ..caches.paged import PagedKVCache
+from .scheduler import (PrefixAllocator, Request, block_hashes, blocks_for, can_admit, serving_metrics)
+
+# Per-request overrides: what sampling and stopping mean for one request; the cache is the engine's.
+REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
+MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory free for the pool now: CUDA's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Engine:
+    """Continuous batching of requests over one pool of `num_blocks` paged blocks.
+
+    num_blocks=None sizes the pool for max_batch_size sequences of the model's whole context,
+    capped at MEMORY_FRACTION (10%) of the memory available when the engine starts.
+    """
+
+    def __init__(self, model, config: GenerationConfig | dict | None = None, *, max_batch_size: int = 8,
+                 num_blocks: int | None = None):
+        self.config = resolve_config(config, {})
+        check_rows(self.config, "the serving engine", ENGINE_REFUSED)
+        if self.config.cache_chunk_size is None:
+            self.config = self.config.replace(cache_chunk_size=DEFAULT_BLOCK_SIZE)
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size={max_batch_size!r} is invalid: use an integer >= 1 (sequences per step)")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or isinstance(num_blocks, bool)
+                                       or num_blocks < 1):
+            raise ConfigError(f"num_blocks={num_blocks!r} is invalid: use an integer >= 1 (blocks of "
+                              f"{self.config.cache_chunk_size} tokens in the pool), or None to size it from memory")
+        self.model, self.max_batch_size = model, max_batch_size
+        c, bs = model.config, self.config.cache_chunk_size
+        dtype = model.dtype if self.config.kv_dtype is None else getattr(torch, self.config.kv_dtype)
+        if num_blocks is None:
+            block_bytes = c.kv_bytes_per_token(dtype.itemsize) * bs
+            fits = int(MEMORY_FRACTION * available_bytes(model.device)) // block_bytes
+            num_blocks = max(1, min(max_batch_size * blocks_for(c.max_seq_len, bs), fits))
+        self.cache = PagedKVCache(c.n_layers, 0, c.n_kv_heads, c.head_dim, bs, num_blocks, dtype, model.device,
+                                  self.config.window_size,
+                                  self.config.sink_tokens if self.config.window_size is not None else 0)
+        self.cache.allocator = self.alloc = PrefixAllocator(num_blocks, bs)
+        self.policy = make_policy(self.config, self.cache)
+        self.num_blocks, self.block_size = num_blocks, bs
+        self.requests: list[Request] = []
+        self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order: the newest is preempted first
+        self.steps: list[dict] = []
+        self.preemptions = self.hit_tokens = self.admitted_tokens = 0
+        self._t0 = time.perf_counter()
+
+    def now(self) -> float:
+        """Seconds since the engine was created (t=0 of every time it reports)."""
+        return time.perf_counter() - self._t0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_ids, *, arrival_s: float | None = None, **overrides) -> int:
+        """Queue a prompt (1-D token ids) -> its request id (0, 1, ... in add order).
+
+        `overrides` are GenerationConfig fields for this request only: max_new_tokens, do_sample,
+        temperature, top_k, top_p, seed, stop_token_ids. `arrival_s` (seconds since t=0; default now)
+        replays a workload: the request is not admitted before it.
+        """
+        config = self.config.replace(**overrides)  # unknown keys: ConfigError with the closest name
+        cache_keys = sorted(k for k in overrides if k not in REQUEST_KEYS)
+        if cache_keys:
+            raise ConfigError(f"{', '.join(cache_keys)} cannot change per request: the engine's one pool sets "
+                              f"them for every request. Pass them in Engine(model, config); per request: "
+                              f"{', '.join(REQUEST_KEYS)}")
+        ids = prompt_ids if isinstance(prompt_ids, Tensor) else torch.tensor(prompt_ids, dtype=torch.long)
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0:
+            raise PromptError(f"the prompt is empty or not 1-D (shape {tuple(ids.shape)}): give a 1-D tensor "
+                              "or list of at least one token id")
+        check_prompt(self.model, ids[None].long(), config.max_new_tokens, config)
+        rid = len(self.requests)
+        stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids
+        req = Request(rid, ids.tolist(), config, frozenset(stop), self.now() if arrival_s is None else float(arrival_s),
+                      _generator(config, self.model.device))
+        need = blocks_for(req.max_positions, self.block_size)
+        if need > self.num_blocks:
+            raise PromptError(f"request of {len(req.prompt)} prompt tokens + max_new_tokens={config.max_new_tokens} "
+                              f"needs {need} blocks of {self.block_size} tokens, and the pool holds {self.num_blocks}: "
+                              f"raise num_blocks to at least {need}, or lower max_new_tokens or the prompt")
+        self.requests.append(req)
+        req.enter("queued", req.arrival_s)
+        if config.max_new_tokens == 0:
+            self._finish(req, "length")
+        else:
+            at = next((i for i, r in enumerate(self.waiting) if r.arrival_s > req.arrival_s), len(self.waiting))
+            self.waiting.insert(at, req)
+        return rid
+
+    def _request(self, request_id) -> Request:
+        if not isinstance(request_id, int) or not 0 <= request_id < len(self.requests):
+            raise RequestError(f"unknown request id {request_id!r}: this engine has ids 0..{len(self.requests) - 1}, "
+                               "the values add_request returned")
+        return self.requests[request_id]
+
+    def cancel(self, request_id: int) -> None:
+        """Stop a request now: its blocks go back to the pool; run() still returns the tokens it has."""
+        req = self._request(request_id)
+        if req.status == "finished":
+            raise RequestError(f"request {request_id} is already {'cancelled' if req.finish_reason == 'cancelled' else 'finished'}"
+                               f" ({req.finish_reason}): there is nothing left to cancel")
+        (self.waiting if req.status == "waiting" else self.running).remove(req)
+        self._finish(req, "cancelled")
+
+    def _finish(self, req: Request, reason: str) -> None:
+        if req.seq is not None:
+            self.alloc.free_sequence(req.seq)
+            req.seq = None
+        req.status, req.finish_reason, req.finish_s = "finished", reason, self.now()
+        req.enter(None, req.finish_s)
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later: give its blocks back, and queue it first."""
+        self.alloc.free_sequence(req.seq)
+        req.seq, req.computed, req.status = None, 0, "waiting"
+        req.preemptions += 1
+        self.preemptions += 1
+        req.enter("preempted", self.now())
+        self.running.remove(req)
+        self.waiting.insert(0, req)
+
+    # ---------------------------------------------------------------- one step
+    def step(self) -> dict[int, list[int]]:
+        """Schedule, run one prefill and one decode forward, sample -> {request_id: new token ids}.
+        With nothing to run (no request has arrived) it returns {} and records no step."""
+        began, t = time.perf_counter(), self.now()
+        # 1. the running sequences' next tokens first: preempt the newest while the pool cannot hold them
+        while self.running and self._decode_blocks() > len(self.alloc.free):
+            self._preempt(self.running[-1])
+        reserved = self._decode_blocks()
+        # 2. admit arrived requests in order while a slot and their blocks are free
+        admitted, committed = [], 0  # committed: blocks the admitted prompts will take in this step's prefill
+        while self.waiting and self.waiting[0].arrival_s <= t:
+            req = self.waiting[0]
+            hits = self.alloc.lookup(req.block_keys((len(req.tokens) - 1) // self.block_size, self.block_size))
+            fresh = blocks_for(len(req.tokens), self.block_size) - len(hits)
+            revived = sum(self.alloc.refs[b] == 0 for b in hits)  # cached blocks no one holds: they leave the free list
+            if not can_admit(fresh + revived, len(self.alloc.free) - committed, reserved,
+                             len(self.running) + len(admitted), self.max_batch_size):
+                break
+            self.waiting.pop(0)
+            self._admit(req, hits)
+            admitted.append(req)
+            committed += fresh
+        decoding = list(self.running)
+        new: dict[int, list[int]] = {}
+        if not admitted and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
+            return new
+        with torch.inference_mode():
+            if admitted:  # 3. one ragged prefill of every admitted prompt (from its first uncached position)
+                self._forward(admitted, [r.tokens[r.computed:] for r in admitted], new)
+            if decoding:  # and one decode step of every running sequence
+                self._forward(decoding, [r.tokens[-1:] for r in decoding], new)
+        self.running += admitted
+        for req in admitted + decoding:  # 4. finished requests give their blocks back
+            if req.output[-1] in req.stop or len(req.output) >= req.config.max_new_tokens:
+                self.running.remove(req)
+                self._finish(req, "stop" if req.output[-1] in req.stop else "length")
+        self.steps.append({"t_s": t, "step_s": time.perf_counter() - began,
+                           "batch_size": len(admitted) + len(decoding), "kv_usage": self.alloc.n_used / self.num_blocks,
+                           "prefill_tokens": sum(len(r.tokens) - 1 - r.cached for r in admitted) if admitted else 0,
+                           "decode_tokens": len(decoding)})
+        return new
+
+    def _decode_blocks(self) -> int:
+        """Blocks the running sequences' next tokens take from the pool."""
+        return self.alloc.blocks_needed([(r.seq, r.computed, r.computed + 1) for r in self.running])
+
+    def _admit(self, req: Request, hits: list[int]) -> None:
+        req.seq = self.alloc.add_sequence()
+        self.alloc.share(req.seq, hits)
+        req.computed = req.registered = req.cached = len(hits) * self.block_size
+        req.cached_tokens += req.cached
+        self.hit_tokens += req.cached
+        self.admitted_tokens += len(req.tokens)
+        req.status = "running"
+        now = self.now()
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = now
+        req.enter("prefill", now)
+
+    def _forward(self, reqs: list[Request], chunks: list[list[int]], new: dict[int, list[int]]) -> None:
+        """Run each request's `chunk` of tokens at its own positions (left padding) and sample its next token."""
+        B, T, device = len(reqs), max(len(c) for c in chunks), self.model.device
+        ids = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.full((B, T), -1, dtype=torch.long)
+        for b, (req, chunk) in enumerate(zip(reqs, chunks)):
+            ids[b, T - len(chunk):] = torch.tensor(chunk)
+            pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
+        self.cache.rows = [r.seq for r in reqs]
+        logits = self.model(ids.to(device), pos.to(device), self.cache, last_only=True, policy=self.policy)[:, -1]
+        greedy = logits.argmax(dim=-1).tolist()
+        now = self.now()
+        for b, (req, chunk) in enumerate(zip(reqs, chunks)):
+            token = greedy[b] if not req.config.do_sample else int(sample(logits[b:b + 1], req.config, req.generator))
+            req.computed += len(chunk)
+            req.output.append(token)
+            new.setdefault(req.id, []).append(token)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            if req.phases[-1][0] == "prefill":
+                req.enter("decode", now)
+            n_full = req.computed // self.block_size  # offer its newly full blocks to the prefix cache
+            table = self.alloc.tables[req.seq]
+            for j, key in enumerate(req.block_keys(n_full, self.block_size)[req.registered:], req.registered):
+                if table[j] >= 0:
+                    self.alloc.register(table[j], key)
+            req.registered = n_full
+
+    # ---------------------------------------------------------------- driving it
+    def unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stream(self) -> Iterator[tuple[int, int]]:
+        """Step until every request has finished, yielding (request_id, token_id) as each token is sampled.
+        While nothing runs and the next request has not arrived yet, it sleeps until it does."""
+        while self.unfinished():
+            if not self.running and self.waiting and self.waiting[0].arrival_s > self.now():
+                time.sleep(max(0.0, self.waiting[0].arrival_s - self.now()))
+            for rid, tokens in self.step().items():
+                for token in tokens:
+                    yield rid, token
+
+    def run(self) -> dict[int, Tensor]:
+        """Step until every request has finished -> {request_id: prompt + new tokens, 1-D}, every request
+        added so far (a cancelled one with the tokens it had)."""
+        for _ in self.stream():
+            pass
+        return {r.id: torch.tensor(r.tokens, dtype=torch.long) for r in self.requests}
+
+    def metrics(self) -> dict:
+        """Serving metrics (times in seconds since t=0, the engine's creation), over finished requests:
+        "ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s": {"p50", "p90", "p99", "mean", "n"};
+        "output_tokens_per_s"; "preemptions"; "prefix_cache_hit_rate" (prompt tokens served from cached
+        blocks / prompt tokens admitted); "steps": one {"t_s", "step_s", "batch_size", "kv_usage",
+        "prefill_tokens", "decode_tokens"} per step(); "kv_usage" and "batch_size" per step; "requests":
+        per request its counts, times, finish_reason and phases [phase, start_s, end_s];
+        "num_blocks", "block_size", "max_batch_size"."""
+        out = serving_metrics(self.requests, self.steps, self.now(), self.preemptions, self.hit_tokens,
+                              self.admitted_tokens)
+        return {**out, "num_blocks": self.num_blocks, "block_size": self.block_size,
+                "max_batch_size": self.max_batch_size}

@@ -1,0 +1,185 @@
+"""The serving engine's bookkeeping, without a model: requests, the admission rule, prefix caching.
+
+Shapes: none; token ids are Python ints, blocks are ids into one pool of `n_blocks` blocks of
+`block_size` token slots (blocks.py), and times are seconds since the engine started.
+
+Continuous batching (Orca, Yu et al. 2022; vLLM, Kwon et al. 2023) schedules every step anew: the
+running sequences decode one token each, then waiting requests join while a batch slot and the
+blocks their prompts need are free (`can_admit`). When the running sequences' next tokens need
+more blocks than are free, the newest one is preempted: its blocks go back, and it waits to be
+recomputed from its prompt and the tokens it already has.
+
+Prefix caching: a full block is keyed by a hash of its tokens and of every token before it (a
+chain of hashes, as vLLM's automatic prefix caching), so two requests that share a system prompt
+share its blocks, by reference count. A block nobody holds stays in the pool with its contents
+and its key until the pool needs it: blocks that hold nothing are handed out first, then cached
+ones in least-recently-used order (`PrefixAllocator`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..caches.blocks import BlockAllocator
+from ..config import GenerationConfig
+from .metrics import latency_stats
+
+
+def can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int, max_batch_size: int) -> bool:
+    """The admission rule: a waiting request joins the batch when a batch slot is free and the blocks
+    its prompt needs fit in the free blocks left after those reserved for the running sequences'
+    next tokens (so that admitting it never forces a preemption in the same step)."""
+    return running < max_batch_size and blocks_needed <= free_blocks - reserved_blocks
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks that hold `tokens` positions."""
+    return math.ceil(tokens / block_size)
+
+
+def block_hashes(tokens: list[int], block_size: int, start: int = 0, prev: int | None = None) -> list[int]:
+    """The chain hash of each full block of `tokens` from block `start`: hash(previous block's key,
+    this block's tokens), so a key names a block's tokens and everything before them."""
+    keys = []
+    for j in range(start, len(tokens) // block_size):
+        prev = hash((prev, tuple(tokens[j * block_size:(j + 1) * block_size])))
+        keys.append(prev)
+    return keys
+
+
+class PrefixAllocator(BlockAllocator):
+    """A BlockAllocator whose full blocks can be found again by their key (prefix caching).
+
+    `free` keeps blocks with no key at its end (handed out first: it is a stack) and free blocks
+    with a key before them, the least recently released nearest the end: taking one evicts it.
+    """
+
+    def __init__(self, n_blocks: int, block_size: int):
+        super().__init__(n_blocks, block_size)
+        self.key_of: dict[int, int] = {}  # block -> its key
+        self.block_of: dict[int, int] = {}  # key -> block
+
+    def register(self, block: int, key: int) -> None:
+        """Remember that `block` (full) holds the tokens named by `key`, unless another block already does."""
+        if key not in self.block_of and block not in self.key_of:
+            self.block_of[key], self.key_of[block] = block, key
+
+    def lookup(self, keys: list[int]) -> list[int]:
+        """The cached blocks of the longest prefix of `keys` (stops at the first key not cached)."""
+        found = []
+        for key in keys:
+            if key not in self.block_of:
+                break
+            found.append(self.block_of[key])
+        return found
+
+    def share(self, seq: int, blocks: list[int]) -> None:
+        """Give an empty sequence the cached `blocks` as its first logical blocks (taken back from
+        the free list when no one holds them)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.free.remove(b)
+            self.refs[b] += 1
+        self.tables[seq] = list(blocks)
+        self.lengths[seq] = len(blocks) * self.block_size
+
+    def free_sequence(self, seq: int) -> None:
+        """Release its blocks last first: a prefix's tail is then evicted before its head, which
+        every later block's key depends on (vLLM frees in the same order)."""
+        self.tables[seq].reverse()
+        super().free_sequence(seq)
+
+    def _take(self) -> int:
+        b = super()._take()
+        key = self.key_of.pop(b, None)
+        if key is not None:  # evicted: its tokens are about to be overwritten
+            del self.block_of[key]
+        return b
+
+    def _release(self, b: int) -> None:
+        self.refs[b] -= 1
+        if self.refs[b] == 0:
+            if b in self.key_of:
+                self.free.insert(0, b)  # kept for a later hit; the most recently released is evicted last
+            else:
+                self.fill[b] = 0
+                self.free.append(b)
+
+
+@dataclass
+class Request:
+    """One request's tokens, its own sampling settings and its history (times in seconds since t=0)."""
+    id: int
+    prompt: list[int]
+    config: GenerationConfig  # the engine's config with this request's overrides
+    stop: frozenset[int]  # stop token ids
+    arrival_s: float
+    generator: torch.Generator | None = None  # its own sampling generator (seeded per request)
+    output: list[int] = field(default_factory=list)
+    seq: int | None = None  # the allocator's sequence while it holds blocks
+    computed: int = 0  # positions whose keys and values sit in the cache
+    keys: list[int] = field(default_factory=list)  # chain hashes of its full blocks, in order
+    registered: int = 0  # its logical blocks already offered to the prefix cache (this admission)
+    status: str = "waiting"  # "waiting", "running", "finished"
+    finish_reason: str | None = None  # "stop", "length", "cancelled"
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    cached_tokens: int = 0  # prompt positions served from cached blocks (every admission)
+    cached: int = 0  # of those, at its latest admission
+    preemptions: int = 0
+    phases: list[list] = field(default_factory=list)  # [phase, start_s, end_s or None while open]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def max_positions(self) -> int:
+        """Positions it can ever write: prompt + max_new_tokens - 1 (the last token is never fed back)."""
+        return len(self.prompt) + max(self.config.max_new_tokens, 1) - 1
+
+    def block_keys(self, n: int, block_size: int) -> list[int]:
+        """The keys of its first n full blocks (computed once, extended as it grows)."""
+        if len(self.keys) < n:
+            self.keys += block_hashes(self.tokens[:n * block_size], block_size, len(self.keys),
+                                      self.keys[-1] if self.keys else None)
+        return self.keys[:n]
+
+    def enter(self, phase: str, now: float) -> None:
+        """Close the open phase at `now` and open `phase` (None: just close)."""
+        if self.phases and self.phases[-1][2] is None:
+            self.phases[-1][2] = now
+        if phase is not None:
+            self.phases.append([phase, now, None])
+
+
+# ---------------------------------------------------------------- the metrics, as vLLM names them
+def serving_metrics(requests: list[Request], steps: list[dict], now: float, preemptions: int,
+                    hit_tokens: int, admitted_tokens: int) -> dict:
+    """The metrics dict of Engine.metrics() (its docstring lists the keys), from the requests and steps."""
+    done = [r for r in requests if r.status == "finished"]
+    timed = [r for r in done if r.first_token_s is not None]
+    ttft = [r.first_token_s - r.arrival_s for r in timed]
+    tpot = [(r.finish_s - r.first_token_s) / (len(r.output) - 1) for r in timed if len(r.output) > 1]
+    e2e = [r.finish_s - r.arrival_s for r in done]
+    queue = [r.first_scheduled_s - r.arrival_s for r in done if r.first_scheduled_s is not None]
+    span = (max(r.finish_s for r in done) - min(r.arrival_s for r in done)) if done else 0.0
+    out_tokens = sum(len(r.output) for r in done)
+    return {
+        "ttft_s": latency_stats(ttft), "tpot_s": latency_stats(tpot),
+        "e2e_latency_s": latency_stats(e2e), "queue_time_s": latency_stats(queue),
+        "output_tokens_per_s": out_tokens / span if span > 0 else 0.0,
+        "preemptions": preemptions,
+        "prefix_cache_hit_rate": hit_tokens / admitted_tokens if admitted_tokens else 0.0,
+        "steps": [dict(s) for s in steps],
+        "kv_usage": [s["kv_usage"] for s in steps], "batch_size": [s["batch_size"] for s in steps],
+        "requests": [{"request_id": r.id, "prompt_tokens": len(r.prompt), "output_tokens": len(r.output),
+                      "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, "arrival_s": r.arrival_s,
+                      "first_scheduled_s": r.first_scheduled_s, "first_token_s": r.first_token_s,
+                      "finish_s": r.finish_s, "finish_reason": r.finish_reason,
+                      "phases": [[p, a, now if b is None else b] for p, a, b in r.phases]} for r in requests],
+    }

@@ -1,0 +1,168 @@
+"""The fused decode step (`fused_decode=True`): every layer of a batch-1 token in one C call.
+
+A decode step at batch 1 is 4 matrix-vector products a layer and, between them, small operations:
+two norms, RoPE, the cache write, attention over the cached tokens, SiLU and two residual adds.
+In torch each small operation is a dispatch of a few microseconds around a few hundred
+multiply-adds, and with their views, splits and conversions they come to ~150 dispatches a layer:
+6 to 9 ms of a 25 ms SmolLM2 step on this course's CPU (chapter 8's profile). That time does not
+shrink when the weights do, so it caps what bf16 (chapter 7) and int4 (chapter 14) weights can
+buy. torch.compile removes part of it; llama.cpp's answer is to write the whole step in C.
+`csrc/gemv.c: decode_layers` does that for the Llama family: the products through the same
+kernels as eager decoding, everything in between on the calling thread in fp32, attention over
+one head per thread once the context is long enough to share out.
+
+What it takes (everything else is refused up front with the reason, never run another way):
+a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
+with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
+int8 or int4; the contiguous cache (chapter 2) in fp32 or bf16; one sequence (batch 1); no window,
+sparse selection, observers or compile. The prompt runs through torch as before; a decode token
+runs in C from its embedding row to its logits (the final norm and the output head included: after
+the layers, torch's first small operations run with cold caches, ~0.2 ms a norm).
+
+The arithmetic is the eager step's, in another order: norms and attention sum in C rather than in
+torch's kernels, so logits agree to ~1e-5 and greedy tokens match (tests/test_fused.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import Tensor
+
+from ..kernels import cpu as cpu_kernel
+from ..numerics import precision
+from ..errors import ConfigError, PromptError
+from ..caches.contiguous import KVCache
+from ..model import Model
+from ..numerics.weight_quant import QuantizedWeight
+
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("pad", ctypes.c_int32), ("W", ctypes.c_void_p),
+                ("scales", ctypes.c_void_p), ("mins", ctypes.c_void_p),
+                ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("G", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p),
+                ("wqkv", _Weight), ("wo", _Weight), ("wgu", _Weight), ("wdown", _Weight),
+                ("bqkv", ctypes.c_void_p), ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p)]
+
+
+class _Dims(ctypes.Structure):
+    _fields_ = [("D", ctypes.c_int64), ("H", ctypes.c_int64), ("Hkv", ctypes.c_int64), ("Dh", ctypes.c_int64),
+                ("F", ctypes.c_int64), ("S", ctypes.c_int64), ("cache_bf16", ctypes.c_int32),
+                ("threads", ctypes.c_int32), ("eps", ctypes.c_float), ("embed", _Weight),
+                ("embed_bf16", ctypes.c_int32), ("inv_freq", ctypes.c_void_p),
+                ("final_norm", ctypes.c_void_p), ("head", _Weight), ("logits", ctypes.c_void_p)]
+
+
+def check_model(model: Model) -> None:
+    """Refuse, with the fix, a model the fused step cannot run (before any prompt runs)."""
+    cfg = model.config
+    fix = "Fix: fused_decode=False."
+    if cfg.arch != "llama":
+        raise ConfigError(f"fused_decode=True runs the Llama family (RMSNorm, RoPE, SwiGLU); this model is "
+                          f"{cfg.arch!r}. {fix}")
+    if model.device.type != "cpu":
+        raise ConfigError(f"fused_decode=True is a CPU step (C kernels); the model is on {model.device}. "
+                          f"{fix} (on a GPU: cuda_graphs=True or compile=True)")
+    p = model.precision
+    if not (p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits):
+        raise ConfigError(f"fused_decode=True computes in fp32 (activations, norms, softmax, logits), and this "
+                          f"model's precision is {p.describe(model.dtype)}. {fix}")
+    for w in [*_matrices(model), model.embed, model.head]:
+        if w.dtype not in KINDS:  # a QuantizedWeight says the dtype it dequantizes to
+            raise ConfigError(f"fused_decode=True reads fp32, bf16, int8 or int4 weights, not {w.dtype}: load the "
+                              f"model with dtype=torch.bfloat16 or float32. {fix}")
+    if cfg.head_dim > 1024 or cfg.head_dim % 2:
+        raise ConfigError(f"fused_decode=True takes an even head dim up to 1024, not {cfg.head_dim}. {fix}")
+    if not cpu_kernel.available():
+        raise ConfigError(f"fused_decode=True needs minigen's C kernel, which is {cpu_kernel.status()}. {fix}")
+
+
+def check_run(model: Model, batch: int, kv_dtype: str | None, observers: tuple = ()) -> None:
+    """Refuse up front what the fused step cannot decode: the model (check_model), a batch, a cache
+    dtype other than fp32 or bf16, observers (they watch attention in torch)."""
+    check_model(model)
+    if batch != 1:
+        raise ConfigError(f"fused_decode=True decodes one sequence (batch 1), not {batch}: a batch's products "
+                          "run best in the several-row kernel. Fix: fused_decode=False, or one prompt per call.")
+    dtype = precision.dtype_of(kv_dtype, "kv_dtype") if kv_dtype is not None else model.dtype
+    if dtype not in CACHE_DTYPES:
+        raise ConfigError(f"fused_decode=True keeps the cache in fp32 or bf16, not {dtype}: set kv_dtype='float32' "
+                          "or 'bfloat16', or fused_decode=False")
+    if observers:
+        raise ConfigError("fused_decode=True with observers: the fused step keeps attention in C, where no "
+                          "observer sees it. Fix: fused_decode=False to observe attention.")
+
+
+def _matrices(model: Model) -> list:
+    return [w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)]
+
+
+def _weight(w) -> _Weight:
+    if isinstance(w, QuantizedWeight):
+        n, k = w.shape
+        return _Weight(2 if w.bits == 8 else 3, 0, w.codes.data_ptr(), w.scales.data_ptr(),
+                       w.mins.data_ptr() if w.mins is not None else None, n, k, w.group_size)
+    assert w.is_contiguous() and w.dim() == 2
+    return _Weight(KINDS[w.dtype], 0, w.data_ptr(), None, None, w.shape[0], w.shape[1], 0)
+
+
+class _Plan:
+    """The C descriptions of one (model, cache) pair, built at its first step; `keep` holds the fp32
+    copies (norms, biases) whose addresses the descriptions point to."""
+
+    def __init__(self, model: Model, cache: KVCache):
+        cfg = model.config
+        self.keep: list[Tensor] = []
+
+        def fp32(t: Tensor | None):
+            if t is None:
+                return None
+            t = t.detach().float().contiguous()
+            self.keep.append(t)
+            return t.data_ptr()
+
+        layers = (_Layer * cfg.n_layers)()
+        for i, b in enumerate(model.blocks):
+            layers[i] = _Layer(fp32(b.attn_norm.weight), fp32(b.mlp_norm.weight),
+                               _weight(b.attn.wqkv), _weight(b.attn.wo), _weight(b.mlp.w_gate_up),
+                               _weight(b.mlp.w_down), fp32(b.attn.bqkv),
+                               cache.k_layers[i].data_ptr(), cache.v_layers[i].data_ptr())
+        self.layers = layers
+        self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cache.max_len,
+                          int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
+                          int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
+                          _weight(model.head), None)
+        self.x = torch.empty(cfg.dim)  # the residual stream, written by C
+
+
+def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+    """generate.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
+    assert policy is None and tokens.shape == (1, 1) and input_pos.shape == (1,), \
+        "fused_decode takes one token of one sequence and no attention policy (the config refuses the rest)"
+    lib = cpu_kernel._load()
+    plan = getattr(cache, "_fused_plan", None)
+    if plan is None:
+        assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
+            "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
+        plan = cache._fused_plan = _Plan(model, cache)
+    cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
+    pos = int(input_pos[0])
+    token = int(tokens[0, 0])
+    if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
+        raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
+    plan.dims.threads = torch.get_num_threads()
+    logits = torch.empty(1, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+    plan.dims.logits = logits.data_ptr()
+    # the token's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
+    if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
+                         plan.x.data_ptr(), pos) != 0:
+        raise MemoryError("fused_decode: the C step could not allocate its work buffers")
+    return logits

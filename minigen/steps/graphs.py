@@ -1,0 +1,95 @@
+"""Compiling and capturing the decode step (chapter 8): `compile=True` and `cuda_graphs=True`.
+
+Shapes: B batch, V vocabulary.
+
+At batch 1 a decode step of a small model launches hundreds of small ops, and each costs its
+dispatch (Python, the dispatcher, a kernel launch) more than its arithmetic. Two ways remove that:
+
+- torch.compile traces the step once into a graph, fuses the small ops into a few generated
+  kernels (inductor: C++ on a CPU, Triton on a GPU), and replays the graph while its guards hold.
+  `compiled(step, model)` compiles once per model, with fullgraph=True, so a host sync or a
+  Python list in the step is an error, not a silent graph break.
+- A CUDA graph records the kernels one step launches, with their addresses, and replays them with
+  one launch. It needs static shapes, static addresses (inputs copied into fixed buffers) and no
+  host sync, so sampling happens inside the graph: the exponential race (generate.sample) draws
+  the next token with tensor ops only. One graph per batch size. CUDA only.
+
+The article's "enable graphs" names a torch function that does not exist; these are the real
+mechanisms (torch.compile(mode="reduce-overhead") is torch.compile plus CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..errors import ConfigError
+
+_compiled: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def compiled(step: Callable, model) -> Callable:
+    """`step` (generate.decode_step) compiled for `model`, made once and reused by every call: no
+    recompile while the shapes stay (the same batch size, kind of cache and policy)."""
+    per_model = _compiled.setdefault(model, {})
+    if step not in per_model:
+        # dynamo keeps its graphs on the function's code object, at most 8 (recompile_limit), and
+        # with fullgraph=True a ninth is a hard error. A process that compiles the step for several
+        # models (fp32, bf16, int8, int4; caches in two dtypes) would share those 8 slots: give
+        # each model a copy of the step's code, so that each has its own.
+        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                                 step.__defaults__, step.__closure__)
+        own.__kwdefaults__, own.__doc__ = step.__kwdefaults__, step.__doc__
+        per_model[step] = torch.compile(own, fullgraph=True, dynamic=False)
+    return per_model[step]
+
+
+class CudaGraphDecoder:
+    """Replays a captured decode step + sampling for one batch size: tokens [B] -> next tokens [B].
+
+    The step reads its token and position from fixed buffers and writes the next token into a
+    fixed buffer; a call copies into the inputs, replays, and returns the output buffer (read it
+    before the next call). The cache must be the contiguous cache or the ring buffer (static
+    addresses, no host sync), which GenerationConfig ensures.
+    """
+
+    def __init__(self, step: Callable, sample: Callable, model, cache, policy, config, batch: int,
+                 position: int, generator: torch.Generator | None):
+        """step: generate.decode_step; sample: generate.sample (passed in, so that this module
+        stays below generate.py)."""
+        if model.device.type != "cuda":
+            raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
+                              "model.to('cuda'), or compile=True on a CPU")
+        device = model.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
+        self.pos = torch.tensor([position], device=device)  # [1]
+        self.graph = torch.cuda.CUDAGraph()
+        state = generator.get_state() if generator is not None else None
+
+        def one_step() -> Tensor:
+            logits = step(model, self.tokens, self.pos, cache, policy)
+            return sample(logits, config, generator)  # [B]
+
+        # Warm up on a side stream (allocator pools, lazy inits), at the first real position: its
+        # writes are rewritten by the first replay, so the cache ends as eager would leave it.
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                one_step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        if generator is not None:  # the warm-up drew noise: start the replays where eager would
+            generator.set_state(state)
+            self.graph.register_generator_state(generator)
+        with torch.cuda.graph(self.graph):
+            self.next = one_step()
+
+    def __call__(self, tokens: Tensor, position: int) -> Tensor:
+        self.tokens.copy_(tokens[:, None])
+        self.pos.fill_(position)
+        self.graph.replay()
+        return self.next
