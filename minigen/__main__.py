@@ -54,7 +54,7 @@ def cmd_generate(args) -> None:
     import torch
     from . import load
     from .errors import PromptError
-    from .generate import GenerationStats, _stream
+    from .generate import GenerationStats, stream
     config = _config(args, max_new_tokens=args.max_new_tokens, use_cache=False if args.no_cache else None,
                      do_sample=True if args.do_sample else None, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -75,7 +75,7 @@ def cmd_generate(args) -> None:
     new: list[int] = []
     printed = ""
     echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
-    for token in _stream(model, ids, config, stats):
+    for token in stream(model, ids, config, stats=stats):
         new.append(int(token[0]))
         text = tok.decode(new, skip_special_tokens=True)
         sys.stdout.write(echo + text[len(printed):])  # print only what this token added
@@ -84,7 +84,7 @@ def cmd_generate(args) -> None:
     print(echo)
     print(f"\n[{len(new)} tokens | prefill {stats.prefill_s * 1000:.0f} ms | TTFT {stats.ttft_s * 1000:.0f} ms | "
           f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
-          f"{'KV cache' if config.use_cache else 'naive recompute'} | {torch.get_num_threads()} threads]",
+          f"{stats.step} step | {torch.get_num_threads()} threads]",
           file=sys.stderr)
 
 

@@ -26,6 +26,9 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor
 
+from .caches.contract import BlockView
+from .numerics.quant import QuantizedTensor, dequantize
+
 
 def _per_row(mask: Tensor) -> Tensor:
     """[T, S] stays (the same for every row); [B, T, S] -> [B, 1, T, S] (one mask per row, for every head)."""
@@ -122,6 +125,31 @@ def sparse_keep(scores: Tensor, mask: Tensor, top_k: int | None, threshold: floa
     return keep
 
 
+def attend_blocks(q: Tensor, view: BlockView, window_size: int | None = None, sink_tokens: int = 0) -> Tensor:
+    """One query per row, q [B, H, Dh], over the positions a paged cache's `view` holds, read in
+    place -> [B, H, Dh]: the plain torch reference of the fused kernel (kernels/triton_attention.py).
+
+    Row b's query sits at position view.seq_lens[b] - 1 and sees every earlier position (with a
+    window: only the sinks and the window); position p lives in block view.block_table[b, p // bs]
+    at slot p % bs, or, from view.recent_start[b] on, in the full-precision recent buffers."""
+    keys_all = dequantize(view.k) if isinstance(view.k, QuantizedTensor) else view.k  # [N, bs, Hkv, Dh]
+    values_all = dequantize(view.v) if isinstance(view.v, QuantizedTensor) else view.v
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    for b in range(q.shape[0]):
+        n, recent, bs = int(view.seq_lens[b]), int(view.recent_start[b]), view.block_size
+        pos = torch.arange(n, device=q.device)
+        if window_size is not None:
+            pos = pos[in_window(pos, torch.tensor(n - 1, device=q.device), window_size, sink_tokens)]
+        old, new = pos[pos < recent], pos[pos >= recent] - recent
+        blocks = view.block_table[b, old // bs]
+        k = torch.cat([keys_all[blocks, old % bs], view.recent_k[b, new] if len(new) else keys_all[:0, 0]])
+        v = torch.cat([values_all[blocks, old % bs], view.recent_v[b, new] if len(new) else values_all[:0, 0]])
+        k, v = rearrange(k, "s h d -> 1 h s d").to(q.dtype), rearrange(v, "s h d -> 1 h s d").to(q.dtype)
+        out[b] = attend(q[b, None, :, None], k, v, torch.ones(1, k.shape[2], dtype=torch.bool,
+                                                             device=q.device))[0, :, 0]
+    return out
+
+
 # An observer sees each layer's attention probabilities: (layer, probs [B, H, T, S]) -> None.
 # The entropy monitor (entropy.py) and heavy-hitter eviction (h2o.py) are observers.
 AttentionObserver = Callable[[int, Tensor], None]
@@ -152,6 +180,11 @@ class AttentionPolicy:
     @property
     def sparse(self) -> bool:
         return self.sparse_top_k is not None or (self.sparsity_threshold or 0) > 0
+
+    @property
+    def reads_blocks(self) -> bool:
+        """A decode step reads the paged cache's blocks in place (attention_backend='triton')."""
+        return self.backend == "triton"
 
     def mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
         """[T, S] (or [B, 1, T, S]) bool: causal, restricted to the window and sinks when a window is set."""

@@ -46,7 +46,9 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 6)"),
     "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 8)"),
     "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 8)"),
-    "fused_decode": (lambda c: c.fused_decode, "every layer of a batch-1 decode step in one C call (chapter 14)"),
+    "fused_decode": (lambda c: c.fused_decode is True,
+                     "set to True: every layer of a batch-1 decode step in one C call (chapter 14); the default "
+                     "\"auto\" runs it wherever this table allows"),
 }
 
 def _switch_off(feature: str) -> str:
@@ -175,6 +177,12 @@ def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
         if feature in table:
             fix = _switch_off(feature)
             raise ConfigError(f"{_describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
+
+
+def refused_with(c: "GenerationConfig", feature: str) -> list[str]:
+    """The features `c` switches on that the table refuses beside `feature` (which need not be on):
+    what keeps fused_decode="auto" on the eager step."""
+    return [other for other in c.features() if frozenset({feature, other}) in REFUSED]
 
 
 def check_combinations(c: "GenerationConfig") -> None:

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from .combinations import (APPLIED, FEATURES, REFUSED, REFUSED_SETTINGS, SWITCHES,  # noqa: F401
-                           check_combinations, combination_table)
+from .combinations import FEATURES, SWITCHES, check_combinations
 from .errors import ConfigError
 
 KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -63,7 +62,9 @@ class GenerationConfig:
     kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the weights' dtype
     compile: bool = False  # torch.compile the decode step (the contiguous cache or the window's ring buffer)
     cuda_graphs: bool = False  # capture the decode step in a CUDA graph and replay it (CUDA only)
-    fused_decode: bool = False  # batch 1 on a CPU: every layer of a decode step in one C call (fused.py)
+    # every layer of a batch-1 decode step in one C call (steps/fused.py): "auto" wherever it applies
+    # (steps/choose.py says where), True demands it (refused where it cannot run), False forbids it
+    fused_decode: bool | str = "auto"
     # --- the fused kernel (chapter 9) ---
     attention_backend: str = "torch"  # decode attention: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
 
@@ -240,7 +241,9 @@ def _check_values(c: GenerationConfig) -> None:
                           "or None to store the cache in the weights' dtype")
     _check_bool("compile", c.compile)
     _check_bool("cuda_graphs", c.cuda_graphs)
-    _check_bool("fused_decode", c.fused_decode)
+    if c.fused_decode != "auto" and not isinstance(c.fused_decode, bool):
+        raise ConfigError(f"fused_decode={c.fused_decode!r} is invalid: use \"auto\" (the fused C step wherever it "
+                          "applies, the default), true (demand it) or false (never)")
     if c.cuda_graphs and not torch.cuda.is_available():
         raise ConfigError("cuda_graphs=True needs CUDA, and torch.cuda.is_available() is False on this machine: "
                           "use compile=True, which compiles the decode step on a CPU too")

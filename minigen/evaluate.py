@@ -62,7 +62,10 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
         raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
     reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
     C = chunk_size or (1 if reads_back else T)
-    if config.fused_decode:  # the fused step decodes one token at a time: score what it computes
+    # fused_decode=True scores what the fused step computes, one token at a time; "auto" keeps the
+    # chunked forward, which reads each weight once per chunk rather than once per token
+    step = fused.FusedStep() if config.fused_decode is True else None
+    if step is not None:
         fused.check_run(model, 1, config.kv_dtype, tuple(observers))
         C = 1
     logits = []
@@ -75,8 +78,8 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
             policy = make_policy(config, cache, observers)
             for s in range(0, T, C):
                 pos = torch.arange(s, min(s + C, T), device=ids.device)
-                if config.fused_decode:
-                    logits.append(fused.decode_step(model, ids[:, s:s + 1], pos, cache))  # [1, V]
+                if step is not None:
+                    logits.append(step.decode(model, ids[:, s:s + 1], pos, cache))  # [1, V]
                     continue
                 logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1

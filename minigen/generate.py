@@ -1,13 +1,16 @@
-"""The generation loop as small free functions: prefill, decode_step, sample; generate and stream.
+"""The generation loop: generate, stream, ragged batches and parallel sampling, all through one loop.
 
 Shapes: B batch, T prompt tokens, n new tokens, V vocabulary.
 
-    generate ─> make_cache ─> prefill(prompt) ─> sample ─> decode_step(token) ─> sample ─> ...
+    generate ─> make_cache ─> step.prefill(prompt) ─> sample ─> step.decode(token) ─> sample ─> ...
 
-With `use_cache=False` the loop is the naive one: every step runs the model over the whole
-sequence so far (chapter 1). With the cache, the prompt is processed once and every later step
-feeds only the newest token at its explicit position (chapter 2). `parallel_sample` (chapter 3)
-prefills one prompt into a paged cache and samples n rows that share its blocks.
+`run_steps` is the loop, the one place where prefill and decode steps run; a generation chooses its
+step object once (steps/choose.py): the naive loop (use_cache=False, every step runs the whole
+sequence so far: chapter 1), the eager cached loop (the prompt once, then one token per step at its
+explicit position: chapter 2), the compiled or CUDA-graph step (chapter 8), or the fused C step
+(chapter 14: the default at batch 1 on a CPU). A tensor batch [B, T] shares its positions; a
+ragged batch (a list of prompts) runs each row at its own positions; `parallel_sample` (chapter 3)
+prefills one prompt into a paged cache and forks it into n rows that share its blocks.
 """
 
 from __future__ import annotations
@@ -15,12 +18,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from .steps import fused, graphs
 from .kernels import triton_attention
 from .attention import AttentionObserver, AttentionPolicy
 from .caches.contract import Cache
@@ -28,6 +30,9 @@ from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
+from .sampling import make_generator, sample
+from .steps.choose import choose_step
+from .steps.eager import EagerStep, decode_step, prefill
 
 
 @dataclass
@@ -50,6 +55,7 @@ class GenerationStats:
     latency_p90_s: float = 0.0
     latency_p99_s: float = 0.0
     compile_s: float = 0.0  # compile=True / cuda_graphs=True: seconds spent compiling or capturing (0: reused)
+    step: str = ""  # the step that ran (steps/eager.py): "naive", "eager", "compiled", "graphed" or "fused"
 
 
 @dataclass
@@ -91,58 +97,6 @@ def make_policy(config: GenerationConfig, cache: Cache | None,
     return AttentionPolicy.from_config(config, (*observers, *cache_observers))
 
 
-def prefill(model: Model, input_ids: Tensor, cache: Cache | None,
-            policy: AttentionPolicy | None = None) -> Tensor:
-    """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
-    input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
-
-
-def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: Cache,
-                policy: AttentionPolicy | None = None) -> Tensor:
-    """Feed the newest tokens [B, 1] at position input_pos [1] (or [B, 1], per row) -> next-token logits [B, V]."""
-    return model(tokens, input_pos, cache, policy=policy)[:, -1]
-
-
-def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator | None = None) -> Tensor:
-    """Pick the next token [B] from logits [B, V]: greedy, or temperature / top-k / top-p sampling.
-
-    Stays on the device (no .item()), so it adds no host sync to a decode step. Sampling is the
-    exponential race: argmax over p_i / E_i with E_i ~ Exp(1) drawn independently picks token i
-    with probability p_i (the first of independent exponential clocks with rates p_i to ring), with
-    fixed-shape tensor ops only, so a CUDA graph can hold it (graphs.py).
-    """
-    if not config.do_sample:
-        return logits.argmax(dim=-1)
-    # Subtract the best logit before dividing: a tiny temperature then sends every other logit to
-    # -inf and the best to 0 (greedy), instead of everything to +-inf and NaN.
-    logits = (logits - logits.amax(dim=-1, keepdim=True)) / config.temperature
-    if config.top_k is not None and config.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, config.top_k, dim=-1).values[:, -1:]  # [B, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p is not None and config.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the mass before it already reaches top_p; the top token always stays.
-        drop_sorted = probs.cumsum(dim=-1) - probs >= config.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)  # [B, V]
-    clocks = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] ~ Exp(1)
-    return (probs / clocks).argmax(dim=-1)
-
-
-def _generator(config: GenerationConfig, device: torch.device) -> torch.Generator | None:
-    if not config.do_sample:
-        return None
-    generator = torch.Generator(device=device)
-    if config.seed is not None:
-        generator.manual_seed(config.seed)
-    else:  # fresh entropy for this generator only; torch.seed() would reseed the caller's global RNG
-        generator.seed()
-    return generator
-
-
 def _record_cache(stats: GenerationStats, cache: Cache | None) -> None:
     if cache is not None:
         stats.kv_cache_bytes, stats.peak_kv_cache_bytes = cache.nbytes, cache.peak_nbytes
@@ -151,36 +105,36 @@ def _record_cache(stats: GenerationStats, cache: Cache | None) -> None:
             stats.kv_blocks_in_use, stats.kv_blocks_in_pool = cache.blocks
 
 
-def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
-            stats: GenerationStats, observers: tuple[AttentionObserver, ...] = ()) -> Iterator[Tensor]:
-    """The loop itself: yields the next tokens [B] and fills `stats` as it goes."""
-    check_prompt(model, input_ids, config.max_new_tokens, config)
-    check_step(model, config, observers)
-    B, T = input_ids.shape
-    if config.fused_decode:
-        fused.check_run(model, B, config.kv_dtype, observers)
+def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tensor, cache: Cache | None,
+              policy: AttentionPolicy | None, config: GenerationConfig, stats: GenerationStats,
+              next_pos: Callable[[int, Tensor], Tensor], stop: bool = True,
+              generator: torch.Generator | None = None,
+              after_prefill: Callable[[Tensor], Tensor] | None = None) -> Iterator[Tensor]:
+    """The loop itself: prefill input_ids [B, T] at input_pos, then sample and decode until
+    max_new_tokens or (with `stop`) every row has produced a stop token. Yields the next tokens [B]
+    and fills `stats` as it goes.
+
+    next_pos(i, finished [B] bool) gives the positions of step i's token: [1] for rows in lockstep,
+    or [B, 1] per row. A finished row is fed its stop token again (its output is discarded).
+    after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
+    """
     n = config.max_new_tokens
+    stats.step = step.name
     if n == 0:
         return
-    stop = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
-    stop_ids = torch.tensor(stop, dtype=torch.long, device=input_ids.device)
-    generator = _generator(config, input_ids.device)
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    pad = stop[0] if stop else 0  # finished sequences are padded with their stop token
+    stop_list = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
+    stop_ids = torch.tensor(stop_list if stop else (), dtype=torch.long, device=input_ids.device)
+    pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
-    # inference_mode is the fastest eager mode; a compiled step wants no_grad, under which inductor
-    # writes the cache in place (under inference_mode it copied every layer's cache each step).
-    with torch.no_grad() if config.compile else torch.inference_mode():
-        cache = make_cache(model, config, B, T + n)
-        policy = make_policy(config, cache, observers)
-        step = graphs.compiled(decode_step, model) if config.compile else (
-            fused.decode_step if config.fused_decode else decode_step)
-        replay = None  # cuda_graphs: the captured step, which samples inside the graph
-        seq = input_ids
-        logits = prefill(model, input_ids, cache, policy)
+    with step.grad_mode():
+        logits = step.prefill(model, input_ids, input_pos, cache, policy)
+        if after_prefill is not None:
+            logits = after_prefill(logits)
         stats.prefill_s = time.perf_counter() - start
+        finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=input_ids.device)  # [B] (after a fork: n)
         for i in range(n):
-            token = sample(logits, config, generator) if replay is None or i == 0 else logits  # [B]
+            # a CUDA-graph step samples inside its graph: from the second token on, `logits` are tokens
+            token = logits if step.samples_inside and i > 0 else sample(logits, config, generator)  # [B]
             token = torch.where(finished, torch.full_like(token, pad), token)
             now = time.perf_counter()
             if i == 0:
@@ -193,25 +147,8 @@ def _stream(model: Model, input_ids: Tensor, config: GenerationConfig,
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
                 break
-            if cache is None:  # naive: recompute the whole sequence
-                seq = torch.cat([seq, token[:, None]], dim=1)
-                pos = torch.arange(seq.shape[1], device=seq.device)
-                logits = model(seq, pos, None, last_only=True, policy=policy)[:, -1]
-            elif config.cuda_graphs:  # `logits` holds the next tokens, sampled inside the graph
-                if replay is None:
-                    captured = time.perf_counter()
-                    replay = graphs.CudaGraphDecoder(decode_step, sample, model, cache, policy, config, B, T + i,
-                                                     generator)
-                    stats.compile_s = time.perf_counter() - captured
-                logits = replay(token, T + i)
-            else:
-                pos = torch.tensor([T + i], device=input_ids.device)
-                if config.compile and i == 0:  # the first call compiles (unless an earlier one did)
-                    before, began = _graphs_compiled(), time.perf_counter()
-                    logits = step(model, token[:, None], pos, cache, policy)
-                    stats.compile_s = time.perf_counter() - began if _graphs_compiled() > before else 0.0
-                else:
-                    logits = step(model, token[:, None], pos, cache, policy)
+            logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
+    stats.compile_s = step.compile_s
     _finish_stats(stats, start)
 
 
@@ -228,10 +165,20 @@ def _finish_stats(stats: GenerationStats, start: float) -> None:
             decode[min(len(decode) - 1, int(q * len(decode)))] for q in (0.5, 0.9, 0.99))
 
 
-def _graphs_compiled() -> int:
-    """Graphs torch.compile has compiled in this process (dynamo's own counter)."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"]
+def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, stats: GenerationStats,
+                  observers: tuple[AttentionObserver, ...] = ()) -> Iterator[Tensor]:
+    """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep."""
+    check_prompt(model, input_ids, config.max_new_tokens, config)
+    check_step(model, config, observers)
+    B, T = input_ids.shape
+    generator = make_generator(config, input_ids.device)
+    step = choose_step(model, config, B, observers, sample, generator)
+    with step.grad_mode():
+        cache = make_cache(model, config, B, T + config.max_new_tokens)
+        policy = make_policy(config, cache, observers)
+    input_pos = torch.arange(T, device=input_ids.device)
+    yield from run_steps(model, step, input_ids, input_pos, cache, policy, config, stats,
+                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), generator=generator)
 
 
 def check_step(model: Model, config: GenerationConfig, observers: tuple) -> None:
@@ -264,18 +211,22 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     if isinstance(input_ids, (list, tuple)):
         return _generate_ragged(model, input_ids, config, tuple(observers))
     stats = GenerationStats()
-    new = list(_stream(model, input_ids, config, stats, tuple(observers)))
+    new = list(_stream_batch(model, input_ids, config, stats, tuple(observers)))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
 
 
 def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
-           observers: tuple[AttentionObserver, ...] = (), **overrides) -> Iterator[Tensor]:
-    """Yield each new token [B] as soon as it is sampled."""
+           observers: tuple[AttentionObserver, ...] = (), stats: GenerationStats | None = None,
+           **overrides) -> Iterator[Tensor]:
+    """Yield each new token [B] as soon as it is sampled; `stats`, when given, is filled as the
+    tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    return _stream(model, input_ids, config, GenerationStats(), tuple(observers))
+    check_step(model, config, tuple(observers))
+    return _stream_batch(model, input_ids, config, stats if stats is not None else GenerationStats(),
+                         tuple(observers))
 
 
 # ---------------------------------------------------------------- prefix sharing: parallel sampling
@@ -306,23 +257,24 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise PromptError(f"parallel_sample takes one prompt [1, T], got shape {tuple(input_ids.shape)}")
     check_prompt(model, input_ids, config.max_new_tokens, config)
+    check_step(model, config, ())
     T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
     unshared = n * math.ceil((T + new) / bs)
     cache = make_cache(model, config, 1, T + new, pool_rows=n)  # one row now, n after the fork
     policy = make_policy(config, cache)
-    generator = _generator(config, input_ids.device)
-    with torch.inference_mode():
-        logits = prefill(model, input_ids, cache, policy).expand(n, -1)  # [n, V]: one prompt, n rows
+    forked: list[int] = []
+
+    def fork(logits: Tensor) -> Tensor:  # [1, V] -> [n, V]: one prompt, n rows sharing its blocks
         cache.fork(n)
-        after_fork = cache.allocator.n_used
-        out = [input_ids.expand(n, -1)]
-        for i in range(new):
-            token = sample(logits, config, generator)  # [n]
-            out.append(token[:, None])
-            if i < new - 1:
-                logits = decode_step(model, token[:, None], torch.tensor([T + i], device=input_ids.device),
-                                     cache, policy)
-    result = ParallelSample(torch.cat(out, dim=1), after_fork, cache.allocator.n_used, unshared,
+        forked.append(cache.allocator.n_used)
+        return logits.expand(n, -1)
+
+    step = choose_step(model, config, n)  # paged: the eager step (the table keeps the fused one off)
+    tokens = list(run_steps(model, step, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
+                            config, GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
+                            stop=False, generator=make_generator(config, input_ids.device), after_prefill=fork))
+    out = torch.cat([input_ids.expand(n, -1), torch.stack(tokens, dim=1)], dim=1) if tokens else input_ids.expand(n, -1)
+    result = ParallelSample(out, forked[0] if forked else cache.allocator.n_used, cache.allocator.n_used, unshared,
                             cache.allocator.shared_hit_rate)
     cache.free()
     return result
@@ -345,7 +297,8 @@ def check_prompts(model: Model, prompts, config: GenerationConfig) -> None:
 
 def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers: tuple) -> GenerationOutput:
     """Prompts of different lengths in one batch: left-padded, each row at its own positions
-    0..len-1 (padding at -1, never written or attended), then decoded at its own position."""
+    0..len-1 (padding at -1, never written or attended), then decoded at its own position; a row
+    that has stopped is fed at position -1, so it writes nothing."""
     check_prompts(model, prompts, config)
     if observers:
         raise ConfigError("observers with a list of prompts: an observer would see the padding rows' attention. "
@@ -358,33 +311,22 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     pos = torch.full((B, T), -1, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):  # left padding: every row's last column is its last token
         ids[b, T - lens[b]:], pos[b, T - lens[b]:] = p.to(device), torch.arange(lens[b], device=device)
-    stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
-    new: list[list[int]] = [[] for _ in range(B)]
-    start = last = time.perf_counter()
-    with torch.inference_mode():
+    row_lens = torch.tensor(lens, device=device)
+    generator = make_generator(config, device)
+    with torch.inference_mode():  # make_cache refuses first what a ragged batch cannot run
         cache = make_cache(model, config, B, T + n, ragged=True)
         policy = make_policy(config, cache)
-        generator = _generator(config, device)
-        logits = model(ids, pos, cache, last_only=True, policy=policy)[:, -1] if n else None
-        stats.prefill_s = time.perf_counter() - start
-        done = [False] * B
-        for i in range(n):
-            token = sample(logits, config, generator)  # [B]
-            now = time.perf_counter()
-            if i == 0:
-                stats.ttft_s = now - start
-            stats.token_latencies_s.append(now - last)
-            last = now
-            for b, t in enumerate(token.tolist()):
-                if not done[b]:
-                    new[b].append(t)
-                    done[b] = t in stop or len(new[b]) == n
-            stats.new_tokens = i + 1
-            if all(done):
-                break
-            step_pos = torch.tensor([[-1 if done[b] else lens[b] + i] for b in range(B)], device=device)  # [B, 1]
-            logits = decode_step(model, token[:, None], step_pos, cache, policy)
-        _record_cache(stats, cache)
-    _finish_stats(stats, start)
-    tokens = [torch.cat([p, torch.tensor(t, dtype=p.dtype, device=p.device)]) for p, t in zip(prompts, new)]
+    step = choose_step(model, config, B, ragged=True)
+
+    def next_pos(i: int, finished: Tensor) -> Tensor:  # [B, 1]: each row after its own prompt; -1 once done
+        return torch.where(finished, -1, row_lens + i)[:, None]
+
+    new = list(run_steps(model, step, ids, pos, cache, policy, config, stats, next_pos, generator=generator))
+    stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
+    out: list[list[int]] = [[] for _ in range(B)]
+    for token in new:  # each row up to and including its own stop
+        for b, t in enumerate(token.tolist()):
+            if not out[b] or (out[b][-1] not in stop and len(out[b]) < n):
+                out[b].append(t)
+    tokens = [torch.cat([p, torch.tensor(t, dtype=p.dtype, device=p.device)]) for p, t in zip(prompts, out)]
     return GenerationOutput(tokens=tokens, stats=stats)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
+from .kernels import dispatch
 from .model import Model, ModelConfig
 from .paths import cache_dir, locked, unwritable_dir
 from .numerics.precision import Precision, dtype_of
@@ -166,6 +167,7 @@ def build_model(cfg: ModelConfig, hf_state: dict[str, Tensor], dtype: torch.dtyp
     model.load_state_dict(convert_state_dict(cfg, hf_state, dtype, copy), strict=True, assign=True)
     model = model.to(device).eval()
     model.precision = Precision.default(dtype, device)  # fp32 activations on a CPU (precision.py)
+    dispatch.install(model)  # the ops run on minigen's kernels where they take the call
     return model
 
 

@@ -4,11 +4,17 @@ Shapes: B batch, T new tokens in this call, S cached key positions, D model widt
 H query heads, Hkv key/value heads, Dh head dim, F MLP width, V vocabulary.
 
 Weights are stored as checkpoints ship them, [out, in] (nn.Linear's layout): each output is one
-contiguous row, which is what the C matrix-vector kernel of decoding streams (`cpu_kernel.py`),
+contiguous row, which is what the C matrix-vector kernel of decoding streams (kernels/cpu.py),
 and a tied output head is the embedding itself, not a copy. q/k/v are fused into one matrix and
 gate/up into another, so a decode step launches fewer ops.
 The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig` and
 a state dict in this module's names.
+
+This file is the math, in plain torch. The few ops that a kernel may run instead (a product, a
+norm, one-query attention, attention over paged blocks) go through `ops`, passed down from
+`model.ops`: `TorchOps` below, the reference, unless loading installs kernels/dispatch.py's
+`KernelOps`, which picks the C, oneDNN or Triton kernel that takes the call and falls back to
+these references (every kernel is tested against them).
 """
 
 from __future__ import annotations
@@ -20,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels import cpu as cpu_kernel
-from .attention import AttentionPolicy, attend, causal_mask
+from .attention import AttentionPolicy, attend, attend_blocks, causal_mask
+from .caches.contract import BlockView
 from .numerics.precision import Precision
-from .kernels.triton_attention import decode_attention
 from .numerics.weight_quant import QuantizedWeight
 
 
@@ -81,12 +86,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: Tensor, fp32: bool = True) -> Tensor:
-        # One C call (a decode step's few rows), else one torch op instead of five: a decode step runs
-        # 61 norms, and at batch 1 the cost of a small op is its dispatch, not its arithmetic.
+    def forward(self, x: Tensor, ops: "TorchOps", fp32: bool = True) -> Tensor:
         if x.dtype == torch.float32:  # fp32 activations (a 16-bit weight is widened: 576 numbers)
-            out = cpu_kernel.rms_norm(x, self.weight.float(), self.eps)  # a decode step's rows: one C call
-            return out if out is not None else F.rms_norm(x, (x.shape[-1],), self.weight.float(), self.eps)
+            return ops.rms_norm(x, self.weight.float(), self.eps)
         if fp32:  # normalize in fp32, then scale in x's dtype, as Llama's reference does
             return self.weight.to(x.dtype) * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # left in 16 bits
@@ -101,7 +103,7 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
 
-    def forward(self, x: Tensor, fp32: bool = True) -> Tensor:
+    def forward(self, x: Tensor, ops: "TorchOps", fp32: bool = True) -> Tensor:
         if fp32 and x.dtype != torch.float32:
             return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
         return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
@@ -138,38 +140,39 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
+# ---------------------------------------------------------------- the ops a kernel may run
+class TorchOps:
+    """The plain torch reference of each op that a kernel may run instead (kernels/dispatch.py).
+
+    A decode step at batch 1 runs these ~120 times with a few thousand multiply-adds each, so there
+    the cost of an op is its dispatch and its memory traffic, which is what the kernels remove."""
+
+    def linear(self, x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
+        """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T.
+
+        fp32 activations against 16-bit weights sum in fp32 (chapter 7); int8/int4 weights are
+        dequantized for the product (chapter 14)."""
+        out_dtype = out_dtype or x.dtype
+        if isinstance(w, QuantizedWeight):
+            w = w.dequantize()
+        if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
+            x, w = x.float(), w.float()  # fp32 sums and result
+        return F.linear(x, w).to(out_dtype)
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """x / sqrt(mean(x^2) + eps) * weight over the last dim: one torch op instead of five."""
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = True) -> Tensor:
+        """One new query per row: q [B, H, 1, Dh] over k, v [B, Hkv, S, Dh] -> [B, H, 1, Dh] (attention.attend)."""
+        return attend(q, k, v, mask, fp32_softmax)
+
+    def attend_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int) -> Tensor:
+        """One query per row q [B, H, Dh] over the blocks a paged cache holds, read in place -> [B, H, Dh]."""
+        return attend_blocks(q, view, window_size, sink_tokens)
+
+
 # ---------------------------------------------------------------- attention and MLP
-def matmul(x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-    """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T.
-
-    A single row (a decode step at batch 1) on the CPU goes through minigen's C matrix-vector
-    kernel, which streams fp32 or bf16 weights faster than torch's paths and sums in fp32; up to
-    cpu_kernel.MAX_ROWS fp32 rows (a batch's decode step, a short prompt) go through its several-row
-    form, each row with the bits it gets alone; longer fp32 prompts on a CPU go through oneDNN's
-    GEMM (cpu_kernel.linear: faster here than F.linear's MKL), and everything else is F.linear.
-    fp32 activations against 16-bit weights stay fp32: several rows widen the weights for the
-    product (chapter 7).
-    """
-    out_dtype = out_dtype or x.dtype
-    if x.numel() == x.shape[-1]:
-        y = cpu_kernel.matvec(x.float(), w)
-        if y is not None:
-            return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
-    rows = x.numel() // x.shape[-1]
-    if rows <= cpu_kernel.MAX_ROWS and x.dtype == torch.float32 and not isinstance(w, QuantizedWeight):
-        y = cpu_kernel.matmul_rows(x.reshape(rows, x.shape[-1]), w)  # a batch reads the weights once
-        if y is not None:
-            return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
-    if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): dequantize for the product
-        w = w.dequantize()
-    if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
-        x, w = x.float(), w.float()  # fp32 sums and result
-        y = cpu_kernel.linear(x, w)
-        return (y if y is not None else F.linear(x, w)).to(out_dtype)
-    y = cpu_kernel.linear(x, w)  # fp32 rows on a CPU: oneDNN's GEMM (cpu_kernel.linear says why)
-    return y if y is not None else F.linear(x, w)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -180,11 +183,11 @@ class Attention(nn.Module):
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim), requires_grad=False)
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache,
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache, ops: TorchOps,
                 policy: AttentionPolicy | None = None, fp32_softmax: bool = True) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
-        qkv = matmul(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
+        qkv = ops.linear(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
         if self.bqkv is not None:
             qkv = qkv + self.bqkv.to(qkv.dtype)
         qk, v = qkv.split([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
@@ -193,24 +196,26 @@ class Attention(nn.Module):
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
-        if T == 1 and cache is not None and policy is not None and policy.backend == "triton":  # read in place
+        if T == 1 and cache is not None and policy is not None and policy.reads_blocks:  # in place
             view = cache.update_blocks(self.layer, k, v)  # a paged cache (the config refuses any other)
-            out = decode_attention(q[:, :, 0], view, policy.window_size, policy.sink_tokens)[:, :, None]
-            return self._project(out)
+            out = ops.attend_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens)[:, :, None]
+            return self._project(out, ops)
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 7)
-        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6). One new token
-        # per row in fp32 on a CPU: the C loop (cpu_kernel.attend_decode), the same softmax as SDPA's.
-        out = cpu_kernel.attend_decode(q, k, v, mask) if policy is None and T == 1 else None
-        if out is None:
-            out = attend(q, k, v, mask, fp32_softmax) if policy is None else policy.attend(q, k, v, mask, self.layer)
-        return self._project(out)
+        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
+        if policy is not None:
+            out = policy.attend(q, k, v, mask, self.layer)
+        elif T == 1:  # one new token per row: a decode step
+            out = ops.decode_attention(q, k, v, mask, fp32_softmax)
+        else:
+            out = attend(q, k, v, mask, fp32_softmax)
+        return self._project(out, ops)
 
-    def _project(self, out: Tensor) -> Tensor:
+    def _project(self, out: Tensor, ops: TorchOps) -> Tensor:
         """The heads' outputs [B, H, T, Dh] -> the output projection [B, T, D]."""
         B, H, T, Dh = out.shape
-        out = matmul(out.transpose(1, 2).reshape(B, T, H * Dh), self.wo)  # [B, T, D]
+        out = ops.linear(out.transpose(1, 2).reshape(B, T, H * Dh), self.wo)  # [B, T, D]
         return out + self.bo.to(out.dtype) if self.bo is not None else out
 
 
@@ -222,9 +227,9 @@ class GatedMLP(nn.Module):
         self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.hidden_dim, cfg.dim), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = matmul(x, self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
-        return matmul(F.silu(gate) * up, self.w_down)
+    def forward(self, x: Tensor, ops: TorchOps) -> Tensor:
+        gate, up = ops.linear(x, self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
+        return ops.linear(F.silu(gate) * up, self.w_down)
 
 
 class GeluMLP(nn.Module):
@@ -237,9 +242,9 @@ class GeluMLP(nn.Module):
         self.w_proj = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
         self.b_proj = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        hidden = F.gelu(matmul(x, self.w_fc) + self.b_fc.to(x.dtype), approximate="tanh")
-        return matmul(hidden, self.w_proj) + self.b_proj.to(x.dtype)
+    def forward(self, x: Tensor, ops: TorchOps) -> Tensor:
+        hidden = F.gelu(ops.linear(x, self.w_fc) + self.b_fc.to(x.dtype), approximate="tanh")
+        return ops.linear(hidden, self.w_proj) + self.b_proj.to(x.dtype)
 
 
 class Block(nn.Module):
@@ -252,10 +257,10 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = GatedMLP(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
 
-    def forward(self, x, rope, mask, cache, policy=None, precision: Precision = Precision()):
+    def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision()):
         p = precision
-        x = x + self.attn(self.attn_norm(x, p.fp32_norms), rope, mask, cache, policy, p.fp32_softmax)
-        return x + self.mlp(self.mlp_norm(x, p.fp32_norms))
+        x = x + self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax)
+        return x + self.mlp(self.mlp_norm(x, ops, p.fp32_norms), ops)
 
 
 # ---------------------------------------------------------------- the model
@@ -274,6 +279,7 @@ class Model(nn.Module):
         if cfg.arch == "llama":
             self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
         self.precision = Precision()  # fp32 activations; loading.py sets the default for the weights' dtype
+        self.ops = TorchOps()  # which implementation runs each op; loading.py installs the kernels' dispatch
 
     def _apply(self, fn, recurse=True):
         """`model.to(...)` casts every tensor; RoPE's inverse frequencies stay fp32 whatever the
@@ -331,8 +337,8 @@ class Model(nn.Module):
         if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
             mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         for block in self.blocks:
-            x = block(x, rope, mask, cache, policy, p)
+            x = block(x, rope, mask, cache, self.ops, policy, p)
         if last_only:
             x = x[:, -1:]
         logits_dtype = torch.float32 if p.fp32_logits else p.compute
-        return matmul(self.norm(x, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]
+        return self.ops.linear(self.norm(x, self.ops, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]

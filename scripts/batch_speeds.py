@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import minigen  # noqa: E402
 from minigen.kernels import cpu as cpu_kernel  # noqa: E402
+from minigen.kernels import build as kernel_build  # noqa: E402
 from minigen.measure import bench  # noqa: E402
 
 
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds.append({name: n_out / s for name, s in seconds.items()})
         print(f"round {r + 1}: " + ", ".join(f"{name} {v:.1f}" for name, v in rounds[-1].items()), flush=True)
     print(f"\nSmolLM2-135M fp32, {args.prompts} prompts x {args.prompt_len} tokens, {args.new_tokens} new each, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}; kernel: {cpu_kernel.status()}")
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}; kernel: {kernel_build.status()}")
     print(f"{'':<10}{'output tok/s':>14}{'x batch 1 (median of rounds)':>31}{'each round':>40}")
     table = []
     for name in runs:
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         import json
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
-                                               "kernel": cpu_kernel.status(), "args": vars(args),
+                                               "kernel": kernel_build.status(), "args": vars(args),
                                                "rounds": rounds, "table": table}, indent=1))
 
 

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 import minigen  # noqa: E402
 from minigen.kernels import cpu as cpu_kernel  # noqa: E402
+from minigen.kernels import build as kernel_build  # noqa: E402
 from minigen.measure import bench  # noqa: E402
 from minigen.loading import build_model, load_tokenizer, read_config, read_safetensors, resolve_folder  # noqa: E402
 
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
             steps[name, c].append(statistics.median(out.stats.token_latencies_s[1:]))
     ms = {key: 1e3 * statistics.median(v) for key, v in steps.items()}
     print(f"SmolLM2-135M, batch 1, greedy, {torch.get_num_threads()} threads, torch {torch.__version__}; "
-          f"kernel: {cpu_kernel.status()}")
+          f"kernel: {kernel_build.status()}")
     print(f"{'weights':<10}{'mode':<10}{'MB of weights':>14}{'step ms':>9}{'tok/s':>8}{'vs fp32 eager':>15}"
           f"{'vs fp32 same mode':>19}")
     rows = []
@@ -70,12 +71,12 @@ def main(argv: list[str] | None = None) -> None:
                      "vs_fp32_same_mode": ms["fp32", c] / t})
         print(f"{name:<10}{c:<10}{mb:>14.0f}{t:>9.2f}{1e3 / t:>8.1f}{ms['fp32', 'eager'] / t:>14.2f}x"
               f"{ms['fp32', c] / t:>18.2f}x")
-    print(f"late regions (the kernel ran single-threaded after them): {cpu_kernel.late_regions()}")
+    print(f"late regions (the kernel ran single-threaded after them): {kernel_build.late_regions()}")
     if args.json:
         import json
         Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "torch": torch.__version__,
                                                "new_tokens": args.new_tokens, "rounds": args.rounds,
-                                               "kernel": cpu_kernel.status(), "rows": rows}, indent=1))
+                                               "kernel": kernel_build.status(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ WORKER = r"""
 import json, statistics, sys, time, torch, minigen
 from minigen import GenerationConfig
 from minigen.kernels import cpu as cpu_kernel
+from minigen.kernels import build as kernel_build
 from minigen.generate import decode_step, make_cache, prefill
 steps = int(sys.argv[1])
 model, tok = minigen.load("smollm2-135m")
@@ -34,16 +35,16 @@ with torch.inference_mode():
     caches = {on: make_cache(model, GenerationConfig(), 1, T + steps) for on in times}
     tokens = {}
     for on in times:
-        with cpu_kernel.enabled(on):
+        with kernel_build.enabled(on):
             tokens[on] = prefill(model, ids, caches[on]).argmax(-1)
     for i in range(steps - 1):
         for on in times:
-            with cpu_kernel.enabled(on):
+            with kernel_build.enabled(on):
                 t = time.perf_counter()
                 tokens[on] = decode_step(model, tokens[on][:, None], torch.tensor([T + i]), caches[on]).argmax(-1)
                 times[on].append(time.perf_counter() - t)
 print(json.dumps({"kernel": 1 / statistics.median(times[True][2:]), "torch": 1 / statistics.median(times[False][2:]),
-                  "late_regions": cpu_kernel.late_regions(), "status": cpu_kernel.status()}))
+                  "late_regions": kernel_build.late_regions(), "status": kernel_build.status()}))
 """
 
 GEMM = r"""

@@ -24,7 +24,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import GenerationConfig, errors, loading
-from minigen.measure import bench
+from minigen.measure import bench, machine
 from minigen.__main__ import build_parser
 from minigen.serving.batching import RequestQueue, group_by_length, pad_batch
 from minigen.caches.contiguous import KVCache
@@ -400,8 +400,8 @@ def _():
 
 @case("fused-kernel-off")
 def _(tiny_model):
-    from minigen.kernels import cpu as cpu_kernel
-    with cpu_kernel.enabled(False):
+    from minigen.kernels import build as kernel_build
+    with kernel_build.enabled(False):
         minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
 
 
@@ -664,7 +664,7 @@ def _(tiny_folder, monkeypatch):
 def _():
     def run(n: int):  # a 1-token run slower than the N-token one: a clock or a machine gone wrong
         time.sleep(0.01 if n == 1 else 0)
-        return torch.zeros(1, n, dtype=torch.long)
+        return torch.zeros(1, n, dtype=torch.long), 0  # the tokens, and the KV cache's bytes
     from tqdm.auto import tqdm
     bench._time_engines({"minigen": run}, new_tokens=8, repeats=1, progress=tqdm(disable=True))
 
@@ -675,7 +675,7 @@ def _(monkeypatch, tmp_path):
     import io
 
     import psutil._common
-    from minigen.kernels import cpu as cpu_kernel
+    from minigen.kernels import build as kernel_build
     real_open = builtins.open
 
     def no_proc(file, *args, **kwargs):
@@ -689,20 +689,20 @@ def _(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU paths, on a GPU machine too
     # hardware_info reports the C kernel: build it afresh, without /proc, in a cache of its own
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
-    with bench.PeakRSS() as mem:  # psutil polls
+    monkeypatch.setattr(kernel_build, "_lib", None)
+    monkeypatch.setattr(kernel_build, "_reason", "not built yet")
+    with machine.PeakRSS() as mem:  # psutil polls
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched, then freed
         time.sleep(0.2)  # held long enough for the polling thread to run on a busy machine too
         del block
     assert mem._source == "poll" and mem.added >= 48 * 2**20
     monkeypatch.setitem(sys.modules, "psutil", None)  # psutil not installed: getrusage's peak
-    with bench.PeakRSS() as mem:
+    with machine.PeakRSS() as mem:
         torch.ones(64 * 2**20 // 4)
     assert mem._source == "rusage" and mem.peak >= mem.start > 0 and mem.added >= 0
-    info = bench.hardware_info()
+    info = machine.hardware_info()
     assert info["cpu"] and info["memory_read_gb_s"] > 0 and info["cpu_kernel"]
-    assert bench.memory_read_bandwidth(nbytes=16 * 2**20, repeats=2) > 0
+    assert machine.memory_read_bandwidth(nbytes=16 * 2**20, repeats=2) > 0
 
 
 @case("cli-chat-without-template")
@@ -757,8 +757,8 @@ def _():
 # ---------------------------------------------------------------- the C kernel
 # The same checks as the two tests in test_cpu_kernel.py, which hold them with the kernel's others.
 def needs_compiler() -> None:
-    from minigen.kernels import cpu as cpu_kernel
-    if cpu_kernel._compiler() is None:
+    from minigen.kernels import build as kernel_build
+    if kernel_build.compiler() is None:
         pytest.skip("no C compiler on this machine")
 
 

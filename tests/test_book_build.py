@@ -66,7 +66,7 @@ def test_article_page_lists_every_claim_and_links_it_to_the_ledger():
         assert f"{{ref}}`{c.id} <{claim_label(c)}>`" in page, c.id
         assert f"\n({claim_label(c)})=\n## {c.id}: " in ledger, c.id  # the target the link names
     assert page.count("{ref}`") == len(claims)
-    ids = re.findall(r"^id = \"(\w+)\"", (ROOT / "minigen" / "claims.toml").read_text(encoding="utf-8"), re.M)
+    ids = re.findall(r"^id = \"(\w+)\"", (ROOT / "minigen" / "course" / "claims.toml").read_text(encoding="utf-8"), re.M)
     assert ids == [c.id for c in claims] and len(ids) >= 7  # the TOML's own ids, read without the loader
 
 

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig
-from minigen.config import FEATURES, REFUSED, combination_table
+from minigen.combinations import FEATURES, REFUSED, combination_table
 from minigen.evaluate import score
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -70,7 +70,7 @@ FIELDS = {
     "compile": st.booleans(),
     "cuda_graphs": st.booleans(),
     "attention_backend": st.sampled_from(["torch", "triton"]),
-    "fused_decode": st.booleans(),
+    "fused_decode": st.sampled_from(["auto", True, False]),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
@@ -205,7 +205,7 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
 
     # It runs, through generate too (sampling, stops, stats), and its rows are independent.
     prompts = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(1))
-    if config.fused_decode:  # one sequence at a time: a batch is refused; the C step is the torch step's arithmetic
+    if config.fused_decode is True:  # one sequence at a time: a batch is refused; the C step is the torch step's arithmetic
         with pytest.raises(ConfigError, match="fused_decode=True decodes one sequence"):
             minigen.generate(tiny, prompts, config)
         assert minigen.generate(tiny, prompts[:1], config).tokens.shape[1] <= 20 + config.max_new_tokens

@@ -15,20 +15,20 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import minigen
-from minigen.measure import bench
-from minigen.kernels import cpu as cpu_kernel
+from minigen.measure import bench, machine
+from minigen.kernels import build as kernel_build, cpu as cpu_kernel
 from minigen.generate import generate
 
 from conftest import tiny_hf
 from test_loading import save_tiny_tokenizer
 
-needs_cc = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
+needs_cc = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C compiler on this machine")
 
 
 @needs_cc
 def test_kernel_builds_where_a_compiler_exists():
     # CI has gcc: decoding must run on the kernel there, or every speed number silently drops.
-    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    assert kernel_build.status().startswith("built"), kernel_build.status()
 
 
 @needs_cc
@@ -84,7 +84,7 @@ def test_several_rows_stand_aside_past_max_rows_and_for_16_bit_weights():
     w = torch.randn(8, 16)
     assert cpu_kernel.matmul_rows(torch.randn(cpu_kernel.MAX_ROWS + 1, 16), w) is None
     assert cpu_kernel.matmul_rows(torch.randn(4, 16), w.bfloat16()) is None
-    with cpu_kernel.enabled(False):
+    with kernel_build.enabled(False):
         assert cpu_kernel.matmul_rows(torch.randn(4, 16), w) is None
 
 
@@ -102,7 +102,7 @@ def test_a_batch_row_gets_the_logits_of_its_prompt_alone(tiny_llama):
 
 def test_matvec_stands_aside_where_torch_must_see_the_op():
     w, x = torch.randn(8, 16), torch.randn(16)
-    with cpu_kernel.enabled(False):
+    with kernel_build.enabled(False):
         assert cpu_kernel.matvec(x, w) is None
     assert cpu_kernel.matvec(x, w.t().contiguous().t()) is None  # not contiguous
     assert cpu_kernel.matvec(x.bfloat16(), w.bfloat16()) is None  # bf16 and fp16: torch's path
@@ -130,7 +130,7 @@ def test_prompt_products_through_onednn_match_linear(rows, n, k, seed):
 
 def test_onednn_stands_aside_where_torch_must_see_the_op():
     w, x = torch.randn(8, 16), torch.randn(40, 16)
-    with cpu_kernel.enabled(False):
+    with kernel_build.enabled(False):
         assert cpu_kernel.linear(x, w) is None
     assert cpu_kernel.linear(x.bfloat16(), w.bfloat16()) is None
     assert cpu_kernel.linear(x.requires_grad_(), w) is None  # autograd
@@ -154,12 +154,12 @@ def test_a_prompt_runs_its_products_on_onednn(tiny_llama):
 
 def test_without_a_compiler_decoding_falls_back_with_a_notice(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
+    monkeypatch.setattr(kernel_build, "compiler", lambda: None)
+    monkeypatch.setattr(kernel_build, "_lib", None)
+    monkeypatch.setattr(kernel_build, "_reason", "not built yet")
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         assert cpu_kernel.matvec(torch.randn(16), torch.randn(8, 16)) is None
-    assert "no C compiler" in cpu_kernel.status()
+    assert "no C compiler" in kernel_build.status()
     model = minigen.from_hf(tiny_hf("llama"))
     out = generate(model, torch.tensor([[3, 1, 4]]), max_new_tokens=5)  # still runs, on F.linear
     assert out.tokens.shape == (1, 8)
@@ -167,8 +167,8 @@ def test_without_a_compiler_decoding_falls_back_with_a_notice(monkeypatch, tmp_p
 
 def fresh_kernel(monkeypatch) -> None:
     """Forget the kernel this process loaded, so the next call builds or loads one anew."""
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
+    monkeypatch.setattr(kernel_build, "_lib", None)
+    monkeypatch.setattr(kernel_build, "_reason", "not built yet")
 
 
 @needs_cc
@@ -179,14 +179,14 @@ def test_a_corrupt_cached_kernel_is_rebuilt(monkeypatch, tmp_path):
     # loader hands back a library it already holds without reading the file again.)
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "first"))
     fresh_kernel(monkeypatch)
-    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    assert kernel_build.status().startswith("built"), kernel_build.status()
     [built] = (tmp_path / "first" / "kernels").glob("*.so")
     corrupt = tmp_path / "second" / "kernels" / built.name
     corrupt.parent.mkdir(parents=True)
     corrupt.write_bytes(built.read_bytes()[:100])  # a truncated copy: a half-written build
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "second"))
     fresh_kernel(monkeypatch)
-    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    assert kernel_build.status().startswith("built"), kernel_build.status()
     assert corrupt.stat().st_size > 100  # rebuilt in place, whole
     w, x = torch.randn(37, 53), torch.randn(53)
     torch.testing.assert_close(cpu_kernel.matvec(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
@@ -199,13 +199,13 @@ def test_a_new_build_removes_builds_unused_for_a_month(monkeypatch, tmp_path):
     stale, recent, other = kernels / "gemv-0000000000000000.so", kernels / "gemv-1111111111111111.so", kernels / "notes.txt"
     for f in (stale, recent, other):
         f.write_bytes(b"x")
-    month = time.time() - (cpu_kernel.UNUSED_DAYS + 1) * 86400
+    month = time.time() - (kernel_build.UNUSED_DAYS + 1) * 86400
     os.utime(stale, (month, month))
     os.utime(other, (month, month))
     os.utime(recent, (month + 2 * 86400, month + 2 * 86400))  # loaded 29 days ago: kept
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
     fresh_kernel(monkeypatch)
-    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    assert kernel_build.status().startswith("built"), kernel_build.status()
     assert not stale.exists() and recent.exists() and other.exists()
     [built] = set(kernels.glob("gemv-*.so")) - {recent}
     assert built.stat().st_mtime > time.time() - 60  # the build in use is fresh
@@ -218,7 +218,7 @@ def test_a_build_without_openmp_is_single_threaded_with_a_notice(monkeypatch, tm
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
     fresh_kernel(monkeypatch)
     with pytest.warns(RuntimeWarning, match="without OpenMP"):
-        status = cpu_kernel.status()
+        status = kernel_build.status()
     assert status.startswith("built") and "without OpenMP" in status, status
     before = torch.get_num_threads()
     try:
@@ -237,7 +237,7 @@ def test_kernel_and_torch_decode_the_same_greedy_tokens(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     fast = generate(model, ids, max_new_tokens=24).tokens
-    with cpu_kernel.enabled(False):
+    with kernel_build.enabled(False):
         slow = generate(model, ids, max_new_tokens=24).tokens
     assert torch.equal(fast, slow)
 
@@ -261,7 +261,7 @@ def test_bench_runs_both_engines_and_writes_the_promised_json(tmp_path):
 
 def test_peak_rss_sees_a_short_lived_allocation():
     import mmap
-    with bench.PeakRSS() as mem:
+    with machine.PeakRSS() as mem:
         # 64 MiB of fresh pages, touched, then freed before the block ends. (A torch tensor may
         # reuse pages that a test before this one left resident, which RSS does not count again.)
         block = mmap.mmap(-1, 64 * 2**20)

@@ -16,6 +16,7 @@ import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig
 from minigen.kernels import cpu as cpu_kernel
+from minigen.kernels import build as kernel_build
 from minigen.steps import fused
 from minigen.entropy import EntropyRecorder
 from minigen.errors import CacheFullError
@@ -30,6 +31,7 @@ def side_by_side(model, prompt, steps, kv_dtype=None):
     dtype = getattr(torch, kv_dtype) if kv_dtype else None
     T = prompt.shape[1]
     eager, mine = (KVCache.for_model(model, 1, T + steps, dtype) for _ in range(2))
+    step = fused.FusedStep()  # holds the C plan of (model, mine) from its first step
     with torch.inference_mode():
         token = prefill(model, prompt, eager).argmax(-1)
         prefill(model, prompt, mine)
@@ -37,7 +39,7 @@ def side_by_side(model, prompt, steps, kv_dtype=None):
         for i in range(steps):
             pos = torch.tensor([T + i])
             a = decode_step(model, token[:, None], pos, eager)
-            b = fused.decode_step(model, token[:, None], pos, mine)
+            b = step.decode(model, token[:, None], pos, mine)
             assert b.shape == a.shape and b.dtype == torch.float32
             worst = max(worst, ((a - b).abs().max() / a.abs().max()).item())
             same += int(torch.equal(a.argmax(-1), b.argmax(-1)))
@@ -141,7 +143,7 @@ def test_what_the_fused_step_cannot_run_is_refused_up_front(smollm2):
     low.precision = low.precision.replace(fp32_softmax=False)
     with pytest.raises(ConfigError, match="fused_decode=True computes in fp32"):
         minigen.generate(low, ids, max_new_tokens=2, fused_decode=True)
-    with cpu_kernel.enabled(False), pytest.raises(ConfigError, match="needs minigen's C kernel, which is off"):
+    with kernel_build.enabled(False), pytest.raises(ConfigError, match="needs minigen's C kernel, which is off"):
         minigen.generate(model, ids, max_new_tokens=2, fused_decode=True)
 
 
@@ -149,11 +151,11 @@ def test_a_position_past_the_cache_raises_cache_full(smollm2):
     model, _ = smollm2
     cache = KVCache.for_model(model, 1, 8)
     with torch.inference_mode(), pytest.raises(CacheFullError, match="holds 8 tokens but position 8"):
-        fused.decode_step(model, torch.tensor([[5]]), torch.tensor([8]), cache)
+        fused.FusedStep().decode(model, torch.tensor([[5]]), torch.tensor([8]), cache)
 
 
 def test_a_token_outside_the_vocabulary_is_refused_before_c_reads_it(smollm2):
     model, _ = smollm2
     cache = KVCache.for_model(model, 1, 8)
     with torch.inference_mode(), pytest.raises(minigen.errors.PromptError, match="outside the vocabulary"):
-        fused.decode_step(model, torch.tensor([[model.config.vocab_size]]), torch.tensor([0]), cache)
+        fused.FusedStep().decode(model, torch.tensor([[model.config.vocab_size]]), torch.tensor([0]), cache)

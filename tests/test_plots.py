@@ -78,7 +78,7 @@ def test_save_figure_writes_a_png(tmp_path, monkeypatch):
 def test_figures_go_to_the_build_folder_unless_asked(tmp_path, monkeypatch):
     """A chapter run (make test) must leave the committed figures/ alone: by default figures go to
     _build/figures/, which git ignores; MINIGEN_FIGURES (make figures) chooses another folder."""
-    root = Path(plots.__file__).resolve().parent.parent
+    root = Path(plots.__file__).resolve().parents[2]  # the checkout: minigen/course/plots.py
     monkeypatch.delenv("MINIGEN_FIGURES", raising=False)
     default = plots.figures_dir()
     assert default == root / "_build" / "figures" and default.is_dir()
@@ -95,16 +95,27 @@ def test_figures_go_to_the_build_folder_unless_asked(tmp_path, monkeypatch):
 def test_package_map_lists_the_core_modules():
     table = plots.package_map(minigen)
     rows = {line.split("|")[1].strip().split()[0].strip("`"): line for line in table.splitlines()[2:]}
-    for module in ("model", "generate", "kv_cache", "config", "loading"):
+    for module in ("model", "generate", "caches", "config", "loading"):
         assert module in rows
-    assert "`KVCache`" in rows["kv_cache"] and "`GenerationConfig`" in rows["config"]
+    assert "(package)" in rows["caches"] and "`GenerationConfig`" in rows["config"]
+    caches = plots.package_map(minigen.caches)  # a room of the house, mapped the same way
+    assert "`KVCache`" in next(line for line in caches.splitlines() if line.startswith("| `contiguous`"))
 
 
 def test_show_source_prints_the_selected_lines(capsys):
     generate_module = importlib.import_module("minigen.generate")  # minigen.generate is the function
     plots.show_source(generate_module.decode_step, start="def decode_step", stop="return")
     out = capsys.readouterr().out
-    assert out.startswith("# generate.py, line ") and "def decode_step" in out
+    assert out.startswith("# eager.py, line ")  # the step functions live in steps/eager.py and "def decode_step" in out
     assert out.rstrip().splitlines()[-1].strip().startswith("return")
     with pytest.raises(ValueError):
         plots.show_source(plots.fit_power_law, start="no such line")
+
+
+def test_show_source_refuses_a_stop_it_cannot_find(capsys):
+    # a missing stop must not print the rest of the source as if it were the excerpt asked for
+    with pytest.raises(ValueError, match=r"'no such line' is not in the source of fit_power_law"):
+        plots.show_source(plots.fit_power_law, start="def fit_power_law", stop="no such line")
+    with pytest.raises(ValueError, match="no such line"):
+        plots.show_source(plots.fit_power_law, stop="no such line")
+    assert capsys.readouterr().out == ""

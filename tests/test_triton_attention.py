@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import minigen
 from conftest import tiny_hf
-from minigen import model as model_module
+from minigen.kernels import triton_attention
 from minigen.caches.contract import BlockView
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize
 from minigen.kernels.triton_attention import BLOCK_N, decode_attention
@@ -192,7 +192,7 @@ def launches(monkeypatch):
         calls.append(1)
         return decode_attention(*args, **kwargs)
 
-    monkeypatch.setattr(model_module, "decode_attention", counted)
+    monkeypatch.setattr(triton_attention, "decode_attention", counted)  # what kernels/dispatch.py launches
     return calls
 
 
@@ -218,7 +218,6 @@ def test_forked_rows_read_their_shared_blocks(tiny, launches, settings):
 
 def test_a_compiled_kernel_refuses_a_cpu_model(tiny, monkeypatch):
     """Where CUDA exists Triton compiles for it: a model on the CPU is refused before any work."""
-    from minigen.kernels import triton_attention
     monkeypatch.setattr(triton_attention, "INTERPRETED", False)
     with pytest.raises(minigen.ConfigError, match="compiles its kernel for CUDA.*TRITON_INTERPRET=1"):
         minigen.generate(tiny, torch.tensor([[1, 2, 3]]), attention_backend="triton", cache_chunk_size=4)

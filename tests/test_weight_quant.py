@@ -18,10 +18,11 @@ import minigen
 from conftest import tiny_hf
 from minigen import ConfigError
 from minigen.kernels import cpu as cpu_kernel
+from minigen.kernels import build as kernel_build
 from minigen.numerics.weight_quant import QuantizedWeight, pack4, quantize_matrix, quantize_weights, unpack4, weight_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-needs_cc = pytest.mark.skipif(cpu_kernel._compiler() is None, reason="no C compiler on this machine")
+needs_cc = pytest.mark.skipif(kernel_build.compiler() is None, reason="no C compiler on this machine")
 
 
 @settings(max_examples=40, deadline=None)
@@ -72,7 +73,7 @@ def test_kernel_equals_the_dequantized_product(bits, n, groups, group_size, thre
 
 
 @needs_cc
-@pytest.mark.skipif("avx512f" not in cpu_kernel._cpu_fingerprint(), reason="the CPU has no AVX-512: one loop to test")
+@pytest.mark.skipif("avx512f" not in kernel_build.cpu_fingerprint(), reason="the CPU has no AVX-512: one loop to test")
 def test_the_8_wide_loops_agree_where_the_cpu_has_avx512(monkeypatch, tmp_path):
     """A CPU with AVX-512 runs the 16-wide int8/int4 loops; one without runs the 8-wide ones. Build
     the kernel without AVX-512 here and hold both to the same oracle, on the same codes."""
@@ -82,9 +83,9 @@ def test_the_8_wide_loops_agree_where_the_cpu_has_avx512(monkeypatch, tmp_path):
     wide = [cpu_kernel.matvec(x, q) for _, q, x in cases]
     monkeypatch.setenv("MINIGEN_CPU_KERNEL_CFLAGS", "-mno-avx512f")
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setattr(cpu_kernel, "_reason", "not built yet")
-    assert cpu_kernel.status().startswith("built"), cpu_kernel.status()
+    monkeypatch.setattr(kernel_build, "_lib", None)
+    monkeypatch.setattr(kernel_build, "_reason", "not built yet")
+    assert kernel_build.status().startswith("built"), kernel_build.status()
     narrow = [cpu_kernel.matvec(x, q) for _, q, x in cases]
     for (bits, q, x), y16, y8 in zip(cases, wide, narrow):
         oracle = F.linear(x, q.dequantize())

@@ -38,20 +38,33 @@ need. The others sync once per step (block tables, eviction), which is their boo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from ..attention import AttentionObserver
 from ..errors import PLAN_HINT, CacheFullError, PositionError
+
+
+@dataclass
+class BlockView:
+    """One layer's keys and values as a kernel reads them in place: blocks through the block table,
+    then the newest positions from a full-precision buffer (triton_attention.py draws the layout)."""
+    k: Any  # the pool [N, bs, Hkv, Dh], or a quant.QuantizedTensor of that shape (codes, scales, zeros)
+    v: Any  # like k
+    block_table: Tensor  # [B, n] the physical block of each row's logical block j; -1: freed (outside the window)
+    block_size: int  # bs, token slots per block
+    seq_lens: Tensor  # [B] positions each row holds (0 .. seq_len - 1); its query sits at seq_len - 1
+    recent_start: Tensor  # [B] positions from here on are read from recent_k / recent_v, not from blocks
+    recent_k: Tensor | None = None  # [B, R, Hkv, Dh] full precision: positions recent_start .. seq_len - 1
+    recent_v: Tensor | None = None  # like recent_k; None when every position sits in the blocks
 
 
 @runtime_checkable
 class Cache(Protocol):
     """What every KV cache implements (the module docstring says what each member promises)."""
 
-    observers: tuple[AttentionObserver, ...]
+    observers: tuple[Callable[[int, Tensor], None], ...]  # attention.AttentionObserver: (layer, probs)
 
     def prepare(self, input_pos: Tensor) -> Tensor: ...
 
@@ -74,19 +87,22 @@ class Cache(Protocol):
     def blocks(self) -> tuple[int, int] | None: ...
 
 
+@runtime_checkable
+class BlockCache(Cache, Protocol):
+    """A cache of paged blocks, which a kernel may read in place (attention_backend='triton').
+
+    `update_blocks(layer, k, v)` writes as `update` does and returns the layer's storage as it
+    lies, a BlockView (the pool, the block tables, the full-precision recent positions), instead of
+    gathering it. `select_rows(sequences)` says which of the pool's sequences the next forward runs,
+    one per batch row: a caller that owns the pool (the serving engine) changes its rows between
+    steps this way, never by setting attributes."""
+
+    def update_blocks(self, layer: int, k: Tensor, v: Tensor) -> BlockView: ...
+
+    def select_rows(self, sequences: list[int]) -> None: ...
+
+
 # ---------------------------------------------------------------- what the caches share
-@dataclass
-class BlockView:
-    """One layer's keys and values as a kernel reads them in place: blocks through the block table,
-    then the newest positions from a full-precision buffer (triton_attention.py draws the layout)."""
-    k: Any  # the pool [N, bs, Hkv, Dh], or a quant.QuantizedTensor of that shape (codes, scales, zeros)
-    v: Any  # like k
-    block_table: Tensor  # [B, n] the physical block of each row's logical block j; -1: freed (outside the window)
-    block_size: int  # bs, token slots per block
-    seq_lens: Tensor  # [B] positions each row holds (0 .. seq_len - 1); its query sits at seq_len - 1
-    recent_start: Tensor  # [B] positions from here on are read from recent_k / recent_v, not from blocks
-    recent_k: Tensor | None = None  # [B, R, Hkv, Dh] full precision: positions recent_start .. seq_len - 1
-    recent_v: Tensor | None = None  # like recent_k; None when every position sits in the blocks
 
 
 def long_tensor(rows: list, device: torch.device | str = "cpu") -> Tensor:

@@ -36,7 +36,8 @@ class PagedKVCache:
 
     With input_pos [T] the rows advance in lockstep, each with its own block table, so the rows'
     tables have the same shape; with input_pos [B, T] each row writes its own positions (a ragged
-    batch, or the serving engine's sequences, which set `rows` before each step). It follows the cache contract of cache.py:
+    batch, or the serving engine's sequences, chosen with `select_rows` before each step). It follows
+    the cache contract (contract.py, BlockCache):
     `prepare` allocates, copies on write, frees blocks outside the window and forgets positions
     at or after a write that starts early (a new sequence or a rollback); `update` only writes and
     gathers. A step the pool cannot hold raises CacheFullError before anything changes.
@@ -45,8 +46,12 @@ class PagedKVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, block_size: int,
                  n_blocks: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                 window_size: int | None = None, sink_tokens: int = 0):
-        self.allocator = BlockAllocator(n_blocks, block_size)
+                 window_size: int | None = None, sink_tokens: int = 0, allocator: BlockAllocator | None = None):
+        # the pool's bookkeeping: a caller may own it (the serving engine's prefix-caching allocator)
+        self.allocator = allocator if allocator is not None else BlockAllocator(n_blocks, block_size)
+        if self.allocator.n_blocks != n_blocks or self.allocator.block_size != block_size:
+            raise ValueError(f"the allocator holds {self.allocator.n_blocks} blocks of {self.allocator.block_size} "
+                             f"tokens; the cache was asked for {n_blocks} of {block_size}")
         self.rows = [self.allocator.add_sequence() for _ in range(batch)]  # the sequence of each row
         self.block_size, self.window_size, self.sink_tokens = block_size, window_size, sink_tokens
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
@@ -223,6 +228,14 @@ class PagedKVCache:
         return [self.k, self.v]
 
     # --- sequences
+    def select_rows(self, sequences: list[int]) -> None:
+        """The allocator's sequences the next forward runs, one per batch row (contract.BlockCache)."""
+        unknown = [s for s in sequences if s not in self.allocator.tables]
+        if unknown:
+            raise PositionError(f"sequences {unknown} are not in this cache's pool: add them with "
+                                "allocator.add_sequence() first")
+        self.rows = list(sequences)
+
     def fork(self, n: int) -> None:
         """Turn a batch of one sequence into n rows that share its blocks (parallel sampling)."""
         if len(self.rows) != 1:
@@ -242,11 +255,6 @@ class PagedKVCache:
 
     # --- accounting
     @property
-    def block_nbytes(self) -> int:
-        """Bytes of one block: keys and values of block_size tokens in every layer."""
-        return sum(t[:, 0].nbytes for t in self.layer_tensors())
-
-    @property
     def nbytes(self) -> int:
         """Every byte held: the whole preallocated pool, the block tables (int32 entries) and the
         buffers attention reads gathered blocks from."""
@@ -259,11 +267,6 @@ class PagedKVCache:
         return self._peak
 
     device_nbytes = nbytes
-
-    @property
-    def used_nbytes(self) -> int:
-        """Bytes of the blocks that sequences hold now (the rest of the pool is free for others)."""
-        return self.allocator.n_used * self.block_nbytes
 
     @property
     def blocks(self) -> tuple[int, int]:

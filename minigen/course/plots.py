@@ -105,13 +105,16 @@ def plot_bench(results: dict, ax=None):
 # ---------------------------------------------------------------- showing the package
 def show_source(obj, start: str | None = None, stop: str | None = None) -> None:
     """Print the source of a package function or class, optionally only from the first line that
-    contains `start` to the first later line that contains `stop` (inclusive)."""
+    contains `start` to the first later line that contains `stop` (inclusive). A `start` or `stop`
+    that the source does not hold raises ValueError, rather than printing some other excerpt."""
     lines = inspect.getsource(obj).splitlines()
     first = next((i for i, s in enumerate(lines) if start in s), None) if start else 0
     if first is None:
         raise ValueError(f"{start!r} is not in the source of {obj.__qualname__}")
-    last = next((i for i in range(first + 1, len(lines)) if stop in lines[i]), len(lines) - 1) \
-        if stop else len(lines) - 1
+    last = next((i for i in range(first + 1, len(lines)) if stop in lines[i]), None) if stop else len(lines) - 1
+    if last is None:
+        after = f" after the line with {start!r}" if start else " after its first line"
+        raise ValueError(f"{stop!r} is not in the source of {obj.__qualname__}{after}")
     file = Path(inspect.getsourcefile(obj)).name
     line0 = inspect.getsourcelines(obj)[1] + first
     print(f"# {file}, line {line0}")

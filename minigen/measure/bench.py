@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,7 +29,7 @@ import torch
 from ..config import GenerationConfig
 from ..errors import BenchError
 from ..generate import generate
-from .machine import PeakRSS, hardware_info, memory_read_bandwidth  # noqa: F401 (also read as bench.*)
+from .machine import PeakRSS, hardware_info, memory_read_bandwidth
 from ..numerics.precision import DTYPES, dtype_of
 from ..numerics.weight_quant import check_weight_bits, quantize_weights
 from ..numerics.weight_quant import weight_bytes as packed_weight_bytes
@@ -35,12 +37,10 @@ from ..numerics.weight_quant import weight_bytes as packed_weight_bytes
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 TEXT = Path(__file__).parents[1] / "data" / "english.txt"
-# Below this the N-token run is within a prefill's noise of the 1-token run: with 4 tokens on
-# SmolLM2 the 4-token run once took no longer than the 1-token run, reported as 3e9 tok/s.
+# The decode time is the N-token run minus the 1-token run. With fewer new tokens that difference
+# is within a prefill's noise (on SmolLM2 a 4-token run can take no longer than the 1-token run),
+# and dividing by a difference near zero reports an absurd rate, such as 3e9 tok/s.
 MIN_NEW_TOKENS = 8
-
-
-# The machine (hardware_info, memory_read_bandwidth, PeakRSS) lives in machine.py; bench re-exports it.
 
 
 # ---------------------------------------------------------------- bytes per token
@@ -92,8 +92,21 @@ def exact(config: GenerationConfig) -> bool:
     return all(values.get(k) in (None, ok) for k, ok in lossy.items())
 
 
-def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[str, dict]:
-    """Time each engine's `run(n)` -> tokens for n = 1 and n = new_tokens, median of `repeats`.
+@dataclass
+class EngineRun:
+    """One engine to time, with the bytes it is judged by; `run_bench` builds and owns it.
+
+    run(n) generates n tokens greedily from the prompt and returns them, [1, T + n], with the bytes
+    of the KV cache the run held (the cache grows with n: the N-token run's is the one reported).
+    """
+    run: Callable[[int], tuple[torch.Tensor, int]]
+    weight_bytes: int  # the weights the engine holds
+    step_bytes: int  # what one of its decode steps reads at the mid-run context: its own roofline
+    step: str = ""  # minigen's engines: the step that ran (GenerationStats.step: "eager", "fused", ...)
+
+
+def _time_engines(runs: dict[str, Callable], new_tokens: int, repeats: int, progress) -> dict[str, dict]:
+    """Time each engine's `run(n)` -> (tokens, KV bytes) for n = 1 and n = new_tokens, median of `repeats`.
 
     The engines take turns within each round, so a slow spell of a shared machine (another
     tenant on the memory bus) falls on both engines instead of on one engine's block of runs.
@@ -101,7 +114,7 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
     for run in runs.values():
         run(2)  # warm-up: first-call allocations and kernel selection are not part of the numbers
     times = {name: {"ttft": [], "total": [], "peak": []} for name in runs}
-    tokens = {}
+    tokens, kv = {}, {}
     for _ in range(repeats):
         for name, run in runs.items():
             progress.set_postfix_str(name)
@@ -110,7 +123,7 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
             times[name]["ttft"].append(time.perf_counter() - t)
             with PeakRSS() as mem:
                 t = time.perf_counter()
-                tokens[name] = run(new_tokens)
+                tokens[name], kv[name] = run(new_tokens)
                 times[name]["total"].append(time.perf_counter() - t)
             times[name]["peak"].append(mem.added)
             progress.update(1)
@@ -123,7 +136,7 @@ def _time_engines(runs: dict, new_tokens: int, repeats: int, progress) -> dict[s
                              "use more --new-tokens (e.g. 128) or more --repeats")
         results[name] = {"ttft_s": ttft, "total_s": total,
                          "decode_tokens_per_s": (new_tokens - 1) / (total - ttft),
-                         "run_peak_added_bytes": max(r["peak"]), "tokens": tokens[name]}
+                         "run_peak_added_bytes": max(r["peak"]), "kv_cache_bytes": kv[name], "tokens": tokens[name]}
     return results
 
 
@@ -140,7 +153,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     run sizes, then the model's context."""
     from tqdm.auto import tqdm
     from ..caches.make import check_for_model
-    from ..loading import build_model, check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
+    from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)
     dtype = check_dtype(dtype)
     if weight_bits is not None:
@@ -162,92 +175,124 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     tokenizer = load_tokenizer(folder)
     ids = prompt_ids(tokenizer, prompt_len)
     state = read_safetensors(folder)
-    model = build_model(model_config, state, dtype)
-    if compute is not None:
-        model.precision = model.precision.replace(compute=compute)
+    model = _minigen_model(model_config, state, dtype, compute)
     hw = hardware_info()
-    compile_s = []
-
-    def minigen_engine(m):
-        def run(n: int):
-            out = generate(m, ids, config, max_new_tokens=n)
-            run.kv = out.stats.kv_cache_bytes
-            compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
-            return out.tokens
-        return run
-
-    runs, modules = {}, {}
-    if weight_bits is not None:  # the same run holds minigen unquantized, for the ratio
-        runs[f"minigen {_DTYPE_NAMES[dtype]}"], modules[f"minigen {_DTYPE_NAMES[dtype]}"] = minigen_engine(model), model
-        model = quantize_weights(build_model(model_config, state, dtype), weight_bits)
-        if compute is not None:
-            model.precision = model.precision.replace(compute=compute)
-    elif dtype != torch.float32:  # the same run holds minigen in fp32, for the ratio (chapter 7)
-        floats32 = build_model(model_config, state, torch.float32)
-        runs["minigen float32"], modules["minigen float32"] = minigen_engine(floats32), floats32
-    runs["minigen"], modules["minigen"] = minigen_engine(model), model
-    if baseline:
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
-        hf.generation_config.eos_token_id = None  # run exactly N tokens, as minigen does
-        hf.generation_config.pad_token_id = 0
-        mask = torch.ones_like(ids)
-
-        def run_hf(n: int):
-            with torch.inference_mode():
-                out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
-                                  return_dict_in_generate=True)
-            run_hf.kv = sum(t.nbytes for layer in out.cache.layers for t in (layer.keys, layer.values))
-            return out.sequences
-
-        runs["transformers"], modules["transformers"] = run_hf, hf
-    if llama_cpp:
-        runs["llama.cpp"] = llama_cpp_engine(ids, prompt_len + new_tokens)
-    progress = tqdm(total=repeats * len(runs), desc="bench", unit="run")
-    engines = _time_engines(runs, new_tokens, repeats, progress)
+    kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
+    engines, model, compile_s = _build_engines(model, model_config, state, folder, ids, config, dtype=dtype,
+                                               compute=compute, weight_bits=weight_bits, baseline=baseline,
+                                               llama_cpp=llama_cpp, new_tokens=new_tokens, kv_elem=kv_elem)
+    progress = tqdm(total=repeats * len(engines), desc="bench", unit="run")
+    timed = _time_engines({name: e.run for name, e in engines.items()}, new_tokens, repeats, progress)
     progress.close()
-    for name, r in engines.items():  # `run(n)` leaves its KV bytes in `run.kv`
-        held = weight_bytes(modules[name]) if name in modules else runs[name].weights
-        r.update(weight_bytes=held, kv_cache_bytes=runs[name].kv, peak_memory_bytes=held + r["run_peak_added_bytes"])
-
     # A shared machine's bandwidth moves: probe again after the runs and take the better reading, so
     # a probe that met a busy neighbour does not put an engine "above" its roofline.
     hw["memory_read_gb_s_probes"] = [hw["memory_read_gb_s"], memory_read_bandwidth()]
     hw["memory_read_gb_s"] = max(hw["memory_read_gb_s_probes"])
-    kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
-    context = prompt_len + new_tokens // 2
-    per_token = bytes_per_decode_step(model, context, kv_elem)  # minigen's: packed weights when quantized
-    roofline = hw["memory_read_gb_s"] * 1e9 / per_token
+    per_token = bytes_per_decode_step(model, prompt_len + new_tokens // 2, kv_elem)  # packed weights when quantized
     result = {"hardware": hw, "model": model_name, "dtype": str(dtype).removeprefix("torch."),
               "weight_bits": weight_bits, "precision": model.precision.describe(model.dtype),
               "compile_s": max(compile_s), "prompt_len": prompt_len, "new_tokens": new_tokens,
               "repeats": repeats, "config": config.to_dict(), "exact": exact(config) and weight_bits is None,
-              "bytes_per_token": per_token, "roofline_tokens_per_s": roofline, "engines": {}}
-    floats = modules.get(f"minigen {_DTYPE_NAMES[dtype]}", model)  # the unquantized weights transformers reads too
-    for name, r in engines.items():  # each engine against the bytes its own step reads
-        if name.startswith("minigen"):
-            step_bytes = bytes_per_decode_step(modules[name], context, kv_elem)
-        elif name == "transformers":
-            step_bytes = bytes_per_decode_step(floats, context, kv_elem)
-        else:  # llama.cpp: the GGUF file's weights and an fp16 cache
-            step_bytes = runs[name].weights + context * model.config.kv_bytes_per_token(2)
-        r["bytes_per_token"] = step_bytes
-        r["roofline_fraction"] = r["decode_tokens_per_s"] * step_bytes / (hw["memory_read_gb_s"] * 1e9)
-        result["engines"][name] = {k: v for k, v in r.items() if k != "tokens"}
+              "bytes_per_token": per_token, "roofline_tokens_per_s": hw["memory_read_gb_s"] * 1e9 / per_token}
+    return _report(result, engines, timed, dtype)
+
+
+def _minigen_model(model_config, state: dict, dtype: torch.dtype, compute: torch.dtype | None):
+    from ..loading import build_model
+    model = build_model(model_config, state, dtype)
+    if compute is not None:
+        model.precision = model.precision.replace(compute=compute)
+    return model
+
+
+def _minigen_engine(model, ids: torch.Tensor, config: GenerationConfig, context: int, kv_elem: int,
+                    compile_s: list[float]) -> EngineRun:
+    """minigen on `model`; each run adds its compile seconds to `compile_s`."""
+    def run(n: int):
+        out = generate(model, ids, config, max_new_tokens=n)
+        compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
+        engine.step = out.stats.step
+        return out.tokens, out.stats.kv_cache_bytes
+    engine = EngineRun(run, weight_bytes(model), bytes_per_decode_step(model, context, kv_elem))
+    return engine
+
+
+def _transformers_engine(folder: Path, ids: torch.Tensor, dtype: torch.dtype, step_bytes: int) -> EngineRun:
+    """transformers `generate` on the same weights, in their dtype, for exactly n tokens."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
+    hf.generation_config.eos_token_id = None  # run exactly N tokens, as minigen does
+    hf.generation_config.pad_token_id = 0
+    mask = torch.ones_like(ids)
+
+    def run(n: int):
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                              return_dict_in_generate=True)
+        return out.sequences, sum(t.nbytes for layer in out.cache.layers for t in (layer.keys, layer.values))
+    return EngineRun(run, weight_bytes(hf), step_bytes)
+
+
+def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Tensor, config: GenerationConfig, *,
+                   dtype: torch.dtype, compute: torch.dtype | None, weight_bits: int | None, baseline: bool,
+                   llama_cpp: bool, new_tokens: int, kv_elem: int):
+    """-> (the engines to time, in the order they take turns; the model of the engine "minigen";
+    the list that minigen's runs add their compile seconds to).
+
+    `model` is minigen's model in `dtype`. A ratio between two minigen settings is taken within
+    one run, on one machine state: weight_bits times minigen unquantized beside the quantized
+    model, and a dtype other than fp32 times minigen in fp32 too (chapter 7)."""
+    from ..loading import build_model
+    prompt_len = ids.shape[1]
+    context = prompt_len + new_tokens // 2  # the rooflines: the bytes of the average step, mid-run
+    compile_s: list[float] = []
+    engines, floats = {}, model  # floats: the unquantized weights, which transformers reads too
     if weight_bits is not None:
-        reference = result["engines"][f"minigen {_DTYPE_NAMES[dtype]}"]["decode_tokens_per_s"]
-        result["speedup_vs_unquantized"] = result["engines"]["minigen"]["decode_tokens_per_s"] / reference
-    elif "minigen float32" in result["engines"]:
-        reference = result["engines"]["minigen float32"]["decode_tokens_per_s"]
-        result["speedup_vs_float32"] = result["engines"]["minigen"]["decode_tokens_per_s"] / reference
-    if llama_cpp:
-        result["speedup_vs_llama_cpp"] = (result["engines"]["minigen"]["decode_tokens_per_s"]
-                                          / result["engines"]["llama.cpp"]["decode_tokens_per_s"])
+        engines[f"minigen {_DTYPE_NAMES[dtype]}"] = _minigen_engine(model, ids, config, context, kv_elem, compile_s)
+        model = quantize_weights(_minigen_model(model_config, state, dtype, compute), weight_bits)
+    elif dtype != torch.float32:
+        floats32 = build_model(model_config, state, torch.float32)
+        engines["minigen float32"] = _minigen_engine(floats32, ids, config, context, kv_elem, compile_s)
+    engines["minigen"] = _minigen_engine(model, ids, config, context, kv_elem, compile_s)
     if baseline:
-        a, b = engines["minigen"]["tokens"], engines["transformers"]["tokens"]
+        engines["transformers"] = _transformers_engine(folder, ids, dtype,
+                                                       bytes_per_decode_step(floats, context, kv_elem))
+    if llama_cpp:  # the GGUF file's weights, and an fp16 cache
+        run, gguf_bytes = llama_cpp_engine(ids, prompt_len + new_tokens)
+        engines["llama.cpp"] = EngineRun(run, gguf_bytes, gguf_bytes + context * model.config.kv_bytes_per_token(2))
+    return engines, model, compile_s
+
+
+def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict], dtype: torch.dtype) -> dict:
+    """Add each engine's row and the ratios to `result` (the run's settings and minigen's roofline).
+
+    Each engine is held to the bytes its own step reads. greedy_token_agreement compares the tokens
+    of minigen's and transformers' last N-token runs."""
+    bandwidth = result["hardware"]["memory_read_gb_s"] * 1e9
+    rows = result["engines"] = {}
+    for name, t in timed.items():
+        e = engines[name]
+        rows[name] = {"ttft_s": t["ttft_s"], "total_s": t["total_s"], "decode_tokens_per_s": t["decode_tokens_per_s"],
+                      "run_peak_added_bytes": t["run_peak_added_bytes"], "weight_bytes": e.weight_bytes,
+                      "kv_cache_bytes": t["kv_cache_bytes"],
+                      "peak_memory_bytes": e.weight_bytes + t["run_peak_added_bytes"],
+                      "bytes_per_token": e.step_bytes,
+                      "roofline_fraction": t["decode_tokens_per_s"] * e.step_bytes / bandwidth}
+        if e.step:
+            rows[name]["step"] = e.step
+    speed = {name: row["decode_tokens_per_s"] for name, row in rows.items()}
+    if result["weight_bits"] is not None:
+        result["speedup_vs_unquantized"] = speed["minigen"] / speed[f"minigen {_DTYPE_NAMES[dtype]}"]
+    elif "minigen float32" in rows:
+        result["speedup_vs_float32"] = speed["minigen"] / speed["minigen float32"]
+    if "llama.cpp" in rows:
+        result["speedup_vs_llama_cpp"] = speed["minigen"] / speed["llama.cpp"]
+    if "transformers" in rows:
+        prompt_len = result["prompt_len"]
+        a, b = timed["minigen"]["tokens"], timed["transformers"]["tokens"]
         match = (a[:, prompt_len:] == b[:, prompt_len:]).float().mean().item()
         result["greedy_token_agreement"] = match
-        result["speedup"] = engines["minigen"]["decode_tokens_per_s"] / engines["transformers"]["decode_tokens_per_s"]
+        result["speedup"] = speed["minigen"] / speed["transformers"]
         # Only fp32 is held to identical tokens: in bf16 or fp16 two correct implementations
         # round their sums differently, and a near-tie between two tokens may flip.
         if result["exact"] and dtype == torch.float32 and match < 1.0:
@@ -266,8 +311,9 @@ def check_llama_cpp(model_name: str) -> None:
         raise BenchError(f"--engine llama.cpp runs the bundled GGUF of 'smollm2-135m', not {model_name!r}")
 
 
-def llama_cpp_engine(ids: torch.Tensor, context: int):
-    """run(n) -> tokens [1, T + n]: llama.cpp's greedy decoding of the prompt, on the Q4_1 GGUF file."""
+def llama_cpp_engine(ids: torch.Tensor, context: int) -> tuple[Callable[[int], tuple[torch.Tensor, int]], int]:
+    """-> (run, the GGUF file's bytes). run(n) -> (tokens [1, T + n], 0): llama.cpp's greedy decoding
+    of the prompt, on the Q4_1 GGUF file; llama.cpp sizes its own cache, which is not counted here."""
     from llama_cpp import Llama
     from ..loading import default_gguf_path
     path = default_gguf_path()
@@ -282,11 +328,9 @@ def llama_cpp_engine(ids: torch.Tensor, context: int):
             out.append(int(token))
             if i + 1 == n:
                 break
-        return torch.tensor([out])
+        return torch.tensor([out]), 0
 
-    run.kv = 0  # llama.cpp sizes its own cache; not counted here
-    run.weights = path.stat().st_size
-    return run
+    return run, path.stat().st_size
 
 
 def print_report(result: dict) -> None:
@@ -300,8 +344,9 @@ def print_report(result: dict) -> None:
         print(f"minigen's precision: {result['precision']}"
               + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
                  if result.get("compile_s") else ""))
-    if result.get("config", {}).get("fused_decode"):
-        print("minigen's decode step: fused_decode=True, every layer of a token in one C call (fused.py)")
+    steps = {name: r["step"] for name, r in result["engines"].items() if r.get("step")}
+    if steps:  # fused: every layer of a token in one C call (steps/fused.py); eager: op by op in torch
+        print("minigen's decode step: " + ", ".join(f"{name} {step}" for name, step in steps.items()))
     if result.get("weight_bits"):
         print(f"minigen's weights: int{result['weight_bits']} (linear layers; the output head int8), "
               f"packed: the roofline counts the packed bytes")
@@ -311,7 +356,7 @@ def print_report(result: dict) -> None:
         print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}"
               f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['kv_cache_bytes'] / 2**20:>9.2f}"
               f"{r.get('bytes_per_token', result['bytes_per_token']) / 1e6:>9.0f}{r['roofline_fraction']:>12.0%}")
-    probes = hw.get("memory_read_gb_s_probes")  # absent from a result saved before bench probed twice
+    probes = hw.get("memory_read_gb_s_probes")  # absent from a saved result that holds one reading
     when = (f"the better of {', '.join(f'{b:.1f}' for b in probes)} before and after the runs" if probes
             else "measured now")
     print(f"memory read bandwidth ({when}): {hw['memory_read_gb_s']:.1f} GB/s; "

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..kernels import cpu as cpu_kernel
+from ..kernels import build as kernel_build
 
 def hardware_info() -> dict:
     cpu = platform.processor() or platform.machine()
@@ -28,7 +28,7 @@ def hardware_info() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "gpu": gpu, "memory_read_gb_s": memory_read_bandwidth(),
-            "cpu_kernel": cpu_kernel.status()}
+            "cpu_kernel": kernel_build.status()}
 
 
 def memory_read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:

@@ -4,8 +4,8 @@
                           ─> categories per step, a Chrome trace, a memory timeline of a generation
 
 Each function of CATEGORIES runs inside a profiler range named after its category while the
-steps are profiled: a call of `model.matmul` is matrix products, the C matvec it runs included
-(cpu_kernel.py: a ctypes call in eager mode, the `minigen::matvec` op under torch.compile); a call
+steps are profiled: a call of the model's `ops.linear` is matrix products, the C matvec it runs
+included (kernels/cpu.py: a ctypes call in eager mode, the `minigen::matvec` op under torch.compile); a call
 of `RMSNorm.forward` is norms; a cache's `prepare` and `update` are the cache update. This
 attributes by the code that ran, not by op names: an `aten::mul` is a norm in one place and RoPE in
 another. "rest" is the step's wall time minus the categories: ops outside every category (the MLP's
@@ -25,12 +25,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 
 from .. import attention, model
-from ..steps import graphs
+from ..kernels import dispatch
+from ..steps.choose import choose_step
 from ..caches import contiguous, h2o, offload, paged, quantized, window
 from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import ConfigError
-from ..generate import GenerationStats, _stream, check_prompt, check_step, decode_step, make_policy, prefill, sample
+from ..generate import GenerationStats, check_prompt, check_step, make_policy, stream
+from ..sampling import sample
 
 CATEGORY_NAMES = ("matrix products", "attention", "norms", "RoPE", "cache update", "sampling", "rest")
 FUSED = "fused (compiled)"
@@ -38,9 +40,12 @@ LABEL = "minigen/"  # the profiler range of a category is named minigen/<categor
 
 # category -> the (owner, attribute) of each function whose calls belong to it
 CATEGORIES = {
-    "matrix products": [(model, "matmul")],  # cpu_kernel's matvec runs inside it
+    # the C kernels that kernels/dispatch.py picks run inside these (a ctypes call, or minigen::matvec)
+    "matrix products": [(model.TorchOps, "linear"), (dispatch.KernelOps, "linear")],
     "attention": [(model, "attend"), (model, "causal_mask"), (attention.AttentionPolicy, "attend"),
-                  (attention.AttentionPolicy, "mask")],
+                  (attention.AttentionPolicy, "mask")]
+                 + [(ops, name) for ops in (model.TorchOps, dispatch.KernelOps)
+                    for name in ("decode_attention", "attend_blocks")],
     "norms": [(model.RMSNorm, "forward"), (model.LayerNorm, "forward")],
     "RoPE": [(model, "apply_rope")],
     "cache update": [(cls, name) for cls in (contiguous.KVCache, paged.PagedKVCache, quantized.QuantizedKVCache,
@@ -117,7 +122,7 @@ def probe_cost(n: int = 2000) -> float:
 def split_by_category(events, compiled: bool) -> dict[tuple[str, str], tuple[float, int]]:
     """(name, category) -> (microseconds, events recorded) over the outermost category ranges and the
     operators outside them (by name: a matrix product; in a compiled step, fused; else rest). A range
-    counts whole, the C kernel that `matmul` runs by ctypes included; nothing inside a counted event
+    counts whole, the C kernel that `ops.linear` runs by ctypes included; nothing inside a counted event
     counts again."""
     out: dict[tuple[str, str], tuple[float, int]] = {}
     for e in events:
@@ -166,7 +171,7 @@ def check_profile_config(config: GenerationConfig, steps: int) -> None:
     if config.cuda_graphs:
         raise ConfigError("cuda_graphs=True replays a captured graph that the profiler sees as one launch: "
                           "profile with compile=True or without either")
-    if config.fused_decode:
+    if config.fused_decode is True:
         raise ConfigError("fused_decode=True runs each decode step as one C call that the profiler cannot split into "
                           "categories: profile without it, and time it with `python -m minigen bench --set "
                           "fused_decode=true`")
@@ -184,19 +189,20 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     run = config.replace(max_new_tokens=total)
     check_prompt(model_, input_ids, total, run)  # the prompt and every step must fit the context
     check_step(model_, run, ())
-    grad = torch.no_grad() if config.compile else torch.inference_mode()
-    with grad:
+    # fused_decode="auto" profiles the eager step: the categories are torch's ops, which the fused
+    # step runs in one C call (check_profile_config refuses fused_decode=True)
+    step = choose_step(model_, run.replace(fused_decode=False), input_ids.shape[0])
+    with step.grad_mode():
         cache = make_cache(model_, run, input_ids.shape[0], T + total)
         policy = make_policy(run, cache)
-        step = graphs.compiled(decode_step, model_) if config.compile else decode_step
-        logits = prefill(model_, input_ids, cache, policy)
+        logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
         pos = T
 
         def one_step():
             nonlocal logits, pos
             with record_function(LABEL + "sampling"):
                 token = sample(logits, run)
-            logits = step(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy)
+            logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy)
             pos += 1
 
         for _ in range(warmup):  # compiles, fills buffers, warms the allocator
@@ -242,7 +248,7 @@ def memory_timeline(model_, input_ids: torch.Tensor, config: GenerationConfig) -
     and their peak."""
     stats, rows = GenerationStats(), []
     began = time.perf_counter()
-    for i, _ in enumerate(_stream(model_, input_ids, config, stats)):
+    for i, _ in enumerate(stream(model_, input_ids, config, stats=stats)):
         rows.append({"token": i, "t_s": time.perf_counter() - began, "kv_cache_bytes": stats.kv_cache_bytes,
                      "peak_kv_cache_bytes": stats.peak_kv_cache_bytes})
     return rows

@@ -112,7 +112,7 @@ def vllm_engine_args(config: GenerationConfig, *, max_batch_size: int | None = N
         args["dtype"], args["kv_cache_dtype"] = "float32", "auto"
     else:
         args["kv_cache_dtype"] = config.kv_dtype or "auto"
-    if config.cuda_graphs or config.fused_decode:  # fused_decode, minigen's C step: vLLM's own is compiled and graphed
+    if config.cuda_graphs or config.fused_decode is True:  # fused_decode, minigen's C step: vLLM's own is compiled and graphed
         args["enforce_eager"] = False
     elif config.compile:  # compiled, not graphed
         args["enforce_eager"] = False

@@ -34,7 +34,10 @@ from torch import Tensor
 from ..combinations import ENGINE_REFUSED, check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
-from ..generate import _generator, check_prompt, make_policy, sample
+from ..generate import check_prompt, make_policy
+from ..numerics.precision import DTYPES
+from ..sampling import make_generator, sample
+from ..steps.choose import choose_step
 from ..caches.paged import PagedKVCache
 from .scheduler import (PrefixAllocator, Request, block_hashes, blocks_for, can_admit, serving_metrics)
 
@@ -76,16 +79,18 @@ class Engine:
                               f"{self.config.cache_chunk_size} tokens in the pool), or None to size it from memory")
         self.model, self.max_batch_size = model, max_batch_size
         c, bs = model.config, self.config.cache_chunk_size
-        dtype = model.dtype if self.config.kv_dtype is None else getattr(torch, self.config.kv_dtype)
+        dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
         if num_blocks is None:
             block_bytes = c.kv_bytes_per_token(dtype.itemsize) * bs
             fits = int(MEMORY_FRACTION * available_bytes(model.device)) // block_bytes
             num_blocks = max(1, min(max_batch_size * blocks_for(c.max_seq_len, bs), fits))
+        self.alloc = PrefixAllocator(num_blocks, bs)  # the engine's pool, which its cache reads through
         self.cache = PagedKVCache(c.n_layers, 0, c.n_kv_heads, c.head_dim, bs, num_blocks, dtype, model.device,
                                   self.config.window_size,
-                                  self.config.sink_tokens if self.config.window_size is not None else 0)
-        self.cache.allocator = self.alloc = PrefixAllocator(num_blocks, bs)
+                                  self.config.sink_tokens if self.config.window_size is not None else 0,
+                                  allocator=self.alloc)
         self.policy = make_policy(self.config, self.cache)
+        self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)  # rows at their own positions
         self.num_blocks, self.block_size = num_blocks, bs
         self.requests: list[Request] = []
         self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front
@@ -122,7 +127,7 @@ class Engine:
         rid = len(self.requests)
         stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids
         req = Request(rid, ids.tolist(), config, frozenset(stop), self.now() if arrival_s is None else float(arrival_s),
-                      _generator(config, self.model.device))
+                      make_generator(config, self.model.device))
         need = blocks_for(req.max_positions, self.block_size)
         if need > self.num_blocks:
             raise PromptError(f"request of {len(req.prompt)} prompt tokens + max_new_tokens={config.max_new_tokens} "
@@ -196,7 +201,7 @@ class Engine:
         new: dict[int, list[int]] = {}
         if not admitted and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
             return new
-        with torch.inference_mode():
+        with self.forward_step.grad_mode():
             if admitted:  # 3. one ragged prefill of every admitted prompt (from its first uncached position)
                 self._forward(admitted, [r.tokens[r.computed:] for r in admitted], new)
             if decoding:  # and one decode step of every running sequence
@@ -237,8 +242,8 @@ class Engine:
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):
             ids[b, T - len(chunk):] = torch.tensor(chunk)
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
-        self.cache.rows = [r.seq for r in reqs]
-        logits = self.model(ids.to(device), pos.to(device), self.cache, last_only=True, policy=self.policy)[:, -1]
+        self.cache.select_rows([r.seq for r in reqs])
+        logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):

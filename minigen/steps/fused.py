@@ -30,10 +30,11 @@ import ctypes
 import torch
 from torch import Tensor
 
-from ..kernels import cpu as cpu_kernel
+from ..kernels import build as kernel_build
 from ..numerics import precision
 from ..errors import ConfigError, PromptError
 from ..caches.contiguous import KVCache
+from .eager import EagerStep
 from ..model import Model
 from ..numerics.weight_quant import QuantizedWeight
 
@@ -81,8 +82,8 @@ def check_model(model: Model) -> None:
                               f"model with dtype=torch.bfloat16 or float32. {fix}")
     if cfg.head_dim > 1024 or cfg.head_dim % 2:
         raise ConfigError(f"fused_decode=True takes an even head dim up to 1024, not {cfg.head_dim}. {fix}")
-    if not cpu_kernel.available():
-        raise ConfigError(f"fused_decode=True needs minigen's C kernel, which is {cpu_kernel.status()}. {fix}")
+    if not kernel_build.available():
+        raise ConfigError(f"fused_decode=True needs minigen's C kernel, which is {kernel_build.status()}. {fix}")
 
 
 def check_run(model: Model, batch: int, kv_dtype: str | None, observers: tuple = ()) -> None:
@@ -143,26 +144,36 @@ class _Plan:
         self.x = torch.empty(cfg.dim)  # the residual stream, written by C
 
 
-def decode_step(model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
-    """generate.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
-    assert policy is None and tokens.shape == (1, 1) and input_pos.shape == (1,), \
-        "fused_decode takes one token of one sequence and no attention policy (the config refuses the rest)"
-    lib = cpu_kernel._load()
-    plan = getattr(cache, "_fused_plan", None)
-    if plan is None:
-        assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
-            "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
-        plan = cache._fused_plan = _Plan(model, cache)
-    cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
-    pos = int(input_pos[0])
-    token = int(tokens[0, 0])
-    if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
-        raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
-    plan.dims.threads = torch.get_num_threads()
-    logits = torch.empty(1, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
-    plan.dims.logits = logits.data_ptr()
-    # the token's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
-    if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
-                         plan.x.data_ptr(), pos) != 0:
-        raise MemoryError("fused_decode: the C step could not allocate its work buffers")
-    return logits
+class FusedStep(EagerStep):
+    """fused_decode: the prompt through torch (EagerStep.prefill), each decode token in one C call.
+    The C descriptions of the (model, cache) pair are built at the first decode step and held here,
+    by the step the caller owns, never on the cache."""
+    name = "fused"
+
+    def __init__(self):
+        self.plan: _Plan | None = None
+        self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
+
+    def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+        """generate.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
+        assert policy is None and tokens.shape == (1, 1) and input_pos.shape == (1,), \
+            "fused_decode takes one token of one sequence and no attention policy (the config refuses the rest)"
+        lib = kernel_build.library()
+        if self.planned_for != (id(model), id(cache)):
+            assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
+                "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
+            self.plan, self.planned_for = _Plan(model, cache), (id(model), id(cache))
+        plan = self.plan
+        cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
+        pos = int(input_pos[0])
+        token = int(tokens[0, 0])
+        if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
+            raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
+        plan.dims.threads = torch.get_num_threads()
+        logits = torch.empty(1, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+        plan.dims.logits = logits.data_ptr()
+        # the token's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
+        if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
+                             plan.x.data_ptr(), pos) != 0:
+            raise MemoryError("fused_decode: the C step could not allocate its work buffers")
+        return logits

@@ -20,6 +20,7 @@ mechanisms (torch.compile(mode="reduce-overhead") is torch.compile plus CUDA gra
 
 from __future__ import annotations
 
+import time
 import types
 import weakref
 from typing import Callable
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from .eager import EagerStep, decode_step
 
 _compiled: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
 
@@ -93,3 +95,53 @@ class CudaGraphDecoder:
         self.pos.fill_(position)
         self.graph.replay()
         return self.next
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's own counter)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+class CompiledStep(EagerStep):
+    """compile=True: the prompt runs eagerly, each decode step through `compiled(decode_step, model)`.
+    compile_s: the seconds the first step spent compiling (0 when an earlier generation compiled it)."""
+    name = "compiled"
+
+    def __init__(self, model):
+        self.step = compiled(decode_step, model)
+        self.compile_s, self.first = 0.0, True
+
+    def grad_mode(self):
+        # under inference_mode inductor copied every layer's cache each step; under no_grad it writes in place
+        return torch.no_grad()
+
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        if not self.first:
+            return self.step(model, tokens, input_pos, cache, policy)
+        before, began = graphs_compiled(), time.perf_counter()
+        logits = self.step(model, tokens, input_pos, cache, policy)
+        self.compile_s = time.perf_counter() - began if graphs_compiled() > before else 0.0
+        self.first = False
+        return logits
+
+
+class GraphedStep(EagerStep):
+    """cuda_graphs=True: the first decode step captures decode + sampling in a CUDA graph
+    (CudaGraphDecoder), every later one replays it; `decode` then returns the sampled tokens [B]."""
+    name = "graphed"
+    samples_inside = True
+
+    def __init__(self, sample: Callable, config, generator: torch.Generator | None):
+        self.sample, self.config, self.generator = sample, config, generator
+        self.replay: CudaGraphDecoder | None = None
+        self.compile_s = 0.0
+
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        position = int(input_pos[0])
+        if self.replay is None:
+            began = time.perf_counter()
+            self.replay = CudaGraphDecoder(decode_step, self.sample, model, cache, policy, self.config,
+                                           tokens.shape[0], position, self.generator)
+            self.compile_s = time.perf_counter() - began
+        return self.replay(tokens[:, 0], position)

@@ -1,0 +1,212 @@
+"""Building minigen's C kernels (csrc/) once per machine, and the switch that turns them off.
+
+A decode step at batch 1 is a chain of matrix-vector products: every weight is read once per
+token and used for one multiply-add, so the step runs at the speed memory delivers the weights.
+torch's fp32 matrix-vector path streams them at about half of this course's CPU read bandwidth
+(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, a 60-line loop, streams them at 80 to 90% of it.
+
+The kernel is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) into
+`$MINIGEN_CACHE/kernels/` the first time it is needed (well under a second), and called through
+ctypes on the tensors' memory. Each build is named by its source, compiler, flags and CPU; making
+a new one removes those not loaded for UNUSED_DAYS. With torch's Linux wheels it links the same OpenMP runtime
+(libgomp) as torch, so its threads are torch's threads: `torch.set_num_threads` governs both,
+and two thread pools never compete for the cores. A compiler without OpenMP (Apple's clang)
+builds it single-threaded, with a notice; `MINIGEN_CPU_KERNEL_OPENMP=0` forces that build.
+`MINIGEN_CPU_KERNEL_CFLAGS` adds compiler flags: `-mno-avx512f` builds the 8-wide loops on a CPU
+that has AVX-512, as a CPU without it runs them (the tests check both).
+
+On a busy machine the kernel runs single-threaded while its threads keep arriving late (see the
+comment at the top of gemv.c): waiting for a descheduled thread costs more than it saves.
+
+Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `matvec` returns None and the model uses
+`F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
+
+Prompts (more rows than MAX_ROWS) are not this file's loops: `linear` hands them to oneDNN's GEMM,
+which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+from ..paths import cache_dir
+
+SOURCE = Path(__file__).parent / "csrc" / "gemv.c"
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+OPENMP_FLAGS = ["-fopenmp"]
+# GCC on AMD Zen prefers 128-bit vectors; ask for full 256-bit AVX2 registers.
+X86_FLAGS = ["-mprefer-vector-width=256"]
+
+_lib: ctypes.CDLL | None = None
+_reason = "not built yet"
+_enabled = os.environ.get("MINIGEN_CPU_KERNEL", "1") != "0"  # the switch: enabled(False), MINIGEN_CPU_KERNEL=0
+
+
+def cpu_fingerprint() -> str:
+    """What `-march=native` depends on: a library built for one CPU may crash on another."""
+    model = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags", "Features")):
+                model += line
+    return model
+
+
+def compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+UNUSED_DAYS = 30  # a build of the kernel not loaded for this long is removed when a new one is made
+
+
+def _prune(kernels: Path, keep: Path) -> None:
+    """Remove builds of older sources, flags or CPUs that nothing loaded for UNUSED_DAYS (each load
+    touches its file): without this, every edit of gemv.c left one more library in the cache."""
+    old = time.time() - UNUSED_DAYS * 86400
+    for lib in kernels.glob("gemv-*.so"):
+        with contextlib.suppress(OSError):  # another process pruning, or a file we may not remove
+            if lib != keep and lib.stat().st_mtime < old:
+                lib.unlink()
+
+
+def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
+    """Compile SOURCE into lib_path (beside it, then renamed) -> None, or the compiler's complaint."""
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: two processes building at once never see half a file
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+        out = Path(tmp) / lib_path.name
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if done.returncode != 0:
+            return done.stderr.strip()[-500:]
+        os.replace(out, lib_path)
+    _prune(lib_path.parent, lib_path)
+    return None
+
+
+def _build() -> tuple[ctypes.CDLL, bool]:
+    """Compile csrc/gemv.c (once per source, compiler, flags and CPU) and load it -> (library,
+    whether it has OpenMP). Tries OpenMP first; a compiler that rejects it builds without."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set $CC, or install one: apt install gcc)")
+    base = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
+    base += os.environ.get("MINIGEN_CPU_KERNEL_CFLAGS", "").split()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    attempts = [(base + OPENMP_FLAGS, True), (base, False)]
+    if os.environ.get("MINIGEN_CPU_KERNEL_OPENMP", "1") == "0":
+        attempts = attempts[1:]
+    complaint = ""
+    for flags, openmp in attempts:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, cpu_fingerprint()])
+                             .encode()).hexdigest()[:16]
+        lib_path = cache_dir() / "kernels" / f"gemv-{key}.so"
+        if not lib_path.exists():
+            complaint = _compile(cc, flags, lib_path) or ""
+            if complaint:
+                continue
+        try:
+            lib = ctypes.CDLL(str(lib_path))
+        except OSError:  # a truncated or foreign file in the cache: build it again, once
+            lib_path.unlink(missing_ok=True)
+            complaint = _compile(cc, flags, lib_path) or ""
+            if complaint:
+                continue
+            lib = ctypes.CDLL(str(lib_path))
+        with contextlib.suppress(OSError):  # in use: _prune keeps it (a read-only cache still works)
+            os.utime(lib_path)
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        for fn in (lib.gemv_f32, lib.gemv_bf16):
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
+            fn.restype = None
+        lib.gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # W, x, y, n, k, M, threads
+        lib.gemm_f32.restype = None
+        lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
+        lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
+        lib.gemv_q8.restype = lib.gemv_q4.restype = None
+        lib.gemv_late_regions.restype = i64
+        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (fused.py)
+        lib.decode_layers.restype = ctypes.c_int
+        lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
+        lib.attend_decode.restype = ctypes.c_int
+        lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps
+        lib.rms_norm_rows.restype = None
+        return lib, openmp
+    raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {complaint}")
+
+
+def library() -> ctypes.CDLL | None:
+    """The C kernels' library, built on first use; None where it cannot be built (status() says why)."""
+    global _lib, _reason
+    if _lib is None and _reason == "not built yet":
+        if sys.platform == "win32":
+            _reason = "not built: minigen builds its C kernel on Linux and macOS only"
+        else:
+            try:
+                _lib, openmp = _build()
+                _reason = f"built with {compiler()} from {SOURCE.name}"
+                if not openmp:
+                    _reason += ", without OpenMP: single-threaded"
+                    warnings.warn(f"minigen's C matrix-vector kernel was {_reason.removeprefix('built ')} "
+                                  "(the compiler has no OpenMP, or MINIGEN_CPU_KERNEL_OPENMP=0); decoding "
+                                  "is correct but slower on several cores.", RuntimeWarning, stacklevel=3)
+            except (RuntimeError, OSError) as err:
+                _reason = f"not built: {err}"
+        if _lib is None:
+            warnings.warn(f"minigen's C matrix-vector kernel is {_reason}; decoding falls back to "
+                          "torch (same tokens, about 1.5x slower in fp32).", RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def status() -> str:
+    """One line for reports: whether decoding uses the C kernel, and why not if it does not."""
+    if not _enabled:
+        return "off (MINIGEN_CPU_KERNEL=0 or kernels.build.enabled(False)): torch's F.linear"
+    library()
+    return _reason
+
+
+def available() -> bool:
+    """Whether minigen's C kernels run here: switched on and built (status() says why not)."""
+    return _enabled and library() is not None
+
+
+def late_regions() -> int:
+    """Parallel calls so far in which a thread arrived late, each followed by single-threaded calls
+    (gemv.c): 0 on a quiet machine, many next to busy neighbours."""
+    return int(_lib.gemv_late_regions()) if _lib is not None else 0
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+    """`with build.enabled(False):` runs the block on torch's own ops, to compare the two."""
+    global _enabled
+    before, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def is_enabled() -> bool:
+    """Whether the C kernels are switched on (MINIGEN_CPU_KERNEL, `enabled`): built or not."""
+    return _enabled
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if an earlier call built it, without building it (a compiled graph's trace
+    must not start a compiler)."""
+    return _lib

@@ -1,0 +1,70 @@
+"""The steps that drive the model: a prompt's forward (prefill) and a decode step, as free functions,
+and the step objects that generate's one loop runs (chapters 1-2).
+
+Shapes: B batch, T prompt tokens, V vocabulary.
+
+A step object says how each forward of a generation runs; the loop (generate.py) picks one per
+generation (steps/choose.py) and never branches on the kind again:
+
+    NaiveStep    use_cache=False: every step runs the whole sequence so far (chapter 1)
+    EagerStep    the cached loop: the prompt once, then one token per step (chapter 2)
+    CompiledStep compile=True: the decode step compiled by torch.compile (graphs.py, chapter 8)
+    GraphedStep  cuda_graphs=True: the decode step captured in a CUDA graph, sampling inside (graphs.py)
+    FusedStep    fused_decode: every layer of a batch-1 decode token in one C call (fused.py, chapter 14)
+
+Each has `prefill(model, ids, input_pos, cache, policy) -> logits [B, V]` (the last position) and
+`decode(model, tokens [B, 1], input_pos, cache, policy) -> logits [B, V]`, a `name` for reports, and
+`compile_s`, the seconds its first step spent compiling or capturing (0 for most).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def prefill(model, input_ids: Tensor, cache, policy=None) -> Tensor:
+    """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
+    input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
+
+
+def decode_step(model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    """Feed the newest tokens [B, 1] at position input_pos [1] (or [B, 1], per row) -> next-token logits [B, V]."""
+    return model(tokens, input_pos, cache, policy=policy)[:, -1]
+
+
+class EagerStep:
+    """The cached loop as torch runs it, op by op: the default wherever no faster exact step applies."""
+    name = "eager"
+    samples_inside = False  # decode returns logits; the loop samples (GraphedStep samples in its graph)
+    compile_s = 0.0
+
+    def grad_mode(self):
+        """inference_mode: the fastest eager mode (CompiledStep wants no_grad)."""
+        return torch.inference_mode()
+
+    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        """input_pos [T], or [B, T] per row (-1: padding) -> the last position's logits [B, V]."""
+        return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
+
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        return decode_step(model, tokens, input_pos, cache, policy)
+
+
+class NaiveStep(EagerStep):
+    """use_cache=False: no cache; every step runs the model over the whole sequence so far (chapter 1).
+    The sequence is this object's own state: one NaiveStep per generation."""
+    name = "naive"
+
+    def __init__(self):
+        self.seq: Tensor | None = None  # [B, T + i]: the prompt and every token so far
+
+    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        self.seq = input_ids
+        return super().prefill(model, input_ids, input_pos, None, policy)
+
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        self.seq = torch.cat([self.seq, tokens], dim=1)
+        pos = torch.arange(self.seq.shape[1], device=self.seq.device)
+        return model(self.seq, pos, None, last_only=True, policy=policy)[:, -1]
