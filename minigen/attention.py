@@ -150,6 +150,12 @@ def attend_blocks(q: Tensor, view: BlockView, window_size: int | None = None, si
     return out
 
 
+def sparse_on(top_k: int | None, threshold: float | None) -> bool:
+    """Whether sparse key selection changes attention: a top-k, or a threshold above 0 (a threshold
+    of 0 keeps every key). The one definition that the config, its table and attention share."""
+    return top_k is not None or (threshold or 0) > 0
+
+
 # An observer sees each layer's attention probabilities: (layer, probs [B, H, T, S]) -> None.
 # The entropy monitor (entropy.py) and heavy-hitter eviction (h2o.py) are observers.
 AttentionObserver = Callable[[int, Tensor], None]
@@ -172,14 +178,15 @@ class AttentionPolicy:
     @classmethod
     def from_config(cls, config, observers: tuple[AttentionObserver, ...] = ()) -> "AttentionPolicy | None":
         """The policy a GenerationConfig selects, or None when it selects plain causal attention."""
+        sparse = config.sparse  # a threshold of 0 keeps every key: no selection, the plain path
         policy = cls(config.window_size, config.sink_tokens if config.window_size is not None else 0,
-                     config.sparse_top_k, config.sparsity_threshold, config.sparse_score == "signed",
-                     tuple(observers), config.attention_backend)
+                     config.sparse_top_k if sparse else None, config.sparsity_threshold if sparse else None,
+                     sparse and config.sparse_score == "signed", tuple(observers), config.attention_backend)
         return None if policy == cls() else policy
 
     @property
     def sparse(self) -> bool:
-        return self.sparse_top_k is not None or (self.sparsity_threshold or 0) > 0
+        return sparse_on(self.sparse_top_k, self.sparsity_threshold)
 
     @property
     def reads_blocks(self) -> bool:

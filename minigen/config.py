@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .attention import sparse_on
 from .combinations import FEATURES, SWITCHES, check_combinations
 from .errors import ConfigError
 
@@ -140,7 +141,7 @@ class GenerationConfig:
     @property
     def sparse(self) -> bool:
         """True when sparse key selection changes attention (top-k, or a threshold above 0)."""
-        return self.sparse_top_k is not None or self.sparsity_threshold is not None
+        return sparse_on(self.sparse_top_k, self.sparsity_threshold)
 
     def features(self) -> list[str]:
         """The cache features this config switches on, by their names in FEATURES."""
