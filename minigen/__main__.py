@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plan)
 
     ld = sub.add_parser("ledger", help="the article's claims, our measurements and the verdicts",
-                        description="Print the claims ledger (minigen/claims.toml): each quantitative claim of "
+                        description="Print the claims ledger (minigen/course/claims.toml): each quantitative claim of "
                                     "the article, its value, what we measured and where, and the verdict.")
     ld.add_argument("--json", help="write the ledger to this JSON file (a list of claims)")
     ld.add_argument("--file", help="read another claims file (default: the package's claims.toml)")

@@ -4,7 +4,7 @@
 
 Nothing here is written by hand twice: the Sphinx project (`conf.py`, `index.md` with its toctree,
 the article page and the claims ledger) is generated from book.toml, docs/article.md and
-minigen/claims.toml into `<out>/src`, next to copies of the chapters' notebooks and their figures,
+minigen/course/claims.toml into `<out>/src`, next to copies of the chapters' notebooks and their figures,
 and rendered into `<out>/html`. A chapter that raises fails the build.
 
 The book works offline: MathJax comes from a Python package (sphinx-mathjax-offline) and is copied

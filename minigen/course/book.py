@@ -4,7 +4,7 @@
 the static book (`scripts/build_book.py`) and the notebook test run (`make test`) are all
 generated from it, so a chapter is added in one place. The book's two generated pages are here too:
 `article_page` (the source article and its claims) and `ledger_page` (the claims ledger), both
-rendered from minigen/claims.toml when the book is built.
+rendered from minigen/course/claims.toml when the book is built.
 
 This module is course tooling: the core (model, cache, generate) never imports it.
 """
@@ -209,7 +209,7 @@ def ledger_page(book: Book, claims: list[Claim]) -> str:
     counts = ", ".join(f"{sum(c.verdict == v for c in claims)} {v}" for v in VERDICTS)
     lines = ["# The claims ledger", "",
              "Every quantitative claim of {doc}`the source article </article>`, what this course measured, "
-             "on which machine, and the verdict. This page is rendered from `minigen/claims.toml` when the "
+             "on which machine, and the verdict. This page is rendered from `minigen/course/claims.toml` when the "
              "book is built; `python -m minigen ledger` prints the same file, and each chapter's closing "
              "cell asserts its measurements against it.", "",
              f"**{len(claims)} claims:** {counts}.", "",
