@@ -12,7 +12,7 @@ BOOK ?= book.toml
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 # The chapters' notebooks that exist, in book.toml's order (tests/test_packaging.py fails on a
 # listed notebook that is missing; this list only keeps nbval from stopping on it first).
-LIST_NOTEBOOKS = import os, sys; from minigen.book import load_book; \
+LIST_NOTEBOOKS = import os, sys; from minigen.course.book import load_book; \
   print(' '.join(os.path.relpath(p) for p in load_book(sys.argv[1]).notebook_paths() if p.exists()))
 
 .PHONY: venv model test figures lab book clean

@@ -3,7 +3,8 @@
 A decode step at batch 1 is a chain of matrix-vector products: every weight is read once per
 token and used for one multiply-add, so the step runs at the speed memory delivers the weights.
 torch's fp32 matrix-vector path streams them at about half of this course's CPU read bandwidth
-(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, a 60-line loop, streams them at 80 to 90% of it.
+(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, each thread reading its own rows in one sequential
+stream, reaches 80 to 90% of it.
 
 The kernel is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) into
 `$MINIGEN_CACHE/kernels/` the first time it is needed (well under a second), and called through
