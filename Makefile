@@ -36,7 +36,7 @@ model: venv
 
 test: model
 	MPLBACKEND=Agg $(PY) -m pytest -q tests
-	@notebooks="$$($(PY) -c "$(LIST_NOTEBOOKS)" $(BOOK))"; \
+	@notebooks="$$($(PY) -c "$(LIST_NOTEBOOKS)" $(BOOK))" || { echo "make test: cannot list the chapters from $(BOOK)"; exit 1; }; \
 	if [ -z "$$notebooks" ]; then \
 	  echo "make test: no chapter notebook exists yet; skipping nbval"; \
 	else \
