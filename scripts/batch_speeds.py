@@ -29,7 +29,6 @@ from torch import Tensor
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import minigen  # noqa: E402
-from minigen.kernels import cpu as cpu_kernel  # noqa: E402
 from minigen.kernels import build as kernel_build  # noqa: E402
 from minigen.measure import bench  # noqa: E402
 

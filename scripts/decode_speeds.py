@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import minigen  # noqa: E402
-from minigen.kernels import cpu as cpu_kernel  # noqa: E402
 from minigen.kernels import build as kernel_build  # noqa: E402
 from minigen.measure import bench  # noqa: E402
 from minigen.loading import build_model, load_tokenizer, read_config, read_safetensors, resolve_folder  # noqa: E402

@@ -15,7 +15,6 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig
-from minigen.kernels import cpu as cpu_kernel
 from minigen.kernels import build as kernel_build
 from minigen.steps import fused
 from minigen.entropy import EntropyRecorder

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import minigen
 from conftest import tiny_hf
+from minigen.attention import attend_blocks
 from minigen.kernels import triton_attention
 from minigen.caches.contract import BlockView
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize
@@ -85,6 +86,17 @@ def reference(q: torch.Tensor, view: BlockView, window: int | None = None, sinks
             probs = (k[:, h // G] @ q[b, h].float() / math.sqrt(Dh)).softmax(dim=0)  # [S]
             out[b, h] = probs @ v[:, h // G]
     return out
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_torch_reference_over_blocks_equals_the_dense_loop(bits, window):
+    """attention.attend_blocks (TorchOps' reference of the kernel) against the loop above."""
+    view = make_view([7, 40, 1], Hkv=2, Dh=16, bs=16, bits=bits, recent=bits is not None)
+    q = torch.randn(3, 4, 16, generator=torch.Generator().manual_seed(3))
+    sinks = 2 if window is not None else 0
+    torch.testing.assert_close(attend_blocks(q, view, window, sinks), reference(q, view, window, sinks),
+                               atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------- the grid the issue names

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .contract import check_fits, one_vector
+from .contract import check_fits
 
 
 class KVCache:

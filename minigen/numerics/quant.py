@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
+
 
 # The axis of a [.., S, Dh] key/value tensor along which a group of G elements runs.
 GROUP_AXIS = {"channel": -2, "token": -1}  # per channel: G tokens of one channel; per token: G channels

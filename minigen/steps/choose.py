@@ -45,10 +45,7 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
         return GraphedStep(sample, config, generator)
     if config.compile:
         return CompiledStep(model)
-    if config.fused_decode is True:
-        if ragged:
-            raise ConfigError("fused_decode=True decodes one sequence at a time (batch 1), not a ragged batch. "
-                              "Fix: fused_decode='auto' or False, or one prompt per call.")
+    if config.fused_decode is True:  # a ragged batch refused it before (combinations.RAGGED_REFUSED)
         fused.check_run(model, batch, config.kv_dtype, observers)
         return fused.FusedStep()
     if config.fused_decode == "auto" and fused_applies(model, config, batch, observers, ragged):
