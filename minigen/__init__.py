@@ -6,13 +6,14 @@ from .config import GenerationConfig
 from .serving.engine import Engine
 from .errors import (BenchError, CacheFullError, ConfigError, LedgerError, MinigenError, ModelLoadError, PositionError,
                      PromptError, QueueFullError, RequestError)
-from .generate import (GenerationOutput, GenerationStats, decode_step, generate, parallel_sample, prefill,
-                       sample, stream)
+from .generate import GenerationOutput, GenerationStats, generate, parallel_sample, stream
 from .loading import from_hf, load
 from .evaluate import perplexity, score, top1_agreement
 from .model import Model, ModelConfig
 from .measure.plan import plan
 from .numerics.weight_quant import quantize_weights
+from .sampling import sample
+from .steps.eager import decode_step, prefill
 
 __all__ = ["Cache", "Engine", "GenerationConfig", "GenerationOutput", "GenerationStats", "Model", "ModelConfig",
            "BenchError", "CacheFullError", "ConfigError", "LedgerError", "MinigenError", "ModelLoadError",

@@ -123,7 +123,7 @@ def _check_json_arg(path: str | None, error) -> None:
 def cmd_profile(args) -> None:
     from . import load
     from .measure.bench import prompt_ids
-    from .caches.make import check_for_model
+    from .combinations import Run, check_run
     from .errors import ConfigError
     from .measure.profiling import check_profile_config, format_profile, profile
     if args.steps < 1:
@@ -134,7 +134,7 @@ def cmd_profile(args) -> None:
     model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)
-    check_for_model(config, model.config)  # settings that depend on the model's shapes
+    check_run(config, Run.of_shapes(model.config))  # settings that depend on the model's shapes
     result = profile(model, prompt_ids(tok, args.prompt_len), config, steps=args.steps, trace=args.trace)
     print(format_profile(result))
     print(f"Chrome trace: {args.trace} (open in ui.perfetto.dev or chrome://tracing)")

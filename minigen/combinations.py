@@ -2,11 +2,15 @@
 (with why and the fix), the pairs applied with a note, and the settings that need another.
 
 config.py checks every config against these tables when it is built; `combination_table` renders
-them as the README's table (scripts/update_readme.py). Each rule reads only a config's fields.
+them as the README's table (scripts/update_readme.py). These rules read only a config's fields.
+What a config needs of the model and the machine (the fused C step, Triton, CUDA, the head dim)
+is declared here too, as RUN_RULES, and checked once per generation, when its step is chosen
+(steps/choose.py). Every table is data: nothing here changes after import.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from .errors import ConfigError
@@ -58,81 +62,102 @@ def _switch_off(feature: str) -> str:
             "sparse": "sparse_top_k=None and sparsity_threshold=None"}.get(feature, f"{feature}=None")
 
 
-# The pairs that do not combine: why, and the fix. Every pair not listed combines, and each
-# feature in it is applied (tests/test_combinations.py runs the whole space).
-REFUSED: dict[frozenset[str], tuple[str, str]] = {
-    frozenset({"use_cache=False", "cache_chunk_size"}): (
-        "the naive loop keeps no cache to page", "set use_cache=True, or cache_chunk_size=None"),
-    frozenset({"use_cache=False", "prefetch_depth"}): (
-        "the naive loop keeps no cache to offload", "set use_cache=True, or prefetch_depth=None"),
-    frozenset({"use_cache=False", "quant_bits"}): (
-        "the naive loop keeps no cache to quantize", "set use_cache=True, or quant_bits=None"),
-    frozenset({"use_cache=False", "kv_budget"}): (
-        "the naive loop keeps no cache to evict from", "set use_cache=True, or kv_budget=None"),
-    frozenset({"cache_chunk_size", "kv_budget"}): (
-        "heavy hitters evict single tokens while paging frees whole blocks",
-        "drop one: cache_chunk_size=None or kv_budget=None"),
-    frozenset({"quant_bits", "kv_budget"}): (
-        "heavy-hitter eviction moves tokens between slots, which a quantized group cannot follow",
-        "drop one: quant_bits=None or kv_budget=None"),
-    frozenset({"prefetch_depth", "kv_budget"}): (
-        "heavy-hitter eviction compacts every layer at once, but the offload tier holds only "
-        "prefetch_depth + 1 layers on the device", "drop one: prefetch_depth=None or kv_budget=None"),
-    frozenset({"compile", "cuda_graphs"}): (
-        "cuda_graphs captures the eager step; a compiled step is captured by torch.compile(mode='reduce-overhead')",
-        "pick one: compile=False or cuda_graphs=False"),
+# The pairs that do not combine: feature -> {another feature: why}. The fix drops one of the two.
+# Every pair not listed combines, and each feature in it is applied (tests/test_combinations.py
+# runs the whole space). A pair is declared once, under the feature whose constraint it is.
+_STATIC_STEP = {  # compiling and capturing need a decode step of fixed shapes and addresses, with
+    # no host sync and no Python bookkeeping inside: the contiguous cache and the ring buffer have one
+    "use_cache=False": "the naive loop feeds a longer sequence every step: a new shape each time",
+    "cache_chunk_size": "the paged cache plans its blocks on the host every step",
+    "prefetch_depth": "the offload tier moves layers with Python bookkeeping between them",
+    "quant_bits": "the quantized cache's step changes shape as groups leave its window",
+    "kv_budget": "heavy hitters evict on the host and observe attention from Python",
 }
-# The fused step writes the contiguous cache's slots from C and attends every cached token.
-for _other, _why in (("use_cache=False", "the naive loop keeps no cache to decode from"),
-                     ("attention_backend", "the Triton kernel reads paged blocks; the fused step writes the contiguous cache"),
-                     ("cache_chunk_size", "the fused step writes the contiguous cache, not blocks"),
-                     ("prefetch_depth", "the fused step reads every layer's cache in one C call; the tier moves them from Python"),
-                     ("quant_bits", "the fused step stores keys and values in fp32 or bf16, not codes"),
-                     ("window_size", "the fused step attends every cached token; it has no window"),
-                     ("sparse", "the fused step attends every cached token; sparse selection needs the scores in torch"),
-                     ("kv_budget", "heavy hitters need the attention probabilities, which the fused step keeps in C"),
-                     ("compile", "the fused step is C, which torch.compile cannot trace"),
-                     ("cuda_graphs", "the fused step runs on a CPU; CUDA graphs on a GPU")):
-    REFUSED[frozenset({"fused_decode", _other})] = (_why, f"drop one: fused_decode=False or {_switch_off(_other)}")
-# Compiling and capturing need a decode step of fixed shapes and addresses, with no host sync and
-# no Python bookkeeping inside: the contiguous cache and the ring buffer have one.
-for _step, _why in (("use_cache=False", "the naive loop feeds a longer sequence every step: a new shape each time"),
-                    ("cache_chunk_size", "the paged cache plans its blocks on the host every step"),
-                    ("prefetch_depth", "the offload tier moves layers with Python bookkeeping between them"),
-                    ("quant_bits", "the quantized cache's step changes shape as groups leave its window"),
-                    ("kv_budget", "heavy hitters evict on the host and observe attention from Python")):
-    REFUSED[frozenset({"compile", _step})] = (_why, f"drop one: compile=False or {_switch_off(_step)}")
-    REFUSED[frozenset({"cuda_graphs", _step})] = (_why, f"drop one: cuda_graphs=False or {_switch_off(_step)}")
-# The Triton kernel reads paged blocks (full precision or 8/4-bit codes) through the block tables,
-# one query token per row, with the window and sinks as masks from positions. What it cannot read:
-for _other, _why in (("use_cache=False", "the naive loop keeps no cache for the kernel to read"),
-                     ("prefetch_depth", "the kernel reads blocks resident on the device; the offload tier moves them"),
-                     ("sparse", "the kernel attends every key of the window; sparse selection needs the scores in torch"),
-                     ("kv_budget", "heavy hitters need the attention probabilities, which the kernel never writes"),
-                     ("compile", "the paged cache plans its blocks on the host every step"),
-                     ("cuda_graphs", "the paged cache plans its blocks on the host every step")):
-    REFUSED[frozenset({"attention_backend", _other})] = (_why, f"drop one: attention_backend='torch' or "
-                                                              f"{_switch_off(_other)}")
+_REFUSED_BESIDE: dict[str, dict[str, str]] = {
+    "use_cache=False": {
+        "cache_chunk_size": "the naive loop keeps no cache to page",
+        "prefetch_depth": "the naive loop keeps no cache to offload",
+        "quant_bits": "the naive loop keeps no cache to quantize",
+        "kv_budget": "the naive loop keeps no cache to evict from",
+    },
+    "kv_budget": {
+        "cache_chunk_size": "heavy hitters evict single tokens while paging frees whole blocks",
+        "quant_bits": "heavy-hitter eviction moves tokens between slots, which a quantized group cannot follow",
+        "prefetch_depth": "heavy-hitter eviction compacts every layer at once, but the offload tier holds only "
+                          "prefetch_depth + 1 layers on the device",
+    },
+    "cuda_graphs": {
+        "compile": "cuda_graphs captures the eager step; a compiled step is captured by "
+                   "torch.compile(mode='reduce-overhead')",
+        **_STATIC_STEP,
+    },
+    "compile": _STATIC_STEP,
+    # The fused step writes the contiguous cache's slots from C and attends every cached token.
+    "fused_decode": {
+        "use_cache=False": "the naive loop keeps no cache to decode from",
+        "attention_backend": "the Triton kernel reads paged blocks; the fused step writes the contiguous cache",
+        "cache_chunk_size": "the fused step writes the contiguous cache, not blocks",
+        "prefetch_depth": "the fused step reads every layer's cache in one C call; the tier moves them from Python",
+        "quant_bits": "the fused step stores keys and values in fp32 or bf16, not codes",
+        "window_size": "the fused step attends every cached token; it has no window",
+        "sparse": "the fused step attends every cached token; sparse selection needs the scores in torch",
+        "kv_budget": "heavy hitters need the attention probabilities, which the fused step keeps in C",
+        "compile": "the fused step is C, which torch.compile cannot trace",
+        "cuda_graphs": "the fused step runs on a CPU; CUDA graphs on a GPU",
+    },
+    # The Triton kernel reads paged blocks (full precision or 8/4-bit codes) through the block
+    # tables, one query token per row, with the window and sinks as masks from positions.
+    "attention_backend": {
+        "use_cache=False": "the naive loop keeps no cache for the kernel to read",
+        "prefetch_depth": "the kernel reads blocks resident on the device; the offload tier moves them",
+        "sparse": "the kernel attends every key of the window; sparse selection needs the scores in torch",
+        "kv_budget": "heavy hitters need the attention probabilities, which the kernel never writes",
+        "compile": "the paged cache plans its blocks on the host every step",
+        "cuda_graphs": "the paged cache plans its blocks on the host every step",
+    },
+}
 # How the less obvious pairs are applied (README's table shows these as notes).
-APPLIED: dict[frozenset[str], str] = {
-    frozenset({"use_cache=False", "window_size"}): "the window masks the recomputed sequence",
-    frozenset({"cache_chunk_size", "window_size"}): "blocks wholly outside the window go back to the pool",
-    frozenset({"cache_chunk_size", "quant_bits"}): "full blocks are stored quantized; each row's open block in "
-                                                   "full precision",
-    frozenset({"quant_bits", "window_size"}): "without cache_chunk_size the window is a mask and the quantized "
-                                              "cache keeps every token",
-    frozenset({"window_size", "kv_budget"}): "the window masks the tokens heavy hitters keep",
-    frozenset({"sparse", "kv_budget"}): "heavy hitters score the attention that sparse selection leaves",
+_APPLIED_BESIDE: dict[str, dict[str, str]] = {
+    "window_size": {
+        "use_cache=False": "the window masks the recomputed sequence",
+        "cache_chunk_size": "blocks wholly outside the window go back to the pool",
+        "quant_bits": "without cache_chunk_size the window is a mask and the quantized cache keeps every token",
+        "kv_budget": "the window masks the tokens heavy hitters keep",
+    },
+    "quant_bits": {"cache_chunk_size": "full blocks are stored quantized; each row's open block in full precision"},
+    "sparse": {
+        "kv_budget": "heavy hitters score the attention that sparse selection leaves",
+        **{other: "sparse selection runs on the keys attention sees"
+           for other in ("use_cache=False", "cache_chunk_size", "quant_bits", "window_size")},
+    },
+    "attention_backend": {
+        "cache_chunk_size": "decode steps read the blocks through the tables in place; a prompt goes through torch",
+        "quant_bits": "8- and 4-bit codes are dequantized as they are loaded; the open block is read from its own "
+                      "full-precision buffer",
+        "window_size": "the kernel masks the window and sinks from positions",
+    },
+    "prefetch_depth": {other: "the offload tier wraps the cache, whatever it stores"
+                       for other in ("cache_chunk_size", "quant_bits", "window_size", "sparse")},
 }
-APPLIED[frozenset({"attention_backend", "cache_chunk_size"})] = ("decode steps read the blocks through the tables "
-                                                                 "in place; a prompt goes through torch")
-APPLIED[frozenset({"attention_backend", "quant_bits"})] = ("8- and 4-bit codes are dequantized as they are loaded; "
-                                                           "the open block is read from its own full-precision buffer")
-APPLIED[frozenset({"attention_backend", "window_size"})] = "the kernel masks the window and sinks from positions"
-for _other in ("cache_chunk_size", "quant_bits", "window_size", "sparse"):
-    APPLIED[frozenset({"prefetch_depth", _other})] = "the offload tier wraps the cache, whatever it stores"
-for _other in ("use_cache=False", "cache_chunk_size", "quant_bits", "window_size"):
-    APPLIED.setdefault(frozenset({"sparse", _other}), "sparse selection runs on the keys attention sees")
+
+
+def _pairs(beside: dict[str, dict[str, str]]) -> dict[frozenset[str], str]:
+    """{frozenset({a, b}): note} from feature -> {other: note}; a pair declared twice is a mistake."""
+    pairs: dict[frozenset[str], str] = {}
+    for a, others in beside.items():
+        for b, note in others.items():
+            pair = frozenset({a, b})
+            if pair in pairs or a == b or not {a, b} <= FEATURES.keys():
+                raise AssertionError(f"combinations: the pair {a} / {b} is declared twice or names no feature")
+            pairs[pair] = note
+    return pairs
+
+
+_pairs(_REFUSED_BESIDE)  # each pair once
+REFUSED: dict[frozenset[str], tuple[str, str]] = {  # pair -> (why, the fix)
+    frozenset({a, b}): (why, f"drop one: {_switch_off(a)} or {_switch_off(b)}")
+    for a, others in _REFUSED_BESIDE.items() for b, why in others.items()}
+APPLIED: dict[frozenset[str], str] = _pairs(_APPLIED_BESIDE)
 
 # Settings of one feature that another refuses.
 REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
@@ -145,6 +170,121 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
     ("attention_backend", "quant_bits", lambda c: c.attention_backend == "triton" and c.quant_bits == 2,
      "the kernel unpacks 8- and 4-bit codes only", "use quant_bits=8 or 4, or attention_backend='torch'"),
 ]
+
+
+# ---------------------------------------------------------------- what a run needs of the model and machine
+@dataclass(frozen=True)
+class Run:
+    """What a generation runs on beside its config, read once from the model and the machine
+    (steps/choose.py: run_of). A field left None is not known yet, and the rules that read it wait:
+    bench and the CLI check the model's shapes (Run.of_shapes) before the weights load."""
+    arch: str | None = None  # the model family ("llama", ...)
+    head_dim: int | None = None
+    device: str | None = None  # the model's device type: "cpu", "cuda", "meta"
+    fp32_compute: bool | None = None  # activations, norms, softmax and logits all in fp32
+    precision: str | None = None  # Precision.describe, for messages
+    weight_dtypes: frozenset[str] | None = None  # the weights' dtypes (a quantized weight: what it dequantizes to)
+    kv_dtype: str | None = None  # the cache's storage dtype
+    batch: int | None = None
+    observers: bool | None = None  # attention observers watch this run
+    c_kernel: str | None = None  # kernels.build.status(): "loaded ..." or why it is not
+    c_kernel_ok: bool | None = None
+    triton: str | None = None  # "missing", "interpreted" or "compiled" (kernels/triton_attention.py)
+    cuda: bool | None = None  # torch.cuda.is_available()
+
+    @classmethod
+    def of_shapes(cls, model_config) -> "Run":
+        return cls(arch=model_config.arch, head_dim=model_config.head_dim)
+
+
+FUSED_WEIGHTS = ("float32", "bfloat16")  # and int8 / int4 QuantizedWeights, which dequantize to float32
+FUSED_CACHE = ("float32", "bfloat16")
+_FUSED = "Fix: fused_decode=False."
+
+
+def _group_fix(c: "GenerationConfig", r: Run) -> str:
+    """quant_group_size must divide the head dim and fill whole bytes: the nearest size that does."""
+    per_byte = 8 // c.quant_bits
+    fits = [g for g in range(per_byte, r.head_dim + 1, per_byte) if r.head_dim % g == 0]
+    if not fits:
+        return "use quant_bits=8"
+    return (f"use a divisor of {r.head_dim} that fills whole bytes, e.g. quant_group_size="
+            f"{max([g for g in fits if g <= c.quant_group_size] or fits[:1])}")
+
+
+# feature -> (the Run fields a rule reads, whether it refuses, the message with the fix). check_run
+# applies the rules of every feature a config switches on; fused_decode="auto" runs the fused step
+# exactly where none of fused_decode's rules refuses (steps/choose.py).
+RunRule = tuple[str, tuple[str, ...], Callable[["GenerationConfig", Run], bool],
+                Callable[["GenerationConfig", Run], str]]
+RUN_RULES: tuple[RunRule, ...] = (
+    ("fused_decode", ("arch",), lambda c, r: r.arch != "llama", lambda c, r:
+     f"fused_decode=True runs the Llama family (RMSNorm, RoPE, SwiGLU); this model is {r.arch!r}. {_FUSED}"),
+    ("fused_decode", ("device",), lambda c, r: r.device != "cpu", lambda c, r:
+     f"fused_decode=True is a CPU step (C kernels); the model is on {r.device}. {_FUSED} (on a GPU: "
+     "cuda_graphs=True or compile=True)"),
+    ("fused_decode", ("fp32_compute", "precision"), lambda c, r: not r.fp32_compute, lambda c, r:
+     "fused_decode=True computes in fp32 (activations, norms, softmax, logits), and this model's precision "
+     f"is {r.precision}. {_FUSED}"),
+    ("fused_decode", ("weight_dtypes",), lambda c, r: not r.weight_dtypes <= set(FUSED_WEIGHTS), lambda c, r:
+     f"fused_decode=True reads fp32, bf16, int8 or int4 weights, not {', '.join(sorted(r.weight_dtypes))}: load "
+     f"the model with dtype=torch.bfloat16 or float32. {_FUSED}"),
+    ("fused_decode", ("head_dim",), lambda c, r: r.head_dim > 1024 or r.head_dim % 2, lambda c, r:
+     f"fused_decode=True takes an even head dim up to 1024, not {r.head_dim}. {_FUSED}"),
+    ("fused_decode", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
+     f"fused_decode=True needs minigen's C kernel, which is {r.c_kernel}. {_FUSED}"),
+    ("fused_decode", ("batch",), lambda c, r: r.batch != 1, lambda c, r:
+     f"fused_decode=True decodes one sequence (batch 1), not {r.batch}: a batch's products run best in the "
+     "several-row kernel. Fix: fused_decode=False, or one prompt per call."),
+    ("fused_decode", ("kv_dtype",), lambda c, r: r.kv_dtype not in FUSED_CACHE, lambda c, r:
+     f"fused_decode=True keeps the cache in fp32 or bf16, not {r.kv_dtype}: set kv_dtype='float32' or "
+     "'bfloat16', or fused_decode=False"),
+    ("fused_decode", ("observers",), lambda c, r: r.observers, lambda c, r:
+     "fused_decode=True with observers: the fused step keeps attention in C, where no observer sees it. "
+     "Fix: fused_decode=False to observe attention."),
+    *((step, ("observers",), lambda c, r: r.observers, lambda c, r, step=step:
+       f"{step}=True with observers: an observer runs Python in every layer, which a compiled or captured "
+       "step cannot call. Run the observers without compiling.") for step in ("compile", "cuda_graphs")),
+    ("cuda_graphs", ("cuda",), lambda c, r: not r.cuda, lambda c, r:
+     "cuda_graphs=True needs CUDA, and torch.cuda.is_available() is False on this machine: use compile=True, "
+     "which compiles the decode step on a CPU too"),
+    ("cuda_graphs", ("device",), lambda c, r: r.device != "cuda", lambda c, r:
+     f"cuda_graphs=True needs the model on a CUDA device, not {r.device}: model.to('cuda'), or compile=True "
+     "on a CPU"),
+    ("attention_backend", ("triton",), lambda c, r: r.triton == "missing", lambda c, r:
+     "attention_backend='triton' needs the triton package, which ships for Linux only: pip install triton, "
+     "or use attention_backend='torch'"),
+    ("attention_backend", ("triton", "device"), lambda c, r: r.device != "cuda" and r.triton != "interpreted",
+     lambda c, r: f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is on "
+     f"{r.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen to run the kernel in "
+     "Triton's interpreter (correct, slow)"),
+    # values (and keys per token) are grouped over the channels of one head
+    ("quant_bits", ("head_dim",), lambda c, r: r.head_dim % c.quant_group_size, lambda c, r:
+     f"quant_group_size={c.quant_group_size} does not divide this model's head dim {r.head_dim}: values (and "
+     f"keys with quant_key_axis='token') are grouped over the {r.head_dim} channels of a head, so at "
+     f"quant_bits={c.quant_bits} {_group_fix(c, r)}"),
+    # keys per channel are grouped over the tokens of one block
+    ("quant_bits", (), lambda c, r: c.cache_chunk_size is not None and c.quant_key_axis == "channel"
+     and c.cache_chunk_size % c.quant_group_size, lambda c, r:
+     f"cache_chunk_size={c.cache_chunk_size} is not a multiple of quant_group_size={c.quant_group_size}: keys "
+     f"are quantized per channel over {c.quant_group_size} tokens of one block, so use cache_chunk_size="
+     f"{c.quant_group_size * -(-c.cache_chunk_size // c.quant_group_size)}, or quant_key_axis='token'"),
+)
+
+
+def run_refusals(c: "GenerationConfig", r: Run, feature: str | None = None) -> list[str]:
+    """Why `r` cannot run the features `c` switches on (or, with `feature`, that feature whether on
+    or not): one message per rule broken, in RUN_RULES' order. Rules that read an unknown field wait."""
+    on = [feature] if feature is not None else c.features()
+    return [message(c, r) for f, reads, refuses, message in RUN_RULES
+            if f in on and all(getattr(r, name) is not None for name in reads) and refuses(c, r)]
+
+
+def check_run(c: "GenerationConfig", r: Run) -> None:
+    """Refuse, before any work, a config that this model and machine cannot run (RUN_RULES)."""
+    refusals = run_refusals(c, r)
+    if refusals:
+        raise ConfigError(refusals[0])
 
 
 # ---------------------------------------------------------------- per-row positions
@@ -160,7 +300,9 @@ RAGGED_REFUSED: dict[str, str] = {
     "attention_backend": "the Triton kernel reads rows at one shared length",
     "fused_decode": "the fused step decodes one sequence at a time (batch 1)",
 }
-# The serving engine (engine.py) runs every sequence in one pool of full-precision paged blocks.
+# The serving engine (serving/engine.py) runs every sequence in one pool of full-precision paged
+# blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
+REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
 ENGINE_REFUSED: dict[str, str] = {
     **RAGGED_REFUSED,
     "prefetch_depth": "the engine's pool of blocks stays on the device",

@@ -4,7 +4,8 @@ Every field is validated when the config is built, and again when a field is ass
 message that names the key, the value and the allowed range, so a typo in `generation_config.json`
 fails loudly before any model work starts. How the cache features combine is decided in one
 table (`REFUSED`, combinations.py): a pair in it is refused with both keys and a fix; every other
-pair is applied.
+pair is applied. A config reads no machine: what needs the model or the machine (CUDA, Triton,
+the C kernel, the head dim) is checked when a generation chooses its step (combinations.RUN_RULES).
 A setting that only matters with a switch (sinks without a window, a temperature without sampling)
 is refused when the switch is off, so nothing a config names is silently ignored.
 """
@@ -19,13 +20,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 
 from .attention import sparse_on
 from .combinations import FEATURES, SWITCHES, check_combinations
 from .errors import ConfigError
+from .numerics.precision import DTYPES
 
-KV_DTYPES = ("float32", "bfloat16", "float16")
+KV_DTYPES = tuple(DTYPES)  # the one mapping of dtype names (numerics/precision.py)
 ATTENTION_BACKENDS = ("torch", "triton")
 
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
@@ -245,9 +246,6 @@ def _check_values(c: GenerationConfig) -> None:
     if c.fused_decode != "auto" and not isinstance(c.fused_decode, bool):
         raise ConfigError(f"fused_decode={c.fused_decode!r} is invalid: use \"auto\" (the fused C step wherever it "
                           "applies, the default), true (demand it) or false (never)")
-    if c.cuda_graphs and not torch.cuda.is_available():
-        raise ConfigError("cuda_graphs=True needs CUDA, and torch.cuda.is_available() is False on this machine: "
-                          "use compile=True, which compiles the decode step on a CPU too")
     if c.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={c.attention_backend!r} is invalid: use \"torch\" (gather the blocks, "
                           "then torch's attention) or \"triton\" (the fused kernel of triton_attention.py)")

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .combinations import check_run
 from .steps import fused
+from .steps.choose import run_of
 from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
@@ -64,9 +66,9 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     C = chunk_size or (1 if reads_back else T)
     # fused_decode=True scores what the fused step computes, one token at a time; "auto" keeps the
     # chunked forward, which reads each weight once per chunk rather than once per token
+    check_run(config, run_of(model, config, 1, tuple(observers)))  # what the model and machine cannot run
     step = fused.FusedStep() if config.fused_decode is True else None
     if step is not None:
-        fused.check_run(model, 1, config.kv_dtype, tuple(observers))
         C = 1
     logits = []
     with torch.inference_mode():

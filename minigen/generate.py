@@ -23,7 +23,6 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
-from .kernels import triton_attention
 from .attention import AttentionObserver, AttentionPolicy
 from .caches.contract import Cache
 from .caches.make import make_cache
@@ -32,7 +31,7 @@ from .errors import ConfigError, PromptError
 from .model import Model
 from .sampling import make_generator, sample
 from .steps.choose import choose_step
-from .steps.eager import EagerStep, decode_step, prefill
+from .steps.eager import EagerStep
 
 
 @dataclass
@@ -165,38 +164,26 @@ def _finish_stats(stats: GenerationStats, start: float) -> None:
             decode[min(len(decode) - 1, int(q * len(decode)))] for q in (0.5, 0.9, 0.99))
 
 
-def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, stats: GenerationStats,
-                  observers: tuple[AttentionObserver, ...] = ()) -> Iterator[Tensor]:
-    """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep."""
+def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig,
+                 observers: tuple[AttentionObserver, ...]) -> tuple[EagerStep, torch.Generator | None]:
+    """A tensor batch's checks and its step, before any work (so that stream raises at the call,
+    not at its first next())."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    check_step(model, config, observers)
-    B, T = input_ids.shape
     generator = make_generator(config, input_ids.device)
-    step = choose_step(model, config, B, observers, sample, generator)
+    return choose_step(model, config, input_ids.shape[0], observers, sample, generator), generator
+
+
+def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, stats: GenerationStats,
+                  observers: tuple[AttentionObserver, ...], step: EagerStep,
+                  generator: torch.Generator | None) -> Iterator[Tensor]:
+    """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep."""
+    B, T = input_ids.shape
     with step.grad_mode():
         cache = make_cache(model, config, B, T + config.max_new_tokens)
         policy = make_policy(config, cache, observers)
     input_pos = torch.arange(T, device=input_ids.device)
     yield from run_steps(model, step, input_ids, input_pos, cache, policy, config, stats,
                          lambda i, finished: torch.tensor([T + i], device=input_ids.device), generator=generator)
-
-
-def check_step(model: Model, config: GenerationConfig, observers: tuple) -> None:
-    """Refuse up front what compiling or capturing the decode step cannot take."""
-    if (config.compile or config.cuda_graphs) and observers:
-        key = "compile=True" if config.compile else "cuda_graphs=True"
-        raise ConfigError(f"{key} with observers: an observer runs Python in every layer, which a compiled or "
-                          "captured step cannot call. Run the observers without compiling.")
-    if config.attention_backend == "triton" and not triton_attention.AVAILABLE:
-        raise ConfigError("attention_backend='triton' needs the triton package, which ships for Linux only: "
-                          "pip install triton, or use attention_backend='torch'")
-    if config.attention_backend == "triton" and model.device.type != "cuda" and not triton_attention.INTERPRETED:
-        raise ConfigError(f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is "
-                          f"on {model.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen "
-                          "to run the kernel in Triton's interpreter (correct, slow)")
-    if config.cuda_graphs and model.device.type != "cuda":
-        raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
-                          "model.to('cuda'), or compile=True on a CPU")
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
@@ -211,7 +198,8 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     if isinstance(input_ids, (list, tuple)):
         return _generate_ragged(model, input_ids, config, tuple(observers))
     stats = GenerationStats()
-    new = list(_stream_batch(model, input_ids, config, stats, tuple(observers)))
+    step, generator = _start_batch(model, input_ids, config, tuple(observers))
+    new = list(_stream_batch(model, input_ids, config, stats, tuple(observers), step, generator))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
 
@@ -223,10 +211,9 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
-    check_prompt(model, input_ids, config.max_new_tokens, config)
-    check_step(model, config, tuple(observers))
+    step, generator = _start_batch(model, input_ids, config, tuple(observers))
     return _stream_batch(model, input_ids, config, stats if stats is not None else GenerationStats(),
-                         tuple(observers))
+                         tuple(observers), step, generator)
 
 
 # ---------------------------------------------------------------- prefix sharing: parallel sampling
@@ -257,7 +244,7 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise PromptError(f"parallel_sample takes one prompt [1, T], got shape {tuple(input_ids.shape)}")
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    check_step(model, config, ())
+    step = choose_step(model, config, n)  # paged: the eager step (the table keeps the fused one off)
     T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
     unshared = n * math.ceil((T + new) / bs)
     cache = make_cache(model, config, 1, T + new, pool_rows=n)  # one row now, n after the fork
@@ -269,7 +256,6 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
         forked.append(cache.allocator.n_used)
         return logits.expand(n, -1)
 
-    step = choose_step(model, config, n)  # paged: the eager step (the table keeps the fused one off)
     tokens = list(run_steps(model, step, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
                             config, GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
                             stop=False, generator=make_generator(config, input_ids.device), after_prefill=fork))
@@ -303,7 +289,7 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     if observers:
         raise ConfigError("observers with a list of prompts: an observer would see the padding rows' attention. "
                           "Generate the prompts one at a time, or as one [B, T] tensor of equal lengths.")
-    check_step(model, config, observers)
+    step = choose_step(model, config, len(prompts), ragged=True)
     stats, device, n = GenerationStats(), model.device, config.max_new_tokens
     lens = [p.numel() for p in prompts]
     B, T = len(prompts), max(lens)
@@ -313,10 +299,9 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
         ids[b, T - lens[b]:], pos[b, T - lens[b]:] = p.to(device), torch.arange(lens[b], device=device)
     row_lens = torch.tensor(lens, device=device)
     generator = make_generator(config, device)
-    with torch.inference_mode():  # make_cache refuses first what a ragged batch cannot run
+    with torch.inference_mode():
         cache = make_cache(model, config, B, T + n, ragged=True)
         policy = make_policy(config, cache)
-    step = choose_step(model, config, B, ragged=True)
 
     def next_pos(i: int, finished: Tensor) -> Tensor:  # [B, 1]: each row after its own prompt; -1 once done
         return torch.where(finished, -1, row_lens + i)[:, None]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
 from minigen.caches.make import make_cache
-from minigen.generate import decode_step, prefill  # noqa: E402
+from minigen.steps.eager import decode_step, prefill  # noqa: E402
 from minigen.model import Model, ModelConfig  # noqa: E402
 from minigen.caches.contract import BlockView
 from minigen.numerics.precision import Precision  # noqa: E402

@@ -25,7 +25,8 @@ import json, statistics, sys, time, torch, minigen
 from minigen import GenerationConfig
 from minigen.kernels import cpu as cpu_kernel
 from minigen.kernels import build as kernel_build
-from minigen.generate import decode_step, make_cache, prefill
+from minigen.caches.make import make_cache
+from minigen.steps.eager import decode_step, prefill
 steps = int(sys.argv[1])
 model, tok = minigen.load("smollm2-135m")
 ids = tok("The capital of France is a city of many", return_tensors="pt").input_ids

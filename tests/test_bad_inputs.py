@@ -374,8 +374,8 @@ def _(tiny_model):
 
 
 @case("cuda-graphs-without-cuda", pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"))
-def _():
-    GenerationConfig(cuda_graphs=True)
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), cuda_graphs=True)
 
 
 @case("fused-with-window")

@@ -19,7 +19,8 @@ from conftest import tiny_hf
 from minigen import CacheFullError, GenerationConfig
 from minigen.caches.contract import Cache
 from minigen.caches.make import make_cache
-from minigen.generate import decode_step, make_policy, prefill
+from minigen.generate import make_policy
+from minigen.steps.eager import decode_step, prefill
 from minigen.caches.h2o import HeavyHitterCache
 from minigen.caches.contiguous import KVCache
 from minigen.caches.offload import OffloadedKVCache

@@ -117,7 +117,9 @@ def test_max_cached_tokens():
 # ---------------------------------------------------------------- chapter 0
 def test_greedy_by_hand():
     from minigen.course.exercises import ch00
-    from minigen.generate import decode_step, make_cache, prefill, sample
+    from minigen.caches.make import make_cache
+    from minigen.sampling import sample
+    from minigen.steps.eager import decode_step, prefill
     # Wide weights, so that logits depend strongly on positions and a wrong one changes the tokens.
     model = tiny_model("llama", std=0.5)
     ids = torch.tensor([[3, 14, 15, 9, 2, 6]])

@@ -1,6 +1,6 @@
 """fused_decode=True: every layer of a batch-1 decode step in one C call (fused.py, csrc/gemv.c).
 
-Oracle: the eager torch step (generate.decode_step) on the same model and prompt, step by step:
+Oracle: the eager torch step (eager.decode_step) on the same model and prompt, step by step:
 the logits it returns and the keys/values it leaves in the cache; greedy tokens against eager and
 against transformers on SmolLM2. The arithmetic is the same in another order, so logits agree to
 ~1e-5 of their largest value (fp32 caches); a bf16 cache rounds each key and value, and a sum that
@@ -19,7 +19,7 @@ from minigen.kernels import build as kernel_build
 from minigen.steps import fused
 from minigen.entropy import EntropyRecorder
 from minigen.errors import CacheFullError
-from minigen.generate import decode_step, prefill
+from minigen.steps.eager import decode_step, prefill
 from minigen.caches.contiguous import KVCache
 from minigen.evaluate import score
 
@@ -126,7 +126,7 @@ def test_what_the_fused_step_cannot_run_is_refused_up_front(smollm2):
     ids = torch.tensor([[1, 2, 3, 4]])
     with pytest.raises(ConfigError, match="fused_decode=True decodes one sequence.*batch 1.*fused_decode=False"):
         minigen.generate(model, ids.repeat(2, 1), max_new_tokens=3, fused_decode=True)
-    with pytest.raises(ConfigError, match="fp32 or bf16, not torch.float16.*kv_dtype='float32'"):
+    with pytest.raises(ConfigError, match="fp32 or bf16, not float16.*kv_dtype='float32'"):
         minigen.generate(model, ids, max_new_tokens=3, fused_decode=True, kv_dtype="float16")
     with pytest.raises(ConfigError, match="fused_decode=True with observers"):
         minigen.generate(model, ids, max_new_tokens=3, fused_decode=True, observers=(EntropyRecorder(30),))

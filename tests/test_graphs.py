@@ -81,9 +81,12 @@ def test_compile_refuses_what_it_cannot_take(tiny):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU-only check")
-def test_cuda_graphs_on_a_cpu_name_cuda_and_suggest_compile():
-    with pytest.raises(ConfigError, match="cuda_graphs=True needs CUDA.*use compile=True"):
-        minigen.GenerationConfig(cuda_graphs=True)
+def test_cuda_graphs_on_a_cpu_name_cuda_and_suggest_compile(tiny):
+    config = minigen.GenerationConfig(cuda_graphs=True)  # a config reads no machine: it builds, and travels
+    for run in (lambda: minigen.generate(tiny, prompts(), config), lambda: minigen.stream(tiny, prompts(), config),
+                lambda: minigen.perplexity(tiny, prompts()[0], config)):
+        with pytest.raises(ConfigError, match="cuda_graphs=True needs CUDA.*use compile=True"):
+            run()  # refused where it would run, before any work
 
 
 def test_gpu_check_runs_on_tiny_shapes(tmp_path):

@@ -149,3 +149,42 @@ def test_no_reexport_shims():
 def test_einops_is_used_where_it_is_declared():
     users = [p.name for p in PACKAGE.rglob("*.py") if "from einops import" in p.read_text(encoding="utf-8")]
     assert users, "pyproject.toml declares einops: use it or remove it"
+
+
+def defined(path: Path) -> set[str]:
+    """The names a module defines at its top level (functions, classes, assignments, a fallback for
+    an optional import)."""
+    names: set[str] = set()
+    body = list(ast.parse(path.read_text(encoding="utf-8")).body)
+    for node in body:
+        if isinstance(node, ast.Try):  # an optional import and its fallback (triton = tl = None)
+            body += node.body + [n for h in node.handlers for n in h.body]
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n not in FACES))
+def test_a_name_is_imported_from_where_it_lives(name):
+    """No module passes on a name it imported: a caller imports it from the module that defines it
+    (the public face, minigen/__init__.py, is the one place that gathers names)."""
+    for target, names, _ in imports(MODULES[name]):
+        if target in MODULES and target != "__init__" and not target.endswith("__init__"):
+            passed_on = [n for n in names if n not in defined(MODULES[target]) and n != "*"]
+            assert not passed_on, f"{name} imports {passed_on} from {target}, which only imports them"
+
+
+def test_the_rules_are_declared_data():
+    """combinations.py, the one table of rules, builds its tables as expressions: no loop, no item
+    assignment and no mutating call at its top level (nothing changes after import)."""
+    tree = ast.parse(MODULES["combinations"].read_text(encoding="utf-8"))
+    for node in tree.body:
+        assert not isinstance(node, (ast.For, ast.While, ast.AugAssign)), f"line {node.lineno}: a loop at import"
+        if isinstance(node, ast.Assign):
+            assert all(isinstance(t, ast.Name) for t in node.targets), f"line {node.lineno}: item assignment"
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            func = node.value.func
+            assert isinstance(func, ast.Name), f"line {node.lineno}: a method call at import (a mutation?)"

@@ -12,7 +12,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import GenerationConfig
-from minigen.generate import make_cache
+from minigen.caches.make import make_cache
 from minigen.caches.contiguous import KVCache
 from minigen.evaluate import score
 from minigen.caches.offload import OffloadedKVCache

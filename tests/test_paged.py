@@ -15,7 +15,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import CacheFullError, ConfigError, GenerationConfig
-from minigen.generate import make_cache
+from minigen.caches.make import make_cache
 from minigen.evaluate import score
 from minigen.generate import parallel_sample
 from minigen.caches.paged import PagedKVCache

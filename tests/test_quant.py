@@ -18,7 +18,7 @@ import minigen
 from conftest import tiny_hf
 from minigen.config import GenerationConfig
 from minigen.errors import CacheFullError, ConfigError
-from minigen.generate import make_cache
+from minigen.caches.make import make_cache
 from minigen.caches.contiguous import KVCache
 from minigen.evaluate import score
 from minigen.numerics.quant import GROUP_AXIS, dequantize, pack, quantize, round_trip, unpack

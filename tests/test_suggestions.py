@@ -11,7 +11,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig, PromptError
-from minigen.caches.make import check_for_model
+from minigen.combinations import Run, check_run
 from minigen.model import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,9 +24,9 @@ def suggested(message: str, key: str) -> int:
     return int(found[0].group(1) if isinstance(found, list) else found.group(1))
 
 
-def shapes(head_dim: int) -> ModelConfig:
-    return ModelConfig(arch="llama", vocab_size=100, dim=4 * head_dim, n_layers=1, n_heads=4, n_kv_heads=2,
-                       head_dim=head_dim, hidden_dim=8, max_seq_len=64)
+def shapes(head_dim: int) -> Run:
+    return Run.of_shapes(ModelConfig(arch="llama", vocab_size=100, dim=4 * head_dim, n_layers=1, n_heads=4, n_kv_heads=2,
+                       head_dim=head_dim, hidden_dim=8, max_seq_len=64))
 
 
 @pytest.mark.parametrize("head_dim", [8, 12, 16, 24, 40, 64, 80, 96, 128])
@@ -38,12 +38,12 @@ def test_a_suggested_group_size_fits_the_model(head_dim, bits):
         except ConfigError as e:  # codes would not fill whole bytes
             config = GenerationConfig(quant_bits=bits, quant_group_size=suggested(str(e), "quant_group_size"))
         try:
-            check_for_model(config, shapes(head_dim))
+            check_run(config, shapes(head_dim))
         except ConfigError as e:
             msg = str(e)
             fixed = (config.replace(quant_bits=8, quant_group_size=32 if head_dim % 32 == 0 else 1)
                      if "use quant_bits=8" in msg else config.replace(quant_group_size=suggested(msg, "quant_group_size")))
-            check_for_model(fixed, shapes(head_dim))  # raises if the suggestion was wrong
+            check_run(fixed, shapes(head_dim))  # raises if the suggestion was wrong
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 16, 24, 33, 100])
@@ -51,9 +51,9 @@ def test_a_suggested_group_size_fits_the_model(head_dim, bits):
 def test_a_suggested_block_size_holds_whole_groups(block_size, group_size):
     config = GenerationConfig(quant_bits=4, quant_group_size=group_size, cache_chunk_size=block_size)
     try:
-        check_for_model(config, shapes(64))
+        check_run(config, shapes(64))
     except ConfigError as e:
-        check_for_model(config.replace(cache_chunk_size=suggested(str(e), "cache_chunk_size")), shapes(64))
+        check_run(config.replace(cache_chunk_size=suggested(str(e), "cache_chunk_size")), shapes(64))
 
 
 def test_a_suggested_sink_count_and_residual_build():

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..combinations import RAGGED_REFUSED, check_rows
+from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run
 from ..config import GenerationConfig
-from ..errors import ConfigError
 from ..numerics.precision import DTYPES
 from .contiguous import KVCache
 from .h2o import HeavyHitterCache
@@ -16,26 +15,6 @@ from .paged import PagedKVCache
 from .quantized import QuantizedKVCache, QuantizedPagedKVCache
 from .rowwise import RowwiseCache
 from .window import WindowKVCache
-
-
-def check_for_model(config: GenerationConfig, model_config) -> None:
-    """The settings whose validity depends on the model's shapes, refused before any work."""
-    if config.quant_bits is None:
-        return
-    G, Dh, bits = config.quant_group_size, model_config.head_dim, config.quant_bits
-    if Dh % G:  # values (and keys per token) are grouped over the channels of one head
-        per_byte = 8 // bits
-        fits = [g for g in range(per_byte, Dh + 1, per_byte) if Dh % g == 0]  # divisors filling whole bytes
-        fix = (f"use a divisor of {Dh} that fills whole bytes, e.g. quant_group_size="
-               f"{max([g for g in fits if g <= G] or fits[:1])}" if fits else "use quant_bits=8")
-        raise ConfigError(f"quant_group_size={G} does not divide this model's head dim {Dh}: values (and "
-                          f"keys with quant_key_axis='token') are grouped over the {Dh} channels of a head, "
-                          f"so at quant_bits={bits} {fix}")
-    bs = config.cache_chunk_size
-    if bs is not None and config.quant_key_axis == "channel" and bs % G:
-        raise ConfigError(f"cache_chunk_size={bs} is not a multiple of quant_group_size={G}: keys are "
-                          f"quantized per channel over {G} tokens of one block, so use "
-                          f"cache_chunk_size={G * math.ceil(bs / G)}, or quant_key_axis='token'")
 
 
 def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_rows: int | None = None,
@@ -56,7 +35,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
             return RowwiseCache([make_cache(model, config, 1, max_len) for _ in range(batch)])
     if not config.use_cache:
         return None
-    check_for_model(config, model.config)
+    check_run(config, Run.of_shapes(model.config))  # the rules that read the model's shapes (head dim)
     c, device = model.config, model.device
     dtype = DTYPES[config.kv_dtype] if config.kv_dtype is not None else model.dtype  # storage (chapter 7)
     # With an offload tier, the device holds only the layers in flight: prefetch_depth + 1.

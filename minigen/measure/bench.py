@@ -152,7 +152,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     (llama-cpp-python) on the bundled GGUF. Every setting is checked before the weights load: the
     run sizes, then the model's context."""
     from tqdm.auto import tqdm
-    from ..caches.make import check_for_model
+    from ..combinations import Run, check_run
     from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)
     dtype = check_dtype(dtype)
@@ -171,7 +171,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     if prompt_len + new_tokens > model_config.max_seq_len:
         raise BenchError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
                          f"{model_config.max_seq_len} tokens: lower one of them")
-    check_for_model(config, model_config)  # e.g. a quant_group_size that the head dim refuses
+    check_run(config, Run.of_shapes(model_config))  # e.g. a quant_group_size that the head dim refuses
     tokenizer = load_tokenizer(folder)
     ids = prompt_ids(tokenizer, prompt_len)
     state = read_safetensors(folder)

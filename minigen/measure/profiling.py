@@ -31,7 +31,7 @@ from ..caches import contiguous, h2o, offload, paged, quantized, window
 from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import ConfigError
-from ..generate import GenerationStats, check_prompt, check_step, make_policy, stream
+from ..generate import GenerationStats, check_prompt, make_policy, stream
 from ..sampling import sample
 
 CATEGORY_NAMES = ("matrix products", "attention", "norms", "RoPE", "cache update", "sampling", "rest")
@@ -188,9 +188,9 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     total = warmup + 2 * steps
     run = config.replace(max_new_tokens=total)
     check_prompt(model_, input_ids, total, run)  # the prompt and every step must fit the context
-    check_step(model_, run, ())
     # fused_decode="auto" profiles the eager step: the categories are torch's ops, which the fused
-    # step runs in one C call (check_profile_config refuses fused_decode=True)
+    # step runs in one C call (check_profile_config refuses fused_decode=True); choose_step checks the
+    # config against the model and the machine
     step = choose_step(model_, run.replace(fused_decode=False), input_ids.shape[0])
     with step.grad_mode():
         cache = make_cache(model_, run, input_ids.shape[0], T + total)

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..combinations import ENGINE_REFUSED, check_rows
+from ..combinations import ENGINE_REFUSED, REQUEST_KEYS, check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
 from ..generate import check_prompt, make_policy
@@ -39,10 +39,8 @@ from ..numerics.precision import DTYPES
 from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
 from ..caches.paged import PagedKVCache
-from .scheduler import (PrefixAllocator, Request, block_hashes, blocks_for, can_admit, serving_metrics)
+from .scheduler import (PrefixAllocator, Request, blocks_for, can_admit, serving_metrics)
 
-# Per-request overrides: what sampling and stopping mean for one request; the cache is the engine's.
-REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
 
@@ -78,6 +76,8 @@ class Engine:
             raise ConfigError(f"num_blocks={num_blocks!r} is invalid: use an integer >= 1 (blocks of "
                               f"{self.config.cache_chunk_size} tokens in the pool), or None to size it from memory")
         self.model, self.max_batch_size = model, max_batch_size
+        # rows at their own positions; here the config meets the model and the machine, before the pool
+        self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)
         c, bs = model.config, self.config.cache_chunk_size
         dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
         if num_blocks is None:
@@ -90,7 +90,6 @@ class Engine:
                                   self.config.sink_tokens if self.config.window_size is not None else 0,
                                   allocator=self.alloc)
         self.policy = make_policy(self.config, self.cache)
-        self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)  # rows at their own positions
         self.num_blocks, self.block_size = num_blocks, bs
         self.requests: list[Request] = []
         self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front

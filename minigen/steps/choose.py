@@ -5,49 +5,73 @@ The default is the fastest exact step the config allows. `fused_decode="auto"` (
 the fused C step wherever it applies: batch 1, on a CPU, a Llama-family model in fp32 precision,
 the contiguous cache in fp32 or bf16, no feature that the combination table refuses beside
 fused_decode (combinations.REFUSED), no observers; elsewhere the eager step. `fused_decode=True`
-demands it (refused, with the reason, where it cannot run) and `False` forbids it. Both steps give
-the same greedy tokens (tests/test_fused.py), so "auto" changes the speed, never the text.
+demands it (refused, with the reason, where it cannot run) and `False` forbids it. Both steps
+give the same greedy tokens (tests/test_fused.py), so "auto" changes the speed, never the text.
+The rules are data in combinations.py (REFUSED, RUN_RULES); this module reads the model and the
+machine for them (run_of), and checks them here, once per generation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 
-from ..combinations import refused_with
+from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_with, run_refusals
 from ..config import GenerationConfig
-from ..errors import ConfigError
+from ..kernels import build as kernel_build
+from ..kernels import triton_attention
 from . import fused
 from .eager import EagerStep, NaiveStep
 from .graphs import CompiledStep, GraphedStep
 
 
-def fused_applies(model, config: GenerationConfig, batch: int, observers: tuple = (), ragged: bool = False) -> bool:
-    """Whether fused_decode="auto" runs the fused step for this generation (the module docstring's rules)."""
-    if ragged or refused_with(config, "fused_decode"):
-        return False
-    try:
-        fused.check_run(model, batch, config.kv_dtype, observers)
-    except ConfigError:  # "auto" asks for the step where it runs; check_run says why it does not
-        return False
-    return True
+def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -> Run:
+    """What combinations.RUN_RULES reads of the model and the machine for this generation. The C
+    kernel is built (once per machine) only where the fused step could run."""
+    p = model.precision
+    run = Run(arch=model.config.arch, head_dim=model.config.head_dim, device=model.device.type,
+              fp32_compute=p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits,
+              precision=p.describe(model.dtype), kv_dtype=config.kv_dtype or _name(model.dtype), batch=batch, observers=bool(observers),
+              triton="missing" if not triton_attention.AVAILABLE else
+              "interpreted" if triton_attention.INTERPRETED else "compiled")
+    if run.arch == "llama":  # the weights the fused step would read (another family is refused by its arch)
+        run = dataclasses.replace(run, weight_dtypes=frozenset(_name(w.dtype) for w in fused.weights(model)))
+    if config.cuda_graphs:
+        run = dataclasses.replace(run, cuda=torch.cuda.is_available())
+    if config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"):
+        run = dataclasses.replace(run, c_kernel_ok=kernel_build.available(), c_kernel=kernel_build.status())
+    return run
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> bool:
+    """Whether fused_decode="auto" runs the fused step (the module docstring's rules): no feature
+    beside it that the table refuses, and none of its RUN_RULES broken (c_kernel_ok read)."""
+    return (not ragged and not refused_with(config, "fused_decode") and run.c_kernel_ok is not None
+            and not run_refusals(config, run, "fused_decode"))
 
 
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
                 sample: Callable | None = None, generator: torch.Generator | None = None,
                 ragged: bool = False) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generator: for a CUDA graph,
-    which samples inside the graph). Refuses, with ConfigError, a demanded step that cannot run."""
+    which samples inside the graph). Here, once, the config meets the model and the machine
+    (combinations.check_run): a setting they cannot run is refused with ConfigError and the fix."""
+    if ragged:
+        check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
+    run = run_of(model, config, batch, observers)
+    check_run(config, run)
     if not config.use_cache:
         return NaiveStep()
     if config.cuda_graphs:
         return GraphedStep(sample, config, generator)
     if config.compile:
         return CompiledStep(model)
-    if config.fused_decode is True:  # a ragged batch refused it before (combinations.RAGGED_REFUSED)
-        fused.check_run(model, batch, config.kv_dtype, observers)
-        return fused.FusedStep()
-    if config.fused_decode == "auto" and fused_applies(model, config, batch, observers, ragged):
-        return fused.FusedStep()
+    if config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)):
+        return fused.FusedStep()  # a ragged batch refused True above (RAGGED_REFUSED)
     return EagerStep()

@@ -11,7 +11,8 @@ buy. torch.compile removes part of it; llama.cpp's answer is to write the whole 
 kernels as eager decoding, everything in between on the calling thread in fp32, attention over
 one head per thread once the context is long enough to share out.
 
-What it takes (everything else is refused up front with the reason, never run another way):
+What it takes (everything else is refused up front with the reason, never run another way:
+combinations.RUN_RULES and REFUSED):
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
 int8 or int4; the contiguous cache (chapter 2) in fp32 or bf16; one sequence (batch 1); no window,
@@ -31,13 +32,14 @@ import torch
 from torch import Tensor
 
 from ..kernels import build as kernel_build
-from ..numerics import precision
-from ..errors import ConfigError, PromptError
+from ..errors import PromptError
 from ..caches.contiguous import KVCache
 from .eager import EagerStep
 from ..model import Model
 from ..numerics.weight_quant import QuantizedWeight
 
+# the C kinds of weight; combinations.FUSED_WEIGHTS / FUSED_CACHE say what the step takes, and
+# combinations.RUN_RULES refuses the rest before a step is chosen
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -62,48 +64,10 @@ class _Dims(ctypes.Structure):
                 ("final_norm", ctypes.c_void_p), ("head", _Weight), ("logits", ctypes.c_void_p)]
 
 
-def check_model(model: Model) -> None:
-    """Refuse, with the fix, a model the fused step cannot run (before any prompt runs)."""
-    cfg = model.config
-    fix = "Fix: fused_decode=False."
-    if cfg.arch != "llama":
-        raise ConfigError(f"fused_decode=True runs the Llama family (RMSNorm, RoPE, SwiGLU); this model is "
-                          f"{cfg.arch!r}. {fix}")
-    if model.device.type != "cpu":
-        raise ConfigError(f"fused_decode=True is a CPU step (C kernels); the model is on {model.device}. "
-                          f"{fix} (on a GPU: cuda_graphs=True or compile=True)")
-    p = model.precision
-    if not (p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits):
-        raise ConfigError(f"fused_decode=True computes in fp32 (activations, norms, softmax, logits), and this "
-                          f"model's precision is {p.describe(model.dtype)}. {fix}")
-    for w in [*_matrices(model), model.embed, model.head]:
-        if w.dtype not in KINDS:  # a QuantizedWeight says the dtype it dequantizes to
-            raise ConfigError(f"fused_decode=True reads fp32, bf16, int8 or int4 weights, not {w.dtype}: load the "
-                              f"model with dtype=torch.bfloat16 or float32. {fix}")
-    if cfg.head_dim > 1024 or cfg.head_dim % 2:
-        raise ConfigError(f"fused_decode=True takes an even head dim up to 1024, not {cfg.head_dim}. {fix}")
-    if not kernel_build.available():
-        raise ConfigError(f"fused_decode=True needs minigen's C kernel, which is {kernel_build.status()}. {fix}")
-
-
-def check_run(model: Model, batch: int, kv_dtype: str | None, observers: tuple = ()) -> None:
-    """Refuse up front what the fused step cannot decode: the model (check_model), a batch, a cache
-    dtype other than fp32 or bf16, observers (they watch attention in torch)."""
-    check_model(model)
-    if batch != 1:
-        raise ConfigError(f"fused_decode=True decodes one sequence (batch 1), not {batch}: a batch's products "
-                          "run best in the several-row kernel. Fix: fused_decode=False, or one prompt per call.")
-    dtype = precision.dtype_of(kv_dtype, "kv_dtype") if kv_dtype is not None else model.dtype
-    if dtype not in CACHE_DTYPES:
-        raise ConfigError(f"fused_decode=True keeps the cache in fp32 or bf16, not {dtype}: set kv_dtype='float32' "
-                          "or 'bfloat16', or fused_decode=False")
-    if observers:
-        raise ConfigError("fused_decode=True with observers: the fused step keeps attention in C, where no "
-                          "observer sees it. Fix: fused_decode=False to observe attention.")
-
-
-def _matrices(model: Model) -> list:
-    return [w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)]
+def weights(model: Model) -> list:
+    """Every weight the C step reads: each layer's four matrices, the embedding and the head."""
+    return [*(w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)),
+            model.embed, model.head]
 
 
 def _weight(w) -> _Weight:
@@ -155,13 +119,13 @@ class FusedStep(EagerStep):
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
 
     def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
-        """generate.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
+        """eager.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
         assert policy is None and tokens.shape == (1, 1) and input_pos.shape == (1,), \
             "fused_decode takes one token of one sequence and no attention policy (the config refuses the rest)"
         lib = kernel_build.library()
         if self.planned_for != (id(model), id(cache)):
             assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
-                "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (check_run refuses the rest)"
+                "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
             self.plan, self.planned_for = _Plan(model, cache), (id(model), id(cache))
         plan = self.plan
         cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError

@@ -11,7 +11,7 @@ dispatch (Python, the dispatcher, a kernel launch) more than its arithmetic. Two
   Python list in the step is an error, not a silent graph break.
 - A CUDA graph records the kernels one step launches, with their addresses, and replays them with
   one launch. It needs static shapes, static addresses (inputs copied into fixed buffers) and no
-  host sync, so sampling happens inside the graph: the exponential race (generate.sample) draws
+  host sync, so sampling happens inside the graph: the exponential race (sampling.sample) draws
   the next token with tensor ops only. One graph per batch size. CUDA only.
 
 The article's "enable graphs" names a torch function that does not exist; these are the real
@@ -35,7 +35,7 @@ _compiled: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyD
 
 
 def compiled(step: Callable, model) -> Callable:
-    """`step` (generate.decode_step) compiled for `model`, made once and reused by every call: no
+    """`step` (eager.decode_step) compiled for `model`, made once and reused by every call: no
     recompile while the shapes stay (the same batch size, kind of cache and policy)."""
     per_model = _compiled.setdefault(model, {})
     if step not in per_model:
@@ -61,7 +61,7 @@ class CudaGraphDecoder:
 
     def __init__(self, step: Callable, sample: Callable, model, cache, policy, config, batch: int,
                  position: int, generator: torch.Generator | None):
-        """step: generate.decode_step; sample: generate.sample (passed in, so that this module
+        """step: eager.decode_step; sample: sampling.sample (passed in, so that this module
         stays below generate.py)."""
         if model.device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "

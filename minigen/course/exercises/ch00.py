@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 
 from ...config import GenerationConfig
-from ...generate import decode_step, generate, make_cache, prefill, sample
+from ...caches.make import make_cache
+from ...generate import generate
+from ...sampling import sample
+from ...steps.eager import decode_step, prefill
 from ...model import Model
 from . import ExerciseFailed
 

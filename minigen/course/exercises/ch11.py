@@ -9,7 +9,9 @@ generations, text in and out, one engine instance, and decoupled (streamed) resp
 
 from __future__ import annotations
 
-from ...production.deploy import model_config_pb2, parse_model_config, review_triton
+from tritonclient.grpc import model_config_pb2
+
+from ...production.deploy import parse_model_config, review_triton
 from ...errors import DeployError
 from . import ExerciseFailed
 
