@@ -46,7 +46,7 @@ typedef struct {
 
 /* y[n] = W x for any kind above (the bf16 and int4 kernels want x prepared, done here) */
 static void matvec_any(const Weight *w, const float *x, float *y, int threads, float *work) {
-    Mat m = {w->W, w->scales, w->mins, x, NULL, w->k, w->G, 0, 0};
+    Mat m = {.W = w->W, .scales = w->scales, .mins = w->mins, .x = x, .k = w->k, .G = w->G};
     if (w->kind == 0) { gemv(row_f32, &m, y, w->n, threads); return; }
     if (w->kind == 1) {  /* x reordered as gemv_bf16 does */
         int64_t j = 0;

@@ -47,7 +47,7 @@ typedef struct {
     int64_t k, G;
     int64_t M, n;              /* gemm_f32: rows of x (x [M, k], y [M, n]); 0 for one vector */
     const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
-} Mat;
+} Mat;  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
 /* one output row of a product: y[i] = W[i, :] @ x (rows_f32 and rows_f32_pair: all rows of x at once) */
 typedef void (*row_fn)(const Mat *m, float *y, int64_t i);

@@ -92,13 +92,13 @@ void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads) {
 }
 
 void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
-    Mat m = {W, NULL, NULL, x, NULL, k, 0};
+    Mat m = {.W = W, .x = x, .k = k};
     gemv(row_f32, &m, y, n, threads);
 }
 
 /* y [M, n] = x [M, k] @ W [n, k]^T, fp32 */
 void gemm_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int64_t M, int threads) {
-    Mat m = {W, NULL, NULL, x, NULL, k, 0, M, n};
+    Mat m = {.W = W, .x = x, .k = k, .M = M, .n = n};
 #ifdef __AVX512F__
     gemv(rows_f32_pair, &m, y, (n + 1) / 2, threads);  /* the threads split pairs of rows */
 #else
@@ -113,7 +113,7 @@ void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k
     for (; j + 16 <= k; j += 16)
         for (int l = 0; l < 8; l++) { xp[j + l] = x[j + 2 * l]; xp[j + 8 + l] = x[j + 2 * l + 1]; }
     for (; j < k; j++) xp[j] = x[j];
-    Mat m = {W, NULL, NULL, xp, NULL, k, 0};
+    Mat m = {.W = W, .x = xp, .k = k};
     gemv(row_bf16, &m, y, n, threads);
     free(xp);
 }
@@ -121,7 +121,7 @@ void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k
 /* int8 codes [n, k], fp16 scales [n, k / G]; G a multiple of 32 that divides k */
 void gemv_q8(const int8_t *codes, const uint16_t *scales, const float *x, float *y, int64_t n, int64_t k,
              int64_t G, int threads) {
-    Mat m = {codes, scales, NULL, x, NULL, k, G};
+    Mat m = {.W = codes, .scales = scales, .x = x, .k = k, .G = G};
 #ifdef __AVX512F__
     if (k / G <= MAX_ROW_GROUPS) { gemv(row_q8_wide, &m, y, n, threads); return; }
 #endif
@@ -133,7 +133,7 @@ void gemv_q4(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins,
              int64_t n, int64_t k, int64_t G, int threads) {
     float *xsum = malloc((size_t)(k / G + k) * sizeof *xsum);  /* sum of x over each group, for the minimums */
     if (!xsum) return;
-    Mat m = {codes, scales, mins, x, xsum, k, G, 0, 0, NULL};
+    Mat m = {.W = codes, .scales = scales, .mins = mins, .x = x, .xsum = xsum, .k = k, .G = G};
     if (prepare_q4(x, k, G, xsum, xsum + k / G)) m.xperm = xsum + k / G;
     gemv(q4_rows(&m), &m, y, n, threads);
     free(xsum);
