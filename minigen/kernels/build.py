@@ -142,12 +142,14 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.gemv_f32, lib.gemv_bf16):
             fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
-            fn.restype = None
+        lib.gemv_f32.restype = None
+        lib.gemv_bf16.restype = ctypes.c_int  # 0, or -1 without memory for its work buffer
         lib.gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # W, x, y, n, k, M, threads
         lib.gemm_f32.restype = None
         lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
         lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
-        lib.gemv_q8.restype = lib.gemv_q4.restype = None
+        lib.gemv_q8.restype = None
+        lib.gemv_q4.restype = ctypes.c_int  # the same
         lib.gemv_late_regions.restype = i64
         lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (fused.py)
         lib.decode_layers.restype = ctypes.c_int

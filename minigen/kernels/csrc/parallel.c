@@ -106,9 +106,10 @@ void gemm_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
 #endif
 }
 
-void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
+/* bf16 weights [n, k]. Returns 0, or -1 without memory for x reordered (y is then not written). */
+int gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
     float *xp = malloc((size_t)k * sizeof *xp);  /* x reordered to match load_bf16x16 */
-    if (!xp) return;
+    if (!xp) return -1;
     int64_t j = 0;
     for (; j + 16 <= k; j += 16)
         for (int l = 0; l < 8; l++) { xp[j + l] = x[j + 2 * l]; xp[j + 8 + l] = x[j + 2 * l + 1]; }
@@ -116,6 +117,7 @@ void gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k
     Mat m = {.W = W, .x = xp, .k = k};
     gemv(row_bf16, &m, y, n, threads);
     free(xp);
+    return 0;
 }
 
 /* int8 codes [n, k], fp16 scales [n, k / G]; G a multiple of 32 that divides k */
@@ -128,13 +130,15 @@ void gemv_q8(const int8_t *codes, const uint16_t *scales, const float *x, float 
     gemv(row_q8, &m, y, n, threads);
 }
 
-/* int4 codes [n, k / 2], fp16 scales and minimums [n, k / G]; G a multiple of 32 that divides k */
-void gemv_q4(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y,
-             int64_t n, int64_t k, int64_t G, int threads) {
+/* int4 codes [n, k / 2], fp16 scales and minimums [n, k / G]; G a multiple of 32 that divides k.
+ * Returns 0, or -1 without memory for the sums of x and x reordered (y is then not written). */
+int gemv_q4(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y,
+            int64_t n, int64_t k, int64_t G, int threads) {
     float *xsum = malloc((size_t)(k / G + k) * sizeof *xsum);  /* sum of x over each group, for the minimums */
-    if (!xsum) return;
+    if (!xsum) return -1;
     Mat m = {.W = codes, .scales = scales, .mins = mins, .x = x, .xsum = xsum, .k = k, .G = G};
     if (prepare_q4(x, k, G, xsum, xsum + k / G)) m.xperm = xsum + k / G;
     gemv(q4_rows(&m), &m, y, n, threads);
     free(xsum);
+    return 0;
 }
