@@ -99,7 +99,7 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
 /* One decode token, embedding to logits: x [D] gets the token's embedding, then each layer's output
  * in turn; RoPE's angles for position pos are worked out here (fp32 pos * inv_freq, as
  * Model.forward), and pos's slot is written in every layer's cache; then the final norm and the
- * head write d->logits. Returns 0, or -1 when memory for the work buffers was not there.
+ * head write d->logits. Returns 0, or -1 without memory for the work buffers.
  * The norm and the head are here, not in torch, for what surrounds them: after a step has streamed
  * the weights through the caches, torch's first small operations run cold (~0.2 ms for a norm that
  * takes 8 us in a loop), a few percent of an int4 step. */

@@ -37,7 +37,7 @@
 
 #define INTERNAL __attribute__((visibility("hidden")))
 
-/* One matrix-vector product: y = W @ x, W [n, k] stored as `kind` says, x [k] fp32. */
+/* One matrix-vector product: y = W @ x, W [n, k] in the format its row function reads, x [k] fp32. */
 typedef struct {
     const void *W;             /* fp32 or bf16 weights, or int8 / int4 codes */
     const uint16_t *scales;    /* int8 / int4: fp16 scale of each group [n, k / G] */
@@ -49,14 +49,15 @@ typedef struct {
     const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
 } Mat;  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
-/* one output row of a product: y[i] = W[i, :] @ x (rows_f32 and rows_f32_pair: all rows of x at once) */
+/* one output row of a product: y[i] = W[i, :] @ x (rows_f32: that row for every row of x;
+ * rows_f32_pair: rows 2i and 2i + 1) */
 typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
 
 /* rows_f32 and rows_f32_pair: rows of x that meet a row of W per pass (see rows_f32) */
 #define XROWS 4
 /* The weight row two rows ahead is prefetched into L2, not L1 (prefetcht1, not t0): while a row
  * meets its second four rows of x, memory keeps streaming the next ones. With t0 the requests
- * competed with the x loads for L1's few miss buffers and memory waited on arithmetic: the whole
+ * compete with the x loads for L1's few miss buffers and memory waits on arithmetic: the whole
  * of SmolLM2's matrices at M = 8, 2 threads, in turns in one process: 19.9 ms (t0), 14.5 (t1). */
 #ifndef PF_ROWS  /* prefetch the weight row this many rows ahead */
 #define PF_ROWS 2

@@ -1,7 +1,7 @@
 /* A shared machine: a parallel region ends when its slowest thread ends. When another process
  * holds a core, one of our two threads may wait a whole scheduler time slice (milliseconds) to
  * run, and a decode step has ~120 regions: measured on a 2-core CPU next to two busy processes,
- * always-parallel decoding fell from 37 to 0.5 tokens/s while one thread kept 3.7. So each
+ * always-parallel decoding drops from 37 to 0.5 tokens/s while one thread keeps 3.7. So each
  * region checks whether a thread arrived late; if one did, the next calls run on one thread
  * (no one to wait for), twice as many after each late arrival, and then try two threads again.
  * One late region is not enough: on a quiet machine about 1 region in 1,500 has a thread a

@@ -33,7 +33,7 @@ void row_f32(const Mat *m, float *y, int64_t i) {
 
 /* Several rows of x at once (a batch's decode step, a short prompt): y[r, i] = W[i, :] @ x[r, :].
  * Row i of W comes from memory once and meets four rows of x per pass while it sits in registers,
- * so a batch of 8 reads the weights once instead of 8 times (torch's fp32 GEMM at M = 8 read them
+ * so a batch of 8 reads the weights once instead of 8 times (torch's fp32 GEMM at M = 8 reads them
  * at a third of the bandwidth here). Each dot product keeps row_f32's order of sums (the same four
  * chains, the same tails), so a row of a batch gets exactly the bits it gets alone. XROWS and
  * the prefetch distance PF_ROWS are in kernels.h. */

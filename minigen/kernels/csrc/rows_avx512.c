@@ -6,15 +6,15 @@
 /* With AVX-512: two rows of W a pass (pair p: rows 2p and 2p + 1), each 32-weight block of a row in
  * two 16-lane registers. Lanes 0-7 of the first register are row_f32's chain a, lanes 8-15 its
  * chain b, the second register chains c and d: the same multiply-adds on the same lanes, so the
- * same bits. Each x load now serves two rows, and the four rows of x for a 1,536-wide row stay in
+ * same bits. Each x load serves two rows, and the four rows of x for a 1,536-wide row stay in
  * L1 (w_down at M = 8, one thread: 21 -> 29 multiply-adds per ns). Left to itself GCC folds each
  * x load into both rows' multiply-adds, loading it twice: 20 loads for 16 multiply-adds, and the
  * loads, not the multiply-adds, set the pace. An empty asm statement keeps xab and xcd in registers
  * (12 loads for 16): one thread in L2, 18.5 -> 26.7 multiply-adds per ns; SmolLM2's matrices and
  * head at M = 8 from memory, 2 threads, 34.0 -> 30.5 ms. The same instructions, the same bits.
  * Where k is a multiple of 32 (no tails), the pass's eight dot products are summed at once
- * (sum8_x8), again with the same bits: a row of 576 weights is only 18 iterations, and eight
- * chains of dependent additions had cost a third as much as the loop (SmolLM2 at M = 8, 2
+ * (sum8_x8), again with the same bits: a row of 576 weights is only 18 iterations, and summed one
+ * at a time, eight chains of dependent additions cost a third as much as the loop (SmolLM2 at M = 8, 2
  * threads: 28.9 -> 25.9 ms; one thread in L2: 26.4 -> 29.4 multiply-adds per ns, of a peak of 57
  * measured with multiply-adds alone). */
 static inline f32x8 low8(__m512 v) { __m256 h = _mm512_castps512_ps256(v); f32x8 r; memcpy(&r, &h, 32); return r; }
@@ -180,9 +180,9 @@ void row_q4_wide(const Mat *m, float *y, int64_t i) {
  * row_q4_wide. x is reordered once per call to match (prepare_q4); lane d of every vector belongs
  * to group 4 * block + d / 4. Measured on Zen 4, in turns in one process: one thread in
  * cache, 1.25-1.35x row_q4_wide's weights per ns; SmolLM2's 30 layers from memory, 6.6 -> 5.2-5.4
- * ms on 2 threads, 9.3-9.9 -> 7.5-8.1 ms on one. Tried and slower: making the floats with integer
- * operations instead (the code or'ed into an exponent, minus that power of two; alone or for half
- * of the codes). Prefetching the codes 2 KB ahead took 6-10% off. */
+ * ms on 2 threads, 9.3-9.9 -> 7.5-8.1 ms on one. Slower, measured the same way: making the floats with
+ * integer operations instead (the code or'ed into an exponent, minus that power of two; alone or for
+ * half of the codes). Prefetching the codes 2 KB ahead (Q4_AHEAD) takes 6-10% off. */
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 2048  /* bytes of codes ahead */
 #endif
