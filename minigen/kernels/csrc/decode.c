@@ -48,22 +48,13 @@ typedef struct {
 static void matvec_any(const Weight *w, const float *x, float *y, int threads, float *work) {
     Mat m = {.W = w->W, .scales = w->scales, .mins = w->mins, .x = x, .k = w->k, .G = w->G};
     if (w->kind == 0) { gemv(row_f32, &m, y, w->n, threads); return; }
-    if (w->kind == 1) {  /* x reordered as gemv_bf16 does */
-        int64_t j = 0;
-        for (; j + 16 <= w->k; j += 16)
-            for (int l = 0; l < 8; l++) { work[j + l] = x[j + 2 * l]; work[j + 8 + l] = x[j + 2 * l + 1]; }
-        for (; j < w->k; j++) work[j] = x[j];
+    if (w->kind == 1) {  /* x reordered for row_bf16, as gemv_bf16 does */
+        prepare_bf16(x, w->k, work);
         m.x = work;
         gemv(row_bf16, &m, y, w->n, threads);
         return;
     }
-    if (w->kind == 2) {
-#ifdef __AVX512F__
-        if (w->k / w->G <= MAX_ROW_GROUPS) { gemv(row_q8_wide, &m, y, w->n, threads); return; }
-#endif
-        gemv(row_q8, &m, y, w->n, threads);
-        return;
-    }
+    if (w->kind == 2) { gemv(q8_rows(&m), &m, y, w->n, threads); return; }
     m.xsum = work;  /* int4: work holds k / G sums and k reordered activations */
     if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m.xperm = work + w->k / w->G;
     gemv(q4_rows(&m), &m, y, w->n, threads);

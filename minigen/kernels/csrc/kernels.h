@@ -67,9 +67,11 @@ typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
 INTERNAL void row_f32(const Mat *m, float *y, int64_t i);
 INTERNAL void rows_f32(const Mat *m, float *y, int64_t i);
 INTERNAL void row_bf16(const Mat *m, float *y, int64_t i);
+INTERNAL void prepare_bf16(const float *x, int64_t k, float *xp);
 INTERNAL void row_q8(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4(const Mat *m, float *y, int64_t i);
 INTERNAL int prepare_q4(const float *x, int64_t k, int64_t G, float *xsum, float *xperm);
+INTERNAL row_fn q8_rows(const Mat *m);
 INTERNAL row_fn q4_rows(const Mat *m);
 
 #ifdef __AVX512F__

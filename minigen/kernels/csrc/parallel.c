@@ -110,10 +110,7 @@ void gemm_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
 int gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k, int threads) {
     float *xp = malloc((size_t)k * sizeof *xp);  /* x reordered to match load_bf16x16 */
     if (!xp) return -1;
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16)
-        for (int l = 0; l < 8; l++) { xp[j + l] = x[j + 2 * l]; xp[j + 8 + l] = x[j + 2 * l + 1]; }
-    for (; j < k; j++) xp[j] = x[j];
+    prepare_bf16(x, k, xp);
     Mat m = {.W = W, .x = xp, .k = k};
     gemv(row_bf16, &m, y, n, threads);
     free(xp);
@@ -124,10 +121,7 @@ int gemv_bf16(const uint16_t *W, const float *x, float *y, int64_t n, int64_t k,
 void gemv_q8(const int8_t *codes, const uint16_t *scales, const float *x, float *y, int64_t n, int64_t k,
              int64_t G, int threads) {
     Mat m = {.W = codes, .scales = scales, .x = x, .k = k, .G = G};
-#ifdef __AVX512F__
-    if (k / G <= MAX_ROW_GROUPS) { gemv(row_q8_wide, &m, y, n, threads); return; }
-#endif
-    gemv(row_q8, &m, y, n, threads);
+    gemv(q8_rows(&m), &m, y, n, threads);
 }
 
 /* int4 codes [n, k / 2], fp16 scales and minimums [n, k / G]; G a multiple of 32 that divides k.

@@ -67,7 +67,7 @@ void rows_f32(const Mat *m, float *y, int64_t i) {
 }
 
 /* bf16 weights, fp32 x and sums: 32 weights a pass. x is reordered: each block of 16 as its 8 even
- * then 8 odd elements (gemv_bf16 does it once); the tail past the last block is x itself. */
+ * then 8 odd elements (prepare_bf16, once per product); the tail past the last block is x itself. */
 void row_bf16(const Mat *m, float *y, int64_t i) {
     const uint16_t *w = (const uint16_t *)m->W + i * m->k;
     const float *xp = m->x;
@@ -86,6 +86,14 @@ void row_bf16(const Mat *m, float *y, int64_t i) {
     float s = sum8((a + b) + (c + d));
     for (; j < k; j++) s += bf16_to_f32(w[j]) * xp[j];
     y[i] = s;
+}
+
+/* x [k] -> xp [k] in row_bf16's order (see there) */
+void prepare_bf16(const float *x, int64_t k, float *xp) {
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16)
+        for (int l = 0; l < 8; l++) { xp[j + l] = x[j + 2 * l]; xp[j + 8 + l] = x[j + 2 * l + 1]; }
+    for (; j < k; j++) xp[j] = x[j];
 }
 
 /* 8 codes -> 8 fp32 numbers, through 32-bit integers (two vector instructions; a direct 8-bit to
@@ -175,6 +183,14 @@ int prepare_q4(const float *x, int64_t k, int64_t G, float *xsum, float *xperm) 
 #endif
     (void)xperm;
     return 0;
+}
+
+row_fn q8_rows(const Mat *m) {  /* the int8 loop for this machine and matrix */
+#ifdef __AVX512F__
+    if (m->k / m->G <= MAX_ROW_GROUPS) return row_q8_wide;
+#endif
+    (void)m;
+    return row_q8;
 }
 
 row_fn q4_rows(const Mat *m) {  /* the int4 loop for this machine and matrix */
