@@ -18,7 +18,8 @@
  *   vec.h          8-wide vectors and their helpers (static inline, so they inline everywhere);
  *   kernels.h      this header: the matrix description (Mat) and what the files share;
  *   rows.c         one output row of each weight format, the portable 8-wide loops;
- *   rows_avx512.c  the same rows 16 lanes wide, built where the compiler targets AVX-512;
+ *   rows_avx512.c  the int8 and int4 rows 16 lanes wide, built where the compiler targets AVX-512;
+ *   rows_batch.c   fp32 rows against several rows of x at once (gemm_f32), 8 and 16 lanes wide;
  *   parallel.c     the parallel region over rows, its back-off on a busy machine, and the
  *                  products' entry points (gemv_f32, gemm_f32, gemv_bf16, gemv_q8, gemv_q4);
  *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
@@ -49,23 +50,11 @@ typedef struct {
     const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
 } Mat;  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
-/* one output row of a product: y[i] = W[i, :] @ x (rows_f32: that row for every row of x;
- * rows_f32_pair: rows 2i and 2i + 1) */
+/* one output row of a product: y[i] = W[i, :] @ x */
 typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
-
-/* rows_f32 and rows_f32_pair: rows of x that meet a row of W per pass (see rows_f32) */
-#define XROWS 4
-/* The weight row two rows ahead is prefetched into L2, not L1 (prefetcht1, not t0): while a row
- * meets its second four rows of x, memory keeps streaming the next ones. With t0 the requests
- * compete with the x loads for L1's few miss buffers and memory waits on arithmetic: the whole
- * of SmolLM2's matrices at M = 8, 2 threads, in turns in one process: 19.9 ms (t0), 14.5 (t1). */
-#ifndef PF_ROWS  /* prefetch the weight row this many rows ahead */
-#define PF_ROWS 2
-#endif
 
 /* rows.c: the portable row loops */
 INTERNAL void row_f32(const Mat *m, float *y, int64_t i);
-INTERNAL void rows_f32(const Mat *m, float *y, int64_t i);
 INTERNAL void row_bf16(const Mat *m, float *y, int64_t i);
 INTERNAL void prepare_bf16(const float *x, int64_t k, float *xp);
 INTERNAL void row_q8(const Mat *m, float *y, int64_t i);
@@ -75,13 +64,15 @@ INTERNAL row_fn q8_rows(const Mat *m);
 INTERNAL row_fn q4_rows(const Mat *m);
 
 #ifdef __AVX512F__
-/* rows_avx512.c: the same rows 16 lanes wide */
+/* rows_avx512.c: the int8 and int4 rows 16 lanes wide */
 #define MAX_ROW_GROUPS 1024  /* k / G of the wide rows' arrays of scales; a longer row takes the 8-wide loop */
-INTERNAL void rows_f32_pair(const Mat *m, float *y, int64_t p);
 INTERNAL void row_q8_wide(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_wide(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_perm(const Mat *m, float *y, int64_t i);
 #endif
+
+/* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
+INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
 
 /* parallel.c: y [n] = row(m, y, i) for i < n, on `threads` threads or, backing off, on one */
 INTERNAL void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads);

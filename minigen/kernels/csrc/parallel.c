@@ -99,11 +99,7 @@ void gemv_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, in
 /* y [M, n] = x [M, k] @ W [n, k]^T, fp32 */
 void gemm_f32(const float *W, const float *x, float *y, int64_t n, int64_t k, int64_t M, int threads) {
     Mat m = {.W = W, .x = x, .k = k, .M = M, .n = n};
-#ifdef __AVX512F__
-    gemv(rows_f32_pair, &m, y, (n + 1) / 2, threads);  /* the threads split pairs of rows */
-#else
-    gemv(rows_f32, &m, y, n, threads);
-#endif
+    gemm_rows(&m, y, threads);
 }
 
 /* bf16 weights [n, k]. Returns 0, or -1 without memory for x reordered (y is then not written). */

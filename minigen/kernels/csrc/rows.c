@@ -1,6 +1,7 @@
 /* One output row of a product, for each weight format: fp32, bf16, int8 and int4, in portable
- * 8-wide loops (the AVX-512 ones are in rows_avx512.c). parallel.c shares the rows out over the
- * threads; a row is always summed by one thread, in the order written here.
+ * 8-wide loops (the AVX-512 ones are in rows_avx512.c, the fp32 ones for several rows of x in
+ * rows_batch.c). parallel.c shares the rows out over the threads; a row is always summed by one
+ * thread, in the order written here.
  *
  * bf16 weights (chapter 7): the same loop reads 2 bytes a weight instead of 4 and widens each to
  * fp32 in a register (a bf16 number is the top half of an fp32 one), so the activations and every
@@ -29,41 +30,6 @@ void row_f32(const Mat *m, float *y, int64_t i) {
         d += load_f32(w + j + 24) * load_f32(x + j + 24);
     }
     y[i] = finish_f32(a, b, c, d, w, x, j, k);
-}
-
-/* Several rows of x at once (a batch's decode step, a short prompt): y[r, i] = W[i, :] @ x[r, :].
- * Row i of W comes from memory once and meets four rows of x per pass while it sits in registers,
- * so a batch of 8 reads the weights once instead of 8 times (torch's fp32 GEMM at M = 8 reads them
- * at a third of the bandwidth here). Each dot product keeps row_f32's order of sums (the same four
- * chains, the same tails), so a row of a batch gets exactly the bits it gets alone. XROWS and
- * the prefetch distance PF_ROWS are in kernels.h. */
-void rows_f32(const Mat *m, float *y, int64_t i) {
-    const float *w = (const float *)m->W + i * m->k;
-    int64_t k = m->k, r = 0;
-    for (; r + XROWS <= m->M; r += XROWS) {
-        const float *x = m->x + r * k;
-        f32x8 acc[XROWS][4] = {{{0}}};
-        int64_t j = 0;
-        for (; j + 32 <= k; j += 32) {
-            f32x8 w0 = load_f32(w + j), w1 = load_f32(w + j + 8), w2 = load_f32(w + j + 16), w3 = load_f32(w + j + 24);
-            if (r == 0 && i + PF_ROWS < m->n) { __builtin_prefetch(w + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w + PF_ROWS * k + j + 16, 0, 2); }
-            #pragma GCC unroll 8  /* unrolled, acc stays in registers: twice as fast as the rolled loop here */
-            for (int q = 0; q < XROWS; q++) {
-                const float *xq = x + q * k + j;
-                acc[q][0] += w0 * load_f32(xq);
-                acc[q][1] += w1 * load_f32(xq + 8);
-                acc[q][2] += w2 * load_f32(xq + 16);
-                acc[q][3] += w3 * load_f32(xq + 24);
-            }
-        }
-        for (int q = 0; q < XROWS; q++)
-            y[(r + q) * m->n + i] = finish_f32(acc[q][0], acc[q][1], acc[q][2], acc[q][3], w, x + q * k, j, k);
-    }
-    for (; r < m->M; r++) {  /* the rows left over: one at a time, as row_f32 does them */
-        Mat one = *m;
-        one.x = m->x + r * k;
-        row_f32(&one, y + r * m->n, i);
-    }
 }
 
 /* bf16 weights, fp32 x and sums: 32 weights a pass. x is reordered: each block of 16 as its 8 even
