@@ -164,5 +164,6 @@ row_fn q4_rows(const Mat *m) {  /* the int4 loop for this machine and matrix */
     if (m->xperm) return row_q4_perm;
     if (m->k / m->G <= MAX_ROW_GROUPS) return row_q4_wide;
 #endif
+    (void)m;
     return row_q4;
 }
