@@ -1,4 +1,4 @@
-"""The C matrix-vector kernel of batch-1 decoding (minigen/kernels/cpu.py, csrc/gemv.c), and the
+"""The C matrix-vector kernel of batch-1 decoding (minigen/kernels/cpu.py, build.py, csrc/), and the
 benchmark that measures it against transformers."""
 
 from __future__ import annotations

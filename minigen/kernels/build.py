@@ -20,11 +20,11 @@ that has AVX-512, as a CPU without it runs them (the tests check both).
 On a busy machine the kernel runs single-threaded while its threads keep arriving late (see the
 comment at the top of csrc/parallel.c): waiting for a descheduled thread costs more than it saves.
 
-Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `matvec` returns None and the model uses
+Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `cpu.matvec` returns None and the model uses
 `F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
 
-Prompts (more rows than MAX_ROWS) are not this file's loops: `linear` hands them to oneDNN's GEMM,
-which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
+Prompts (more rows than cpu.MAX_ROWS) are not the C kernels' loops: `cpu.linear` hands them to
+oneDNN's GEMM, which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.gemv_q8.restype = None
         lib.gemv_q4.restype = ctypes.c_int  # the same
         lib.gemv_late_regions.restype = i64
-        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (fused.py)
+        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (steps/fused.py)
         lib.decode_layers.restype = ctypes.c_int
         lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
         lib.attend_decode.restype = ctypes.c_int

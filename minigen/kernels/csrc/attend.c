@@ -1,5 +1,5 @@
-/* RMSNorm and the attention of one new token (a decode step), in fp32: cpu_kernel.rms_norm and
- * cpu_kernel.attend_decode call the entry points here, and decode.c's whole step the two helpers. */
+/* RMSNorm and the attention of one new token (a decode step), in fp32: kernels/cpu.py's rms_norm
+ * and attend_decode call the entry points here, and decode.c's whole step the two helpers. */
 #include <math.h>
 #include <stdlib.h>
 

@@ -10,8 +10,8 @@
  * context is long enough to pay for a parallel region. Llama family only: RMSNorm, RoPE in the
  * rotate-half pairing, SwiGLU, grouped-query attention, optional q/k/v biases (Qwen2); fp32
  * activations and fp32 sums throughout, the cache in fp32 or bf16 (rounded to nearest even, as
- * torch's .to(torch.bfloat16) rounds). minigen/fused.py builds the descriptions and checks what
- * applies. */
+ * torch's .to(torch.bfloat16) rounds). minigen/steps/fused.py builds the descriptions and checks
+ * what applies. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -69,7 +69,7 @@ static void rope(float *x, const float *cos, const float *sin_signed, int64_t Dh
     for (int64_t i = half; i < Dh; i++) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin_signed[i];
 }
 
-/* Row `token` of the embedding -> x [D] in fp32 (a quantized row dequantized as weight_quant.py does) */
+/* Row `token` of the embedding -> x [D] in fp32 (a quantized row dequantized as numerics/weight_quant.py does) */
 static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) {
     const int64_t D = e->k, row = token * D;
     for (int64_t j = 0; j < D; j++) {

@@ -10,7 +10,7 @@
  *   - 8-wide vectors through GCC/Clang vector extensions (one AVX2 register; two NEON ones on ARM);
  *   - OpenMP splits the rows over the threads torch itself uses (same runtime, no second pool).
  * Each output is summed by one thread in a fixed order, so results do not depend on the thread
- * count. minigen/cpu_kernel.py builds every .c file of this folder into one library, once per
+ * count. minigen/kernels/build.py builds every .c file of this folder into one library, once per
  * machine, with `cc -O3 -march=native -fopenmp`, or without -fopenmp (single-threaded) where the
  * compiler has no OpenMP.
  *
@@ -24,10 +24,10 @@
  *                  products' entry points (gemv_f32, gemm_f32, gemv_bf16, gemv_q8, gemv_q4);
  *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
  *   decode.c       a whole decode step in C (decode_layers).
- * The entry points named above and gemv_late_regions are the library's interface: cpu_kernel.py
- * and fused.py bind them by name through ctypes. Everything the files share besides them is
- * declared below as INTERNAL (hidden: not exported from the library, and called directly rather
- * than through the library's symbol table).
+ * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
+ * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
+ * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
+ * and called directly rather than through the library's symbol table).
  */
 #ifndef MINIGEN_KERNELS_H
 #define MINIGEN_KERNELS_H

@@ -10,7 +10,7 @@
  * after a pause is not judged at all: its threads went to sleep, and waking a core takes time.
  *
  * Every product runs through gemv below, one parallel region a call; the products' entry points
- * (the library's interface, bound by cpu_kernel.py) follow it.
+ * (the library's interface, bound by kernels/build.py) follow it.
  */
 #include <stdlib.h>
 #include <time.h>
@@ -25,7 +25,7 @@ static void rows(row_fn row, const Mat *m, float *y, int64_t first, int64_t end)
     for (int64_t i = first; i < end; i++) row(m, y, i);
 }
 
-static int64_t late_regions = 0;  /* read by cpu_kernel.py for its report */
+static int64_t late_regions = 0;  /* read by kernels/build.py's late_regions, for reports */
 int64_t gemv_late_regions(void) { return late_regions; }
 
 #ifdef _OPENMP
