@@ -1,4 +1,4 @@
-"""The C matrix-vector kernel of batch-1 decoding (minigen/kernels/cpu.py, csrc/gemv.c), and the
+"""The C matrix-vector kernel of batch-1 decoding (minigen/kernels/cpu.py, build.py, csrc/), and the
 benchmark that measures it against transformers."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import minigen
 from minigen.measure import bench, machine
 from minigen.kernels import build as kernel_build, cpu as cpu_kernel
 from minigen.generate import generate
+from minigen.numerics.weight_quant import quantize_matrix
 
 from conftest import tiny_hf
 from test_loading import save_tiny_tokenizer
@@ -293,6 +294,24 @@ def test_bf16_weights_give_fp32_sums_of_the_widened_weights(n, k, seed, threads)
         torch.set_num_threads(before)
     assert y is not None and y.dtype == torch.float32
     torch.testing.assert_close(y, F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
+
+
+def test_a_kernel_without_memory_for_its_work_buffer_raises_memory_error(monkeypatch):
+    """gemv_bf16 and gemv_q4 return -1 when they cannot allocate x reordered (and int4's sums of x):
+    y is then unwritten, so the call raises instead of returning torch.empty's garbage."""
+    class NoMemory:  # the library's interface, every allocation failing
+        def gemv_bf16(self, *args):
+            return -1
+
+        def gemv_q4(self, *args):
+            return -1
+
+    monkeypatch.setattr(kernel_build, "loaded", lambda: NoMemory())
+    with pytest.raises(MemoryError, match="2,304 bytes"):  # 576 fp32 numbers
+        cpu_kernel._gemv(torch.randn(576), torch.randn(8, 576).bfloat16())
+    q = quantize_matrix(torch.randn(8, 576), 4, 32)
+    with pytest.raises(MemoryError, match="2,376 bytes"):  # 18 group sums and 576 numbers
+        cpu_kernel._gemv_q(torch.randn(576), q.codes, q.scales, q.mins, q.group_size)
 
 
 @needs_cc

@@ -1,4 +1,4 @@
-"""fused_decode=True: every layer of a batch-1 decode step in one C call (fused.py, csrc/gemv.c).
+"""fused_decode=True: every layer of a batch-1 decode step in one C call (fused.py, csrc/decode.c).
 
 Oracle: the eager torch step (eager.decode_step) on the same model and prompt, step by step:
 the logits it returns and the keys/values it leaves in the cache; greedy tokens against eager and

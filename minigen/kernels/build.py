@@ -3,27 +3,28 @@
 A decode step at batch 1 is a chain of matrix-vector products: every weight is read once per
 token and used for one multiply-add, so the step runs at the speed memory delivers the weights.
 torch's fp32 matrix-vector path streams them at about half of this course's CPU read bandwidth
-(10 to 16 of 25 to 31 GB/s); `csrc/gemv.c`, each thread reading its own rows in one sequential
-stream, reaches 80 to 90% of it.
+(10 to 16 of 25 to 31 GB/s); the row loops of `csrc/rows.c`, each thread reading its own rows in
+one sequential stream, reach 80 to 90% of it (`csrc/kernels.h` says how, and which file holds what).
 
-The kernel is compiled with the system's C compiler (`$CC`, else `cc`, `gcc` or `clang`) into
-`$MINIGEN_CACHE/kernels/` the first time it is needed (well under a second), and called through
-ctypes on the tensors' memory. Each build is named by its source, compiler, flags and CPU; making
-a new one removes those not loaded for UNUSED_DAYS. With torch's Linux wheels it links the same OpenMP runtime
-(libgomp) as torch, so its threads are torch's threads: `torch.set_num_threads` governs both,
-and two thread pools never compete for the cores. A compiler without OpenMP (Apple's clang)
-builds it single-threaded, with a notice; `MINIGEN_CPU_KERNEL_OPENMP=0` forces that build.
+The kernel's .c files are compiled together, with the system's C compiler (`$CC`, else `cc`, `gcc`
+or `clang`), into one library in `$MINIGEN_CACHE/kernels/` the first time it is needed (one to two
+seconds), and called through ctypes on the tensors' memory. Each build is named by the contents of
+its sources and headers, its compiler, flags and CPU; making a new one removes those not loaded for
+UNUSED_DAYS. With torch's Linux wheels it links the same OpenMP runtime (libgomp) as torch, so
+its threads are torch's threads: `torch.set_num_threads` governs both, and two thread pools never
+compete for the cores. A compiler without OpenMP (Apple's clang) builds it single-threaded, with a
+notice; `MINIGEN_CPU_KERNEL_OPENMP=0` forces that build.
 `MINIGEN_CPU_KERNEL_CFLAGS` adds compiler flags: `-mno-avx512f` builds the 8-wide loops on a CPU
 that has AVX-512, as a CPU without it runs them (the tests check both).
 
 On a busy machine the kernel runs single-threaded while its threads keep arriving late (see the
-comment at the top of gemv.c): waiting for a descheduled thread costs more than it saves.
+comment at the top of csrc/parallel.c): waiting for a descheduled thread costs more than it saves.
 
-Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `matvec` returns None and the model uses
+Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `cpu.matvec` returns None and the model uses
 `F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
 
-Prompts (more rows than MAX_ROWS) are not this file's loops: `linear` hands them to oneDNN's GEMM,
-which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
+Prompts (more rows than cpu.MAX_ROWS) are not the C kernels' loops: `cpu.linear` hands them to
+oneDNN's GEMM, which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from pathlib import Path
 
 from ..paths import cache_dir
 
-SOURCE = Path(__file__).parent / "csrc" / "gemv.c"
+SOURCE = Path(__file__).parent / "csrc"  # the kernels' C: every .c file here, built into one library
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 OPENMP_FLAGS = ["-fopenmp"]
 # GCC on AMD Zen prefers 128-bit vectors; ask for full 256-bit AVX2 registers.
@@ -74,9 +75,14 @@ def compiler() -> str | None:
 UNUSED_DAYS = 30  # a build of the kernel not loaded for this long is removed when a new one is made
 
 
+def _sources() -> list[Path]:
+    """What a build is made of, sorted by name: SOURCE's .c files (compiled) and .h files (included)."""
+    return sorted(p for p in SOURCE.iterdir() if p.suffix in (".c", ".h"))
+
+
 def _prune(kernels: Path, keep: Path) -> None:
     """Remove builds of older sources, flags or CPUs that nothing loaded for UNUSED_DAYS (each load
-    touches its file): without this, every edit of gemv.c left one more library in the cache."""
+    touches its file): without this, every edit of a source would leave one more library in the cache."""
     old = time.time() - UNUSED_DAYS * 86400
     for lib in kernels.glob("gemv-*.so"):
         with contextlib.suppress(OSError):  # another process pruning, or a file we may not remove
@@ -85,12 +91,14 @@ def _prune(kernels: Path, keep: Path) -> None:
 
 
 def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
-    """Compile SOURCE into lib_path (beside it, then renamed) -> None, or the compiler's complaint."""
+    """Compile every .c file in SOURCE into one library at lib_path (built beside it, then renamed) ->
+    None, or the compiler's complaint. The files include their headers from their own folder."""
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     # build beside the target and rename: two processes building at once never see half a file
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         out = Path(tmp) / lib_path.name
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+        sources = [str(p) for p in _sources() if p.suffix == ".c"]
+        done = subprocess.run([cc, *flags, *sources, "-o", str(out)], capture_output=True, text=True)
         if done.returncode != 0:
             return done.stderr.strip()[-500:]
         os.replace(out, lib_path)
@@ -99,8 +107,9 @@ def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
 
 
 def _build() -> tuple[ctypes.CDLL, bool]:
-    """Compile csrc/gemv.c (once per source, compiler, flags and CPU) and load it -> (library,
-    whether it has OpenMP). Tries OpenMP first; a compiler that rejects it builds without."""
+    """Compile csrc/*.c into one library (once per content of the sources and headers, compiler, flags
+    and CPU) and load it -> (library, whether it has OpenMP). Tries OpenMP first; a compiler that
+    rejects it builds without."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install one: apt install gcc)")
@@ -110,9 +119,10 @@ def _build() -> tuple[ctypes.CDLL, bool]:
     attempts = [(base + OPENMP_FLAGS, True), (base, False)]
     if os.environ.get("MINIGEN_CPU_KERNEL_OPENMP", "1") == "0":
         attempts = attempts[1:]
+    sources = [f"{p.name}\0{p.read_text()}" for p in _sources()]  # a renamed file is another build too
     complaint = ""
     for flags, openmp in attempts:
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *flags, cpu_fingerprint()])
+        key = hashlib.sha256("\0".join([*sources, cc, version, *flags, cpu_fingerprint()])
                              .encode()).hexdigest()[:16]
         lib_path = cache_dir() / "kernels" / f"gemv-{key}.so"
         if not lib_path.exists():
@@ -132,21 +142,23 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         for fn in (lib.gemv_f32, lib.gemv_bf16):
             fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
-            fn.restype = None
+        lib.gemv_f32.restype = None
+        lib.gemv_bf16.restype = ctypes.c_int  # 0, or -1 without memory for its work buffer
         lib.gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # W, x, y, n, k, M, threads
         lib.gemm_f32.restype = None
         lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
         lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
-        lib.gemv_q8.restype = lib.gemv_q4.restype = None
+        lib.gemv_q8.restype = None
+        lib.gemv_q4.restype = ctypes.c_int  # the same
         lib.gemv_late_regions.restype = i64
-        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (fused.py)
+        lib.decode_layers.argtypes = [ptr, i64, ptr, i64, ptr, i64]  # layers, L, dims, token, x, pos (steps/fused.py)
         lib.decode_layers.restype = ctypes.c_int
         lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
         lib.attend_decode.restype = ctypes.c_int
         lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps
         lib.rms_norm_rows.restype = None
         return lib, openmp
-    raise RuntimeError(f"{cc} failed to build {SOURCE.name}: {complaint}")
+    raise RuntimeError(f"{cc} failed to build {SOURCE.name}/: {complaint}")
 
 
 def library() -> ctypes.CDLL | None:
@@ -158,7 +170,7 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 _lib, openmp = _build()
-                _reason = f"built with {compiler()} from {SOURCE.name}"
+                _reason = f"built with {compiler()} from {SOURCE.name}/"
                 if not openmp:
                     _reason += ", without OpenMP: single-threaded"
                     warnings.warn(f"minigen's C matrix-vector kernel was {_reason.removeprefix('built ')} "
@@ -187,7 +199,7 @@ def available() -> bool:
 
 def late_regions() -> int:
     """Parallel calls so far in which a thread arrived late, each followed by single-threaded calls
-    (gemv.c): 0 on a quiet machine, many next to busy neighbours."""
+    (csrc/parallel.c): 0 on a quiet machine, many next to busy neighbours."""
     return int(_lib.gemv_late_regions()) if _lib is not None else 0
 
 

@@ -29,13 +29,21 @@ def _takes(*tensors: Tensor, built: bool = True) -> bool:
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # weights the kernel reads; activations are fp32
 
 
+def _no_memory(nbytes: int) -> MemoryError:
+    """What a C call that returned -1 raises: it found no memory for its work buffer."""
+    return MemoryError(f"minigen's C kernel could not allocate its work buffer ({nbytes:,} bytes)")
+
+
 def _gemv(x: Tensor, w: Tensor) -> Tensor:
     """The C call: w [n, k] (fp32 or bf16) @ x [k] (fp32) -> y [n] fp32."""
     n, k = w.shape
     x = x.reshape(k).contiguous()
     y = torch.empty(n, dtype=torch.float32)
-    fn = build.loaded().gemv_f32 if w.dtype == torch.float32 else build.loaded().gemv_bf16
-    fn(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    lib = build.loaded()
+    if w.dtype == torch.float32:
+        lib.gemv_f32(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    elif lib.gemv_bf16(w.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads()) != 0:
+        raise _no_memory(4 * k)  # x reordered for the bf16 rows
     return y
 
 
@@ -59,12 +67,13 @@ def _gemv_q(x: Tensor, codes: Tensor, scales: Tensor, mins: Tensor | None, group
     k = codes.shape[1] * (2 if mins is not None else 1)
     x = x.reshape(k).contiguous()
     y = torch.empty(n, dtype=torch.float32)
+    lib = build.loaded()
     if mins is None:
-        build.loaded().gemv_q8(codes.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, group_size,
-                     torch.get_num_threads())
-    else:
-        build.loaded().gemv_q4(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), x.data_ptr(), y.data_ptr(), n, k,
-                     group_size, torch.get_num_threads())
+        lib.gemv_q8(codes.data_ptr(), scales.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, group_size,
+                    torch.get_num_threads())
+    elif lib.gemv_q4(codes.data_ptr(), scales.data_ptr(), mins.data_ptr(), x.data_ptr(), y.data_ptr(), n, k,
+                     group_size, torch.get_num_threads()) != 0:
+        raise _no_memory(4 * (k // group_size + k))  # the sums of x over the groups, and x reordered
     return y
 
 

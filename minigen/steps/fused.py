@@ -7,7 +7,7 @@ multiply-adds, and with their views, splits and conversions they come to ~150 di
 6 to 9 ms of a 25 ms SmolLM2 step on this course's CPU (chapter 8's profile). That time does not
 shrink when the weights do, so it caps what bf16 (chapter 7) and int4 (chapter 14) weights can
 buy. torch.compile removes part of it; llama.cpp's answer is to write the whole step in C.
-`csrc/gemv.c: decode_layers` does that for the Llama family: the products through the same
+`csrc/decode.c: decode_layers` does that for the Llama family: the products through the same
 kernels as eager decoding, everything in between on the calling thread in fp32, attention over
 one head per thread once the context is long enough to share out.
 

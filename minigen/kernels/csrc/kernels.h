@@ -1,0 +1,90 @@
+/* Matrix-vector products for decoding at batch 1: y[n] = W[n, k] @ x[k].
+ *
+ * A decode step multiplies one activation row by every weight matrix of the model, so its time is
+ * the time to stream the weights from memory. torch's fp32 matrix-vector path reaches about half
+ * of this course's CPU read bandwidth; this loop reaches about 80% of it. The whole trick:
+ *   - rows of W are contiguous (nn.Linear's [out, in] layout), so each thread reads its own rows
+ *     one after the other: one sequential stream, which the hardware prefetcher follows best (four
+ *     rows side by side, four streams of 1 to 2 KB, measured 1.3 to 1.5x slower here);
+ *   - four sums of 8 lanes per row, so four multiply-add chains run side by side;
+ *   - 8-wide vectors through GCC/Clang vector extensions (one AVX2 register; two NEON ones on ARM);
+ *   - OpenMP splits the rows over the threads torch itself uses (same runtime, no second pool).
+ * Each output is summed by one thread in a fixed order, so results do not depend on the thread
+ * count. minigen/kernels/build.py builds every .c file of this folder into one library, once per
+ * machine, with `cc -O3 -march=native -fopenmp`, or without -fopenmp (single-threaded) where the
+ * compiler has no OpenMP.
+ *
+ * The files, one concern each:
+ *   vec.h          8-wide vectors and their helpers (static inline, so they inline everywhere);
+ *   kernels.h      this header: the matrix description (Mat) and what the files share;
+ *   rows.c         one output row of each weight format, the portable 8-wide loops;
+ *   rows_avx512.c  the int8 and int4 rows 16 lanes wide, built where the compiler targets AVX-512;
+ *   rows_batch.c   fp32 rows against several rows of x at once (gemm_f32), 8 and 16 lanes wide;
+ *   parallel.c     the parallel region over rows, its back-off on a busy machine, and the
+ *                  products' entry points (gemv_f32, gemm_f32, gemv_bf16, gemv_q8, gemv_q4);
+ *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
+ *   decode.c       a whole decode step in C (decode_layers).
+ * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
+ * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
+ * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
+ * and called directly rather than through the library's symbol table).
+ */
+#ifndef MINIGEN_KERNELS_H
+#define MINIGEN_KERNELS_H
+
+#include <stdint.h>
+
+#include "vec.h"
+
+#define INTERNAL __attribute__((visibility("hidden")))
+
+/* One matrix-vector product: y = W @ x, W [n, k] in the format its row function reads, x [k] fp32. */
+typedef struct {
+    const void *W;             /* fp32 or bf16 weights, or int8 / int4 codes */
+    const uint16_t *scales;    /* int8 / int4: fp16 scale of each group [n, k / G] */
+    const uint16_t *mins;      /* int4: fp16 minimum of each group [n, k / G] */
+    const float *x;            /* fp32 activations [k] (bf16: reordered, see gemv_bf16) */
+    const float *xsum;         /* int4: the sum of x over each group [k / G] */
+    int64_t k, G;
+    int64_t M, n;              /* gemm_f32: rows of x (x [M, k], y [M, n]); 0 for one vector */
+    const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
+} Mat;  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
+
+/* one output row of a product: y[i] = W[i, :] @ x */
+typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
+
+/* rows.c: the portable row loops */
+INTERNAL void row_f32(const Mat *m, float *y, int64_t i);
+INTERNAL void row_bf16(const Mat *m, float *y, int64_t i);
+INTERNAL void prepare_bf16(const float *x, int64_t k, float *xp);
+INTERNAL void row_q8(const Mat *m, float *y, int64_t i);
+INTERNAL void row_q4(const Mat *m, float *y, int64_t i);
+INTERNAL int prepare_q4(const float *x, int64_t k, int64_t G, float *xsum, float *xperm);
+INTERNAL row_fn q8_rows(const Mat *m);
+INTERNAL row_fn q4_rows(const Mat *m);
+
+#ifdef __AVX512F__
+/* rows_avx512.c: the int8 and int4 rows 16 lanes wide */
+#define MAX_ROW_GROUPS 1024  /* k / G of the wide rows' arrays of scales; a longer row takes the 8-wide loop */
+INTERNAL void row_q8_wide(const Mat *m, float *y, int64_t i);
+INTERNAL void row_q4_wide(const Mat *m, float *y, int64_t i);
+INTERNAL void row_q4_perm(const Mat *m, float *y, int64_t i);
+#endif
+
+/* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
+INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
+
+/* parallel.c: y [n] = row(m, y, i) for i < n, on `threads` threads or, backing off, on one */
+INTERNAL void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads);
+#ifdef _OPENMP
+/* whether the products' regions are backing off to one thread (a busy neighbour: see the top of
+ * parallel.c); attention's parallel loops follow them */
+INTERNAL int backing_off(void);
+#endif
+
+/* attend.c: one RMSNorm row, and one query head against its cached keys and values */
+INTERNAL void rms_norm(const float *x, const float *weight, float *out, int64_t D, float eps);
+INTERNAL void attend_head(const float *q, const void *kc, const void *vc, int bf16, int64_t base, int64_t n,
+                          int64_t Dh, const float *mask, float *scores, float *out);
+
+#endif
