@@ -173,7 +173,7 @@ def library() -> ctypes.CDLL | None:
                 _reason = f"built with {compiler()} from {SOURCE.name}/"
                 if not openmp:
                     _reason += ", without OpenMP: single-threaded"
-                    warnings.warn(f"minigen's C matrix-vector kernel was {_reason.removeprefix('built ')} "
+                    warnings.warn(f"minigen's C matrix-vector kernel was {_reason} "
                                   "(the compiler has no OpenMP, or MINIGEN_CPU_KERNEL_OPENMP=0); decoding "
                                   "is correct but slower on several cores.", RuntimeWarning, stacklevel=3)
             except (RuntimeError, OSError) as err:

@@ -54,7 +54,7 @@ CATEGORIES = {
                      for name in ("prepare", "update") if name in vars(cls)],
 }
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "minigen::matvec",
-              "mkldnn::_linear_pointwise")  # the last: a prompt's products (cpu_kernel.linear)
+              "mkldnn::_linear_pointwise")  # the last: a prompt's products (kernels.cpu.linear)
 
 
 def _ranged(fn, category: str):

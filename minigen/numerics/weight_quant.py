@@ -14,7 +14,7 @@ over) share their metadata, as GGUF does:
 Scales and minimums are fp16 (weights are far inside its range; quantize_weights checks). In each
 block of 32 int4 weights, byte j holds weight j in its low nibble and weight j + 16 in its high
 one (GGUF's order), which the C kernel unpacks with one mask and one shift. A weight stays packed
-in memory: a decode step's matrix-vector product (cpu_kernel) turns codes into fp32 in registers;
+in memory: a decode step's matrix-vector product (kernels/cpu.py) turns codes into fp32 in registers;
 a prompt or a batch dequantizes the matrix for each product (torch's GEMM, oneDNN on a CPU).
 
 Which weights: every linear layer at `bits`; the output head at `head_bits` (8 by default, as the

@@ -11,8 +11,8 @@
  *   - OpenMP splits the rows over the threads torch itself uses (same runtime, no second pool).
  * Each output is summed by one thread in a fixed order, so results do not depend on the thread
  * count. minigen/kernels/build.py builds every .c file of this folder into one library, once per
- * machine, with `cc -O3 -march=native -fopenmp`, or without -fopenmp (single-threaded) where the
- * compiler has no OpenMP.
+ * machine, with `cc -O3 -march=native -fopenmp` (and -mprefer-vector-width=256 on x86), or without
+ * -fopenmp (single-threaded) where the compiler has no OpenMP.
  *
  * The files, one concern each:
  *   vec.h          8-wide vectors and their helpers (static inline, so they inline everywhere);
