@@ -14,10 +14,9 @@ every engine. A static batch hands each row's tokens out as they are made (the t
 token is the batch's k-th step), the kindest reading for it.
 
 transformers' continuous batching runs on this 2-core CPU (transformers 5.24; the default
-attention becomes its paged SDPA), and its greedy tokens matched `generate`'s in our probe. Its
-speed on this machine, shared with other processes, swung between runs: 4 requests of 16 tokens
-once took 109 s (its thread sat in the model's linear layers), and a later serve-bench run gave
-0.2 s per token, faster there than the static batches.
+attention becomes its paged SDPA), and its greedy tokens match `generate`'s. Its speed on a shared
+machine swings from run to run more than minigen's (its thread waits in the model's linear layers
+when a neighbour holds a core), so compare engines within one run, as the ratios printed here do.
 """
 
 from __future__ import annotations

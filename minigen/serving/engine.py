@@ -39,7 +39,7 @@ from ..numerics.precision import DTYPES
 from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
 from ..caches.paged import PagedKVCache
-from .scheduler import (PrefixAllocator, Request, blocks_for, can_admit, serving_metrics)
+from .scheduler import (PrefixAllocator, Request, blocks_for, can_admit, engine_metrics)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
@@ -290,7 +290,7 @@ class Engine:
         "prefill_tokens", "decode_tokens"} per step(); "kv_usage" and "batch_size" per step; "requests":
         per request its counts, times, finish_reason and phases [phase, start_s, end_s];
         "num_blocks", "block_size", "max_batch_size"."""
-        out = serving_metrics(self.requests, self.steps, self.now(), self.preemptions, self.hit_tokens,
+        out = engine_metrics(self.requests, self.steps, self.now(), self.preemptions, self.hit_tokens,
                               self.admitted_tokens)
         return {**out, "num_blocks": self.num_blocks, "block_size": self.block_size,
                 "max_batch_size": self.max_batch_size}

@@ -158,9 +158,10 @@ class Request:
 
 
 # ---------------------------------------------------------------- the metrics, as vLLM names them
-def serving_metrics(requests: list[Request], steps: list[dict], now: float, preemptions: int,
+def engine_metrics(requests: list[Request], steps: list[dict], now: float, preemptions: int,
                     hit_tokens: int, admitted_tokens: int) -> dict:
-    """The metrics dict of Engine.metrics() (its docstring lists the keys), from the requests and steps."""
+    """The metrics dict of Engine.metrics() (its docstring lists the keys), from the Engine's live
+    Request objects and steps (serving/metrics.py's summarize reads finished runs' records)."""
     done = [r for r in requests if r.status == "finished"]
     timed = [r for r in done if r.first_token_s is not None]
     ttft = [r.first_token_s - r.arrival_s for r in timed]
