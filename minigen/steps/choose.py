@@ -33,7 +33,8 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
     p = model.precision
     run = Run(arch=model.config.arch, head_dim=model.config.head_dim, device=model.device.type,
               fp32_compute=p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits,
-              precision=p.describe(model.dtype), kv_dtype=config.kv_dtype or _name(model.dtype), batch=batch, observers=bool(observers),
+              precision=p.describe(model.dtype), kv_dtype=config.kv_dtype or _name(model.dtype), batch=batch,
+              observers=bool(observers),
               triton="missing" if not triton_attention.AVAILABLE else
               "interpreted" if triton_attention.INTERPRETED else "compiled")
     if run.arch == "llama":  # the weights the fused step would read (another family is refused by its arch)
