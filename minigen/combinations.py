@@ -51,7 +51,7 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 8)"),
     "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 8)"),
     "fused_decode": (lambda c: c.fused_decode is True,
-                     "set to True: every layer of a batch-1 decode step in one C call (chapter 14); the default "
+                     "set to True: every layer of a decode step in one C call (chapter 14); the default "
                      "\"auto\" runs it wherever this table allows"),
 }
 
@@ -183,7 +183,7 @@ class Run:
     device: str | None = None  # the model's device type: "cpu", "cuda", "meta"
     fp32_compute: bool | None = None  # activations, norms, softmax and logits all in fp32
     precision: str | None = None  # Precision.describe, for messages
-    weight_dtypes: frozenset[str] | None = None  # the weights' dtypes (a quantized weight: what it dequantizes to)
+    weight_dtypes: frozenset[str] | None = None  # the weights' formats: "float32", "bfloat16", "int8", "int4"
     kv_dtype: str | None = None  # the cache's storage dtype
     batch: int | None = None
     observers: bool | None = None  # attention observers watch this run
@@ -197,7 +197,8 @@ class Run:
         return cls(arch=model_config.arch, head_dim=model_config.head_dim)
 
 
-FUSED_WEIGHTS = ("float32", "bfloat16")  # and int8 / int4 QuantizedWeights, which dequantize to float32
+FUSED_WEIGHTS = ("float32", "bfloat16", "int8", "int4")  # int8 / int4: QuantizedWeight codes
+FUSED_MAX_ROWS = 16  # rows of one fused step (csrc/kernels.h: DECODE_MAX_ROWS)
 FUSED_CACHE = ("float32", "bfloat16")
 _FUSED = "Fix: fused_decode=False."
 
@@ -233,9 +234,13 @@ RUN_RULES: tuple[RunRule, ...] = (
      f"fused_decode=True takes an even head dim up to 1024, not {r.head_dim}. {_FUSED}"),
     ("fused_decode", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
      f"fused_decode=True needs minigen's C kernel, which is {r.c_kernel}. {_FUSED}"),
-    ("fused_decode", ("batch",), lambda c, r: r.batch != 1, lambda c, r:
-     f"fused_decode=True decodes one sequence (batch 1), not {r.batch}: a batch's products run best in the "
-     "several-row kernel. Fix: fused_decode=False, or one prompt per call."),
+    ("fused_decode", ("batch", "weight_dtypes"), lambda c, r: r.batch > 1 and r.weight_dtypes != {"float32"},
+     lambda c, r: f"fused_decode=True decodes a batch of {r.batch} rows with fp32 weights only (its products run "
+     f"the several-row fp32 kernel), and these are {', '.join(sorted(r.weight_dtypes))}. Fix: fused_decode=False, "
+     "or one prompt per call."),
+    ("fused_decode", ("batch",), lambda c, r: r.batch > FUSED_MAX_ROWS, lambda c, r:
+     f"fused_decode=True decodes up to {FUSED_MAX_ROWS} rows at once, not {r.batch}: past that, torch's GEMM "
+     "runs a batch's products faster. Fix: fused_decode=False, or smaller batches."),
     ("fused_decode", ("kv_dtype",), lambda c, r: r.kv_dtype not in FUSED_CACHE, lambda c, r:
      f"fused_decode=True keeps the cache in fp32 or bf16, not {r.kv_dtype}: set kv_dtype='float32' or "
      "'bfloat16', or fused_decode=False"),
@@ -298,7 +303,7 @@ RAGGED_REFUSED: dict[str, str] = {
     "compile": "a compiled step has one shape; ragged rows plan their positions on the host",
     "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
     "attention_backend": "the Triton kernel reads rows at one shared length",
-    "fused_decode": "the fused step decodes one sequence at a time (batch 1)",
+    "fused_decode": "the fused step decodes every row at one shared position",
 }
 # The serving engine (serving/engine.py) runs every sequence in one pool of full-precision paged
 # blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.

@@ -64,7 +64,7 @@ class GenerationConfig:
     kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the weights' dtype
     compile: bool = False  # torch.compile the decode step (the contiguous cache or the window's ring buffer)
     cuda_graphs: bool = False  # capture the decode step in a CUDA graph and replay it (CUDA only)
-    # every layer of a batch-1 decode step in one C call (steps/fused.py): "auto" wherever it applies
+    # every layer of a decode step in one C call (steps/fused.py): "auto" wherever it applies
     # (steps/choose.py says where), True demands it (refused where it cannot run), False forbids it
     fused_decode: bool | str = "auto"
     # --- the fused kernel (chapter 9) ---

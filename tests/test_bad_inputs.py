@@ -384,8 +384,9 @@ def _():
 
 
 @case("fused-batch")
-def _(tiny_model):
-    minigen.generate(tiny_model, torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2, fused_decode=True)
+def _():
+    int4_model = minigen.quantize_weights(minigen.from_hf(tiny_hf("llama")), 4)
+    minigen.generate(int4_model, torch.tensor([[1, 2, 3], [4, 5, 6]]), max_new_tokens=2, fused_decode=True)
 
 
 @case("fused-fp16-cache")

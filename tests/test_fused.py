@@ -1,4 +1,5 @@
-"""fused_decode=True: every layer of a batch-1 decode step in one C call (fused.py, csrc/decode.c).
+"""fused_decode=True: every layer of a decode step in one C call (fused.py, csrc/decode.c), at batch 1
+and for a tensor batch in lockstep.
 
 Oracle: the eager torch step (eager.decode_step) on the same model and prompt, step by step:
 the logits it returns and the keys/values it leaves in the cache; greedy tokens against eager and
@@ -25,11 +26,12 @@ from minigen.evaluate import score
 
 
 def side_by_side(model, prompt, steps, kv_dtype=None):
-    """Decode `steps` greedy tokens with the eager and the fused step, each on its own cache, feeding
-    both the eager step's token -> (worst |logit difference| / max |logit|, argmax agreements, caches)."""
+    """Decode `steps` greedy tokens of each row of prompt [B, T] with the eager and the fused step, each
+    on its own cache, feeding both the eager step's tokens -> (worst |logit difference| / max |logit|,
+    steps whose argmax agreed in every row, caches)."""
     dtype = getattr(torch, kv_dtype) if kv_dtype else None
-    T = prompt.shape[1]
-    eager, mine = (KVCache.for_model(model, 1, T + steps, dtype) for _ in range(2))
+    B, T = prompt.shape
+    eager, mine = (KVCache.for_model(model, B, T + steps, dtype) for _ in range(2))
     step = fused.FusedStep()  # holds the C plan of (model, mine) from its first step
     with torch.inference_mode():
         token = prefill(model, prompt, eager).argmax(-1)
@@ -80,6 +82,39 @@ def test_smollm2_greedy_tokens_equal_eager_and_transformers(smollm2, prompt):
     assert torch.equal(mine.tokens, ref)
 
 
+@pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
+def test_smollm2_a_batch_in_one_call_matches_the_eager_batch(smollm2, english_text_ids, kv_dtype):
+    """Three rows at one position (a tensor batch): the fused step's products meet the rows in one
+    pass of the several-row kernel, as the eager step's do; every row's logits and cache agree."""
+    model, _ = smollm2
+    prompt = torch.stack([english_text_ids[s:s + 120] for s in (0, 200, 400)])  # shares attention out
+    worst, same, eager, mine = side_by_side(model, prompt, 10, kv_dtype)
+    assert worst < (1e-2 if kv_dtype else 1e-5) and (same == 10 or kv_dtype), (worst, same)
+    if kv_dtype is None:
+        torch.testing.assert_close(mine.k[..., :130, :], eager.k[..., :130, :], atol=1e-5, rtol=1e-5)
+
+
+def test_a_batch_runs_fused_by_default_and_its_rows_are_their_own(smollm2, english_text_ids):
+    model, _ = smollm2
+    prompts = torch.stack([english_text_ids[s:s + 20] for s in (0, 50, 100, 150)])
+    both = minigen.generate(model, prompts, max_new_tokens=12, stop_token_ids=[])
+    assert both.stats.step == "fused"
+    for r in range(4):
+        assert torch.equal(both.tokens[r], minigen.generate(model, prompts[r:r + 1], max_new_tokens=12,
+                                                            stop_token_ids=[]).tokens[0]), r
+    assert torch.equal(both.tokens, minigen.generate(model, prompts, max_new_tokens=12, stop_token_ids=[],
+                                                     fused_decode=False).tokens)
+
+
+def test_a_quantized_batch_is_refused_and_auto_runs_it_eager():
+    model = minigen.quantize_weights(minigen.from_hf(tiny_hf("llama")), 4)
+    prompts = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ConfigError, match="decodes a batch of 2 rows with fp32 weights only.*int4"):
+        minigen.generate(model, prompts, max_new_tokens=3, fused_decode=True)
+    assert minigen.generate(model, prompts, max_new_tokens=3).stats.step == "eager"
+    assert minigen.generate(model, prompts[:1], max_new_tokens=3).stats.step == "fused"
+
+
 @pytest.mark.parametrize("kind,bound", [("bf16", 1e-2), ("bf16+kv32", 1e-5), ("int8", 1e-5), ("int4", 1e-5)])
 def test_smollm2_every_weight_format(smollm2, prompt, kind, bound):
     base, _ = smollm2
@@ -99,12 +134,13 @@ def test_smollm2_every_weight_format(smollm2, prompt, kind, bound):
     ("qwen2", {}),  # q/k/v biases
     ("llama", dict(hidden_size=40, intermediate_size=72, num_attention_heads=4, num_key_value_heads=1)),  # tails
 ])
-def test_tiny_models_match_the_eager_step(kind, overrides):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tiny_models_match_the_eager_step(kind, overrides, batch):
     model = minigen.from_hf(tiny_hf(kind, **overrides))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prompt = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(3))
+        prompt = torch.randint(0, 97, (batch, 9), generator=torch.Generator().manual_seed(3))
         worst, same, eager, mine = side_by_side(model, prompt, 30)
     finally:
         torch.set_num_threads(before)
@@ -124,8 +160,8 @@ def test_score_runs_the_fused_step(smollm2, english_text_ids):
 def test_what_the_fused_step_cannot_run_is_refused_up_front(smollm2):
     model, _ = smollm2
     ids = torch.tensor([[1, 2, 3, 4]])
-    with pytest.raises(ConfigError, match="fused_decode=True decodes one sequence.*batch 1.*fused_decode=False"):
-        minigen.generate(model, ids.repeat(2, 1), max_new_tokens=3, fused_decode=True)
+    with pytest.raises(ConfigError, match="fused_decode=True decodes up to 16 rows at once, not 17.*fused_decode=False"):
+        minigen.generate(model, ids.repeat(17, 1), max_new_tokens=3, fused_decode=True)
     with pytest.raises(ConfigError, match="fp32 or bf16, not float16.*kv_dtype='float32'"):
         minigen.generate(model, ids, max_new_tokens=3, fused_decode=True, kv_dtype="float16")
     with pytest.raises(ConfigError, match="fused_decode=True with observers"):

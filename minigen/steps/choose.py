@@ -2,8 +2,8 @@
 and the batch (eager.py lists the kinds).
 
 The default is the fastest exact step the config allows. `fused_decode="auto"` (the default) runs
-the fused C step wherever it applies: batch 1, on a CPU, a Llama-family model in fp32 precision,
-the contiguous cache in fp32 or bf16, no feature that the combination table refuses beside
+the fused C step wherever it applies: on a CPU, a Llama-family model in fp32 precision, batch 1
+(or a tensor batch of up to 16 rows with fp32 weights), the contiguous cache in fp32 or bf16, no feature that the combination table refuses beside
 fused_decode (combinations.REFUSED), no observers; elsewhere the eager step. `fused_decode=True`
 demands it (refused, with the reason, where it cannot run) and `False` forbids it. Both steps
 give the same greedy tokens (tests/test_fused.py), so "auto" changes the speed, never the text.
@@ -38,7 +38,7 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
               triton="missing" if not triton_attention.AVAILABLE else
               "interpreted" if triton_attention.INTERPRETED else "compiled")
     if run.arch == "llama":  # the weights the fused step would read (another family is refused by its arch)
-        run = dataclasses.replace(run, weight_dtypes=frozenset(_name(w.dtype) for w in fused.weights(model)))
+        run = dataclasses.replace(run, weight_dtypes=frozenset(map(fused.weight_kind, fused.weights(model))))
     if config.cuda_graphs:
         run = dataclasses.replace(run, cuda=torch.cuda.is_available())
     if config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"):

@@ -10,7 +10,7 @@ generation (steps/choose.py) and never branches on the kind again:
     EagerStep    the cached loop: the prompt once, then one token per step (chapter 2)
     CompiledStep compile=True: the decode step compiled by torch.compile (graphs.py, chapter 8)
     GraphedStep  cuda_graphs=True: the decode step captured in a CUDA graph, sampling inside (graphs.py)
-    FusedStep    fused_decode: every layer of a batch-1 decode token in one C call (fused.py, chapter 14)
+    FusedStep    fused_decode: every layer of a decode token in one C call (fused.py, chapter 14)
 
 Each has `prefill(model, ids, input_pos, cache, policy) -> logits [B, V]` (the last position) and
 `decode(model, tokens [B, 1], input_pos, cache, policy) -> logits [B, V]`, a `name` for reports, and

@@ -1,4 +1,4 @@
-"""The fused decode step (`fused_decode=True`): every layer of a batch-1 token in one C call.
+"""The fused decode step (`fused_decode`): every layer of a decode token in one C call.
 
 A decode step at batch 1 is 4 matrix-vector products a layer and, between them, small operations:
 two norms, RoPE, the cache write, attention over the cached tokens, SiLU and two residual adds.
@@ -9,14 +9,16 @@ shrink when the weights do, so it caps what bf16 (chapter 7) and int4 (chapter 1
 buy. torch.compile removes part of it; llama.cpp's answer is to write the whole step in C.
 `csrc/decode.c: decode_layers` does that for the Llama family: the products through the same
 kernels as eager decoding, everything in between on the calling thread in fp32, attention over
-one head per thread once the context is long enough to share out.
+one head per thread once the context is long enough to share out. A tensor batch (B rows at one
+shared position, up to 16) runs in the same call: with fp32 weights its products meet every row in
+one pass of the several-row kernel, as the eager step's do, and everything else loops over the rows.
 
 What it takes (everything else is refused up front with the reason, never run another way:
 combinations.RUN_RULES and REFUSED):
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
-int8 or int4; the contiguous cache (chapter 2) in fp32 or bf16; one sequence (batch 1); no window,
-sparse selection, observers or compile. The prompt runs through torch as before; a decode token
+int8 or int4 at batch 1, fp32 for a batch of up to 16 rows in lockstep (not a ragged batch); the
+contiguous cache (chapter 2) in fp32 or bf16; no window, sparse selection, observers or compile. The prompt runs through torch as before; a decode token
 runs in C from its embedding row to its logits (the final norm and the output head included: after
 the layers, torch's first small operations run with cold caches, ~0.2 ms a norm).
 
@@ -42,6 +44,7 @@ from ..numerics.weight_quant import QuantizedWeight
 # combinations.RUN_RULES refuses the rest before a step is chosen
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
+MAX_ROWS = 16  # rows of one step (csrc/kernels.h: DECODE_MAX_ROWS)
 
 
 class _Weight(ctypes.Structure):
@@ -62,6 +65,11 @@ class _Dims(ctypes.Structure):
                 ("threads", ctypes.c_int32), ("eps", ctypes.c_float), ("embed", _Weight),
                 ("embed_bf16", ctypes.c_int32), ("inv_freq", ctypes.c_void_p),
                 ("final_norm", ctypes.c_void_p), ("head", _Weight), ("logits", ctypes.c_void_p)]
+
+
+def weight_kind(w) -> str:
+    """How the C step reads a weight: "float32", "bfloat16", "int8" or "int4" (combinations.FUSED_WEIGHTS)."""
+    return f"int{w.bits}" if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
 
 
 def weights(model: Model) -> list:
@@ -105,7 +113,7 @@ class _Plan:
                           int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
                           _weight(model.head), None)
-        self.x = torch.empty(cfg.dim)  # the residual stream, written by C
+        self.x = torch.empty(cache.k.shape[1], cfg.dim)  # the residual stream of each row, written by C
 
 
 class FusedStep(EagerStep):
@@ -119,25 +127,29 @@ class FusedStep(EagerStep):
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
 
     def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
-        """eager.decode_step's contract, fused: the token [1, 1] at position input_pos [1] -> logits [1, V]."""
-        assert policy is None and tokens.shape == (1, 1) and input_pos.shape == (1,), \
-            "fused_decode takes one token of one sequence and no attention policy (the config refuses the rest)"
+        """eager.decode_step's contract, fused: a token for each row [B, 1], every row at the one
+        position input_pos [1] (a tensor batch decodes in lockstep) -> logits [B, V]."""
+        B = tokens.shape[0]
+        assert policy is None and tokens.shape == (B, 1) and input_pos.shape == (1,) and B <= MAX_ROWS, \
+            "fused_decode takes one token per row at one shared position and no attention policy (the config " \
+            "refuses the rest)"
         lib = kernel_build.library()
         if self.planned_for != (id(model), id(cache)):
-            assert type(cache) is KVCache and cache.k.shape[1] == 1 and cache.k.dtype in CACHE_DTYPES, \
-                "fused_decode writes a batch-1 contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
+            assert type(cache) is KVCache and cache.k.shape[1] == B and cache.k.dtype in CACHE_DTYPES, \
+                "fused_decode writes a contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
             self.plan, self.planned_for = _Plan(model, cache), (id(model), id(cache))
         plan = self.plan
         cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
         pos = int(input_pos[0])
-        token = int(tokens[0, 0])
-        if not 0 <= token < model.config.vocab_size:  # C would read past the embedding
-            raise PromptError(f"token id {token} is outside the vocabulary [0, {model.config.vocab_size})")
+        ids = tokens[:, 0].to(torch.int64).contiguous()
+        if not bool(((ids >= 0) & (ids < model.config.vocab_size)).all()):  # C would read past the embedding
+            bad = int(ids[(ids < 0) | (ids >= model.config.vocab_size)][0])
+            raise PromptError(f"token id {bad} is outside the vocabulary [0, {model.config.vocab_size})")
         plan.dims.threads = torch.get_num_threads()
-        logits = torch.empty(1, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+        logits = torch.empty(B, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
         plan.dims.logits = logits.data_ptr()
-        # the token's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
-        if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), token,
+        # each row's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
+        if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), ids.data_ptr(), B,
                              plan.x.data_ptr(), pos) != 0:
             raise MemoryError("fused_decode: the C step could not allocate its work buffers")
         return logits

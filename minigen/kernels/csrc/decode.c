@@ -29,7 +29,7 @@ typedef struct {
     const float *attn_norm, *mlp_norm;  /* [D] fp32 */
     Weight wqkv, wo, wgu, wdown;
     const float *bqkv;                  /* [(H + 2 Hkv) Dh] or NULL */
-    void *kc, *vc;                      /* this layer's cache [Hkv, S, Dh] (batch row 0) */
+    void *kc, *vc;                      /* this layer's cache [B, Hkv, S, Dh] */
 } Layer;
 
 typedef struct {
@@ -87,18 +87,32 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
     }
 }
 
-/* One decode token, embedding to logits: x [D] gets the token's embedding, then each layer's output
- * in turn; RoPE's angles for position pos are worked out here (fp32 pos * inv_freq, as
- * Model.forward), and pos's slot is written in every layer's cache; then the final norm and the
- * head write d->logits. Returns 0, or -1 without memory for the work buffers.
+/* y [B, n] = x [B, k] @ W^T: fp32 weights meet every row in one pass (the several-row kernel, so
+ * the weights stream from memory once for the batch), the other kinds one row at a time */
+static void product(const Weight *w, const float *x, float *y, int64_t B, int threads, float *work) {
+    if (B > 1 && w->kind == 0) {
+        Mat m = {.W = w->W, .x = x, .k = w->k, .M = B, .n = w->n};
+        gemm_rows(&m, y, threads);
+        return;
+    }
+    for (int64_t b = 0; b < B; b++) matvec_any(w, x + b * w->k, y + b * w->n, threads, work);
+}
+
+/* One decode token for each of B rows at the same position pos, embedding to logits: x [B, D] gets
+ * the tokens' embeddings, then each layer's output in turn; RoPE's angles for pos are worked out
+ * here (fp32 pos * inv_freq, as Model.forward), and pos's slot is written in every layer's cache
+ * (row b at b * Hkv * S * Dh); then the final norm and the head write d->logits [B, V]. Returns 0,
+ * or -1 without memory for the work buffers (or for B past DECODE_MAX_ROWS or Dh past 1024).
  * The norm and the head are here, not in torch, for what surrounds them: after a step has streamed
  * the weights through the caches, torch's first small operations run cold (~0.2 ms for a norm that
  * takes 8 us in a loop), a few percent of an int4 step. */
-int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, int64_t token, float *x, int64_t pos) {
+int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t B,
+                  float *x, int64_t pos) {
     const int64_t D = d->D, H = d->H, Hkv = d->Hkv, Dh = d->Dh, F = d->F, S = d->S;
-    const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F;
-    float *buf = malloc(sizeof(float) * (size_t)(D + qkv_n + H * Dh + D + 2 * F + 2 * widest + H * (pos + 1)));
-    if (!buf || Dh > 1024) { free(buf); return -1; }
+    const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F, row_cache = Hkv * S * Dh;
+    if (B < 1 || B > DECODE_MAX_ROWS || Dh > 1024) return -1;
+    float *buf = malloc(sizeof(float) * (size_t)(B * (D + qkv_n + H * Dh + D + 2 * F + H * (pos + 1)) + 2 * widest));
+    if (!buf) return -1;
     float cos[1024], sin_signed[1024];
     for (int64_t i = 0; i < Dh / 2; i++) {
         float angle = (float)pos * d->inv_freq[i];
@@ -106,54 +120,64 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, int64_t 
         sin_signed[i] = -sinf(angle);
         sin_signed[i + Dh / 2] = sinf(angle);
     }
-    embed_row(&d->embed, token, d->embed_bf16, x);
-    float *h = buf, *qkv = h + D, *att = qkv + qkv_n, *o = att + H * Dh, *gu = o + D, *work = gu + 2 * F,
-          *scores = work + 2 * widest;
+    for (int64_t b = 0; b < B; b++) embed_row(&d->embed, tokens[b], d->embed_bf16, x + b * D);
+    float *h = buf, *qkv = h + B * D, *att = qkv + B * qkv_n, *o = att + B * H * Dh, *gu = o + B * D,
+          *scores = gu + B * 2 * F, *work = scores + B * H * (pos + 1);
     const int group = (int)(H / Hkv), bf16 = d->cache_bf16;
     for (int64_t l = 0; l < n_layers; l++) {
         const Layer *L = &layers[l];
-        rms_norm(x, L->attn_norm, h, D, d->eps);
-        matvec_any(&L->wqkv, h, qkv, d->threads, work);
-        if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) qkv[i] += L->bqkv[i];
-        for (int64_t hd = 0; hd < H + Hkv; hd++) rope(qkv + hd * Dh, cos, sin_signed, Dh);  /* q and k heads */
-        const float *k_new = qkv + H * Dh, *v_new = k_new + Hkv * Dh;
-        for (int64_t j = 0; j < Hkv; j++) {  /* write this position's slot */
-            int64_t at = (j * S + pos) * Dh;
-            for (int64_t i = 0; i < Dh; i++) {
-                if (bf16) {
-                    ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
-                    ((uint16_t *)L->vc)[at + i] = f32_to_bf16(v_new[j * Dh + i]);
-                } else {
-                    ((float *)L->kc)[at + i] = k_new[j * Dh + i];
-                    ((float *)L->vc)[at + i] = v_new[j * Dh + i];
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, L->attn_norm, h + b * D, D, d->eps);
+        product(&L->wqkv, h, qkv, B, d->threads, work);
+        for (int64_t b = 0; b < B; b++) {
+            float *q = qkv + b * qkv_n;
+            if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) q[i] += L->bqkv[i];
+            for (int64_t hd = 0; hd < H + Hkv; hd++) rope(q + hd * Dh, cos, sin_signed, Dh);  /* q and k heads */
+            const float *k_new = q + H * Dh, *v_new = k_new + Hkv * Dh;
+            for (int64_t j = 0; j < Hkv; j++) {  /* write this position's slot of row b */
+                int64_t at = b * row_cache + (j * S + pos) * Dh;
+                for (int64_t i = 0; i < Dh; i++) {
+                    if (bf16) {
+                        ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
+                        ((uint16_t *)L->vc)[at + i] = f32_to_bf16(v_new[j * Dh + i]);
+                    } else {
+                        ((float *)L->kc)[at + i] = k_new[j * Dh + i];
+                        ((float *)L->vc)[at + i] = v_new[j * Dh + i];
+                    }
                 }
             }
         }
         /* long enough to share out, and the products' regions have not backed off to one thread (a busy
          * neighbour: see the top of parallel.c) */
-        int par = d->threads > 1 && (pos + 1) * H * Dh >= (1 << 16);
+        int par = d->threads > 1 && B * (pos + 1) * H * Dh >= (1 << 16);
 #ifdef _OPENMP
         par = par && !backing_off();
 #endif
         #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
-        for (int64_t hd = 0; hd < H; hd++)
-            attend_head(qkv + hd * Dh, L->kc, L->vc, bf16, (hd / group) * S * Dh, pos + 1, Dh, NULL,
-                        scores + hd * (pos + 1), att + hd * Dh);
-        matvec_any(&L->wo, att, o, d->threads, work);
-        for (int64_t i = 0; i < D; i++) x[i] += o[i];
-        rms_norm(x, L->mlp_norm, h, D, d->eps);
-        matvec_any(&L->wgu, h, gu, d->threads, work);
-        int64_t i = 0;
-        for (; i + 8 <= F; i += 8) {  /* silu(gate) * up, into the first half */
-            f32x8 g = load_f32(gu + i), a = g / (1.0f + exp8(-g)) * load_f32(gu + F + i);
-            memcpy(gu + i, &a, sizeof a);
+        for (int64_t bh = 0; bh < B * H; bh++) {  /* row bh / H, query head bh % H */
+            const int64_t b = bh / H, hd = bh % H;
+            attend_head(qkv + b * qkv_n + hd * Dh, L->kc, L->vc, bf16, b * row_cache + (hd / group) * S * Dh,
+                        pos + 1, Dh, NULL, scores + bh * (pos + 1), att + bh * Dh);
         }
-        for (; i < F; i++) gu[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[F + i];
-        matvec_any(&L->wdown, gu, o, d->threads, work);
-        for (int64_t i = 0; i < D; i++) x[i] += o[i];
+        product(&L->wo, att, o, B, d->threads, work);
+        for (int64_t i = 0; i < B * D; i++) x[i] += o[i];
+        for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, L->mlp_norm, h + b * D, D, d->eps);
+        product(&L->wgu, h, gu, B, d->threads, work);
+        for (int64_t b = 0; b < B; b++) {  /* silu(gate) * up, into the first half of the row's [2F] */
+            float *g_row = gu + b * 2 * F;
+            int64_t i = 0;
+            for (; i + 8 <= F; i += 8) {
+                f32x8 g = load_f32(g_row + i), a = g / (1.0f + exp8(-g)) * load_f32(g_row + F + i);
+                memcpy(g_row + i, &a, sizeof a);
+            }
+            for (; i < F; i++) g_row[i] = g_row[i] / (1.0f + expf(-g_row[i])) * g_row[F + i];
+            /* pack the rows as [B, F]: row b moves down to b * F, over nothing a later row still holds */
+            if (b > 0) memmove(gu + b * F, g_row, sizeof(float) * (size_t)F);
+        }
+        product(&L->wdown, gu, o, B, d->threads, work);
+        for (int64_t i = 0; i < B * D; i++) x[i] += o[i];
     }
-    rms_norm(x, d->final_norm, h, D, d->eps);
-    matvec_any(&d->head, h, d->logits, d->threads, work);
+    for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, d->final_norm, h + b * D, D, d->eps);
+    product(&d->head, h, d->logits, B, d->threads, work);
     free(buf);
     return 0;
 }

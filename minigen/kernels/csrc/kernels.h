@@ -74,6 +74,10 @@ INTERNAL void row_q4_perm(const Mat *m, float *y, int64_t i);
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
 
+/* decode.c: the rows one fused decode step takes (cpu.MAX_ROWS: where the several-row kernel stops
+ * paying; steps/fused.py refuses more) */
+#define DECODE_MAX_ROWS 16
+
 /* parallel.c: y [n] = row(m, y, i) for i < n, on `threads` threads or, backing off, on one */
 INTERNAL void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads);
 #ifdef _OPENMP
