@@ -246,7 +246,6 @@ def test_kernel_and_torch_decode_the_same_greedy_tokens(smollm2):
 def test_bench_runs_both_engines_and_writes_the_promised_json(tmp_path):
     tiny_hf("llama").save_pretrained(tmp_path / "tiny")
     save_tiny_tokenizer(tmp_path / "tiny")
-    # 32 tokens, not the minimum of 8: on a busy machine one slow 1-token run must not outlast them
     # 96 tokens, median of 3: a 1-token run that a busy neighbour slows must not outlast the whole run
     result = bench.run_bench(str(tmp_path / "tiny"), prompt_len=8, new_tokens=96, repeats=3)
     for name in ("minigen", "transformers"):
