@@ -198,7 +198,7 @@ class Run:
 
 
 FUSED_WEIGHTS = ("float32", "bfloat16", "int8", "int4")  # int8 / int4: QuantizedWeight codes
-FUSED_MAX_ROWS = 16  # rows of one fused step (csrc/kernels.h: DECODE_MAX_ROWS)
+FUSED_MAX_ROWS = 16  # rows of one fused step: csrc/kernels.h's DECODE_MAX_ROWS (tests/test_combinations.py)
 FUSED_CACHE = ("float32", "bfloat16")
 _FUSED = "Fix: fused_decode=False."
 

@@ -64,9 +64,9 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
         raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
     reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
     C = chunk_size or (1 if reads_back else T)
+    check_run(config, run_of(model, config, 1, tuple(observers)))  # what the model and machine cannot run
     # fused_decode=True scores what the fused step computes, one token at a time; "auto" keeps the
     # chunked forward, which reads each weight once per chunk rather than once per token
-    check_run(config, run_of(model, config, 1, tuple(observers)))  # what the model and machine cannot run
     step = fused.FusedStep() if config.fused_decode is True else None
     if step is not None:
         C = 1

@@ -297,3 +297,11 @@ def test_the_run_rules_name_features_and_the_fused_step_takes_what_they_say():
     assert [str(d).removeprefix("torch.") for d in fused.KINDS] == list(FUSED_WEIGHTS[:2])  # then int8, int4
     assert [str(d).removeprefix("torch.") for d in fused.CACHE_DTYPES] == list(FUSED_CACHE)
     assert not REFUSED.keys() & APPLIED.keys(), "a pair is both refused and applied"
+
+
+def test_the_fused_row_limit_is_the_c_kernel_s():
+    import re
+    from pathlib import Path
+    from minigen.combinations import FUSED_MAX_ROWS
+    header = (Path(minigen.__file__).parent / "kernels" / "csrc" / "kernels.h").read_text(encoding="utf-8")
+    assert int(re.search(r"#define DECODE_MAX_ROWS (\d+)", header).group(1)) == FUSED_MAX_ROWS

@@ -18,9 +18,10 @@ combinations.RUN_RULES and REFUSED):
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
 int8 or int4 at batch 1, fp32 for a batch of up to 16 rows in lockstep (not a ragged batch); the
-contiguous cache (chapter 2) in fp32 or bf16; no window, sparse selection, observers or compile. The prompt runs through torch as before; a decode token
-runs in C from its embedding row to its logits (the final norm and the output head included: after
-the layers, torch's first small operations run with cold caches, ~0.2 ms a norm).
+contiguous cache (chapter 2) in fp32 or bf16; no window, sparse selection, observers or compile.
+The prompt runs through torch as before; a decode token runs in C from its embedding row to its
+logits (the final norm and the output head included: after the layers, torch's first small
+operations run with cold caches, ~0.2 ms a norm).
 
 The arithmetic is the eager step's, in another order: norms and attention sum in C rather than in
 torch's kernels, so logits agree to ~1e-5 and greedy tokens match (tests/test_fused.py).
@@ -33,6 +34,7 @@ import ctypes
 import torch
 from torch import Tensor
 
+from ..combinations import FUSED_MAX_ROWS
 from ..kernels import build as kernel_build
 from ..errors import PromptError
 from ..caches.contiguous import KVCache
@@ -44,7 +46,6 @@ from ..numerics.weight_quant import QuantizedWeight
 # combinations.RUN_RULES refuses the rest before a step is chosen
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
-MAX_ROWS = 16  # rows of one step (csrc/kernels.h: DECODE_MAX_ROWS)
 
 
 class _Weight(ctypes.Structure):
@@ -130,7 +131,7 @@ class FusedStep(EagerStep):
         """eager.decode_step's contract, fused: a token for each row [B, 1], every row at the one
         position input_pos [1] (a tensor batch decodes in lockstep) -> logits [B, V]."""
         B = tokens.shape[0]
-        assert policy is None and tokens.shape == (B, 1) and input_pos.shape == (1,) and B <= MAX_ROWS, \
+        assert policy is None and tokens.shape == (B, 1) and input_pos.shape == (1,) and B <= FUSED_MAX_ROWS, \
             "fused_decode takes one token per row at one shared position and no attention policy (the config " \
             "refuses the rest)"
         lib = kernel_build.library()
