@@ -32,6 +32,10 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
     "quant_key_axis": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
     "quant_residual": ("quant_bits", lambda c: c.quant_bits is not None, "set quant_bits (8 or 4)"),
     "kv_dtype": ("use_cache=True", lambda c: c.use_cache, "set use_cache=True (the naive loop keeps no cache)"),
+    "num_speculative_tokens": ("speculative_method", lambda c: c.speculative_method is not None,
+                               "set speculative_method='ngram' or 'draft'"),
+    **{key: ("speculative_method='ngram'", lambda c: c.speculative_method == "ngram",
+             "set speculative_method='ngram' (prompt lookup)") for key in ("prompt_lookup_min", "prompt_lookup_max")},
 }
 
 
@@ -53,6 +57,8 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "fused_decode": (lambda c: c.fused_decode is True,
                      "set to True: every layer of a decode step in one C call (chapter 14); the default "
                      "\"auto\" runs it wherever this table allows"),
+    "speculative_method": (lambda c: c.speculative_method is not None,
+                           "\"ngram\" or \"draft\": propose k tokens, verify them in one forward (chapter 15)"),
 }
 
 def _switch_off(feature: str) -> str:
@@ -105,6 +111,16 @@ _REFUSED_BESIDE: dict[str, dict[str, str]] = {
         "compile": "the fused step is C, which torch.compile cannot trace",
         "cuda_graphs": "the fused step runs on a CPU; CUDA graphs on a GPU",
     },
+    # Verification writes k + 1 positions, then rewinds the rejected ones (caches.contract: a write at p
+    # forgets every position >= p), and one forward checks them all.
+    "speculative_method": {
+        "use_cache=False": "the naive loop recomputes every token anyway: there is no cached step to save",
+        "quant_bits": "a group quantized with rejected tokens cannot be rewound, and a verify step's queries would "
+                      "see in full precision keys that plain decoding sees quantized (not the same text)",
+        "kv_budget": "an eviction is final: a rejected token's attention would already have evicted another",
+        "compile": "the compiled step has one shape, one token; verification runs k + 1",
+        "cuda_graphs": "no captured verify step exists: the captured step decodes one token",
+    },
     # The Triton kernel reads paged blocks (full precision or 8/4-bit codes) through the block
     # tables, one query token per row, with the window and sinks as masks from positions.
     "attention_backend": {
@@ -137,7 +153,15 @@ _APPLIED_BESIDE: dict[str, dict[str, str]] = {
         "window_size": "the kernel masks the window and sinks from positions",
     },
     "prefetch_depth": {other: "the offload tier wraps the cache, whatever it stores"
-                       for other in ("cache_chunk_size", "quant_bits", "window_size", "sparse")},
+                       for other in ("cache_chunk_size", "quant_bits", "window_size", "sparse", "speculative_method")},
+    "speculative_method": {
+        "cache_chunk_size": "a rewind gives the blocks past the accepted tokens back to the pool",
+        "window_size": "the ring keeps num_speculative_tokens spare slots, so a rewind never loses a slot the "
+                       "window still needs",
+        "attention_backend": "verification runs k + 1 tokens through torch, as a prompt; a step with no proposal "
+                             "through the kernel",
+        "fused_decode": "at batch 1 the fused step verifies k + 1 tokens in one C call",
+    },
 }
 
 
@@ -247,6 +271,9 @@ RUN_RULES: tuple[RunRule, ...] = (
     ("fused_decode", ("observers",), lambda c, r: r.observers, lambda c, r:
      "fused_decode=True with observers: the fused step keeps attention in C, where no observer sees it. "
      "Fix: fused_decode=False to observe attention."),
+    ("speculative_method", ("observers",), lambda c, r: r.observers, lambda c, r:
+     "speculative decoding with observers: they would see the attention of proposals that are then rejected. "
+     "Fix: speculative_method=None to observe attention."),
     *((step, ("observers",), lambda c, r: r.observers, lambda c, r, step=step:
        f"{step}=True with observers: an observer runs Python in every layer, which a compiled or captured "
        "step cannot call. Run the observers without compiling.") for step in ("compile", "cuda_graphs")),
@@ -311,6 +338,8 @@ REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", 
 ENGINE_REFUSED: dict[str, str] = {
     **RAGGED_REFUSED,
     "prefetch_depth": "the engine's pool of blocks stays on the device",
+    "speculative_method": "the engine's steps decode one token per sequence: speculative decoding runs in "
+                          "generate and stream (a list of prompts is a ragged batch)",
     "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer that the engine's "
                   "changing rows cannot share, and a prefix-cache hit or a recompute after preemption would read "
                   "quantized keys where the prompt alone is attended in full precision (generate(model, prompts) "

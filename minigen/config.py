@@ -28,6 +28,7 @@ from .numerics.precision import DTYPES
 
 KV_DTYPES = tuple(DTYPES)  # the one mapping of dtype names (numerics/precision.py)
 ATTENTION_BACKENDS = ("torch", "triton")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
@@ -69,6 +70,11 @@ class GenerationConfig:
     fused_decode: bool | str = "auto"
     # --- the fused kernel (chapter 9) ---
     attention_backend: str = "torch"  # decode attention: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
+    # --- speculative decoding (chapter 15; vLLM's names) ---
+    speculative_method: str | None = None  # None: off; "ngram": prompt lookup; "draft": generate(..., draft_model=)
+    num_speculative_tokens: int = 4  # k: tokens proposed per step, checked by the target in one forward
+    prompt_lookup_min: int = 1  # "ngram": the shortest n-gram matched against the text so far
+    prompt_lookup_max: int = 3  # "ngram": the longest, tried first
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -249,6 +255,20 @@ def _check_values(c: GenerationConfig) -> None:
     if c.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={c.attention_backend!r} is invalid: use \"torch\" (gather the blocks, "
                           "then torch's attention) or \"triton\" (the fused kernel of triton_attention.py)")
+    # speculative decoding (chapter 15)
+    if c.speculative_method not in SPECULATIVE_METHODS:
+        raise ConfigError(f"speculative_method={c.speculative_method!r} is invalid: use None (off), \"ngram\" "
+                          "(prompt lookup: propose what followed the last match of the newest n-gram) or \"draft\" "
+                          "(a smaller model proposes: generate(..., draft_model=...))")
+    method = f" with speculative_method={c.speculative_method!r}" if c.speculative_method else ""
+    _check_int("num_speculative_tokens", c.num_speculative_tokens, low=1,
+               hint=f"(tokens proposed per step{method}; 4 is a common start)")
+    _check_int("prompt_lookup_min", c.prompt_lookup_min, low=1, hint="(the shortest n-gram matched)")
+    _check_int("prompt_lookup_max", c.prompt_lookup_max, low=1, hint="(the longest n-gram matched, tried first)")
+    if c.prompt_lookup_min > c.prompt_lookup_max:
+        raise ConfigError(f"prompt_lookup_min={c.prompt_lookup_min} is more than prompt_lookup_max="
+                          f"{c.prompt_lookup_max}: the n-grams tried run from the max down to the min, so use "
+                          f"prompt_lookup_min <= {c.prompt_lookup_max} or raise prompt_lookup_max")
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}

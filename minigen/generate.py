@@ -54,7 +54,15 @@ class GenerationStats:
     latency_p90_s: float = 0.0
     latency_p99_s: float = 0.0
     compile_s: float = 0.0  # compile=True / cuda_graphs=True: seconds spent compiling or capturing (0: reused)
-    step: str = ""  # the step that ran (steps/eager.py): "naive", "eager", "compiled", "graphed" or "fused"
+    step: str = ""  # the step that ran (steps/eager.py): "naive", "eager", "compiled", "graphed", "fused", "speculative ..."
+    # speculative decoding (steps/speculative.py, chapter 15); all 0 without it
+    draft_tokens: int = 0  # tokens proposed, over every row and round
+    accepted_tokens: int = 0  # of those, the ones the target kept
+    acceptance_rate: float = 0.0  # accepted_tokens / draft_tokens
+    target_forwards: int = 0  # verify forwards, counted per row (the prompt's not included)
+    mean_acceptance_length: float = 0.0  # tokens emitted per target forward, the bonus token included
+    draft_s: float = 0.0  # seconds spent proposing (the draft model's forwards, the n-gram search)
+    verify_s: float = 0.0  # seconds spent in the target's verify forwards and the acceptance rule
 
 
 @dataclass
@@ -147,7 +155,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
             if i == n - 1 or bool(finished.all()):
                 break
             logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
-    stats.compile_s = step.compile_s
+    step.report(stats)
     _finish_stats(stats, start)
 
 
@@ -165,21 +173,24 @@ def _finish_stats(stats: GenerationStats, start: float) -> None:
 
 
 def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig,
-                 observers: tuple[AttentionObserver, ...]) -> tuple[EagerStep, torch.Generator | None]:
+                 observers: tuple[AttentionObserver, ...], draft_model) -> tuple[EagerStep, torch.Generator | None]:
     """A tensor batch's checks and its step, before any work (so that stream raises at the call,
     not at its first next())."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
     generator = make_generator(config, input_ids.device)
-    return choose_step(model, config, input_ids.shape[0], observers, sample, generator), generator
+    return choose_step(model, config, input_ids.shape[0], observers, sample, generator, draft_model=draft_model,
+                       max_len=input_ids.shape[1] + config.max_new_tokens), generator
 
 
 def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, stats: GenerationStats,
                   observers: tuple[AttentionObserver, ...], step: EagerStep,
                   generator: torch.Generator | None) -> Iterator[Tensor]:
-    """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep."""
+    """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep (the loop
+    feeds the rows in lockstep; a speculative step's rows verify at their own positions)."""
     B, T = input_ids.shape
     with step.grad_mode():
-        cache = make_cache(model, config, B, T + config.max_new_tokens)
+        cache = make_cache(model, config, B, T + config.max_new_tokens,
+                           ragged=B > 1 and config.speculative_method is not None)
         policy = make_policy(config, cache, observers)
     input_pos = torch.arange(T, device=input_ids.device)
     yield from run_steps(model, step, input_ids, input_pos, cache, policy, config, stats,
@@ -187,18 +198,21 @@ def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, sta
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
-             observers: tuple[AttentionObserver, ...] = (), **overrides) -> GenerationOutput:
+             observers: tuple[AttentionObserver, ...] = (), draft_model: Model | None = None,
+             **overrides) -> GenerationOutput:
     """Generate up to max_new_tokens after input_ids [B, T] -> GenerationOutput(tokens [B, T+n], stats).
 
     input_ids may also be a list of 1-D prompts of different lengths (a ragged batch): each row
     runs at its own positions and stops at its own stop token; tokens is then a list of 1-D tensors.
     `observers` see every layer's attention probabilities (e.g. entropy.EntropyMonitor).
+    `draft_model` proposes tokens for speculative_method="draft" (steps/speculative.py): any minigen
+    Model with the target's vocabulary (minigen.drafts makes them from the target).
     """
     config = resolve_config(config, overrides)
     if isinstance(input_ids, (list, tuple)):
-        return _generate_ragged(model, input_ids, config, tuple(observers))
+        return _generate_ragged(model, input_ids, config, tuple(observers), draft_model)
     stats = GenerationStats()
-    step, generator = _start_batch(model, input_ids, config, tuple(observers))
+    step, generator = _start_batch(model, input_ids, config, tuple(observers), draft_model)
     new = list(_stream_batch(model, input_ids, config, stats, tuple(observers), step, generator))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
@@ -206,12 +220,12 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
 
 def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
            observers: tuple[AttentionObserver, ...] = (), stats: GenerationStats | None = None,
-           **overrides) -> Iterator[Tensor]:
+           draft_model: Model | None = None, **overrides) -> Iterator[Tensor]:
     """Yield each new token [B] as soon as it is sampled; `stats`, when given, is filled as the
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
-    step, generator = _start_batch(model, input_ids, config, tuple(observers))
+    step, generator = _start_batch(model, input_ids, config, tuple(observers), draft_model)
     return _stream_batch(model, input_ids, config, stats if stats is not None else GenerationStats(),
                          tuple(observers), step, generator)
 
@@ -241,6 +255,10 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
                           f"(prefetch_depth={config.prefetch_depth}) holds: set prefetch_depth=None")
     if not isinstance(n, int) or n < 1:
         raise ConfigError(f"n={n!r} is invalid: use an integer >= 1 (samples to draw)")
+    if config.speculative_method is not None:
+        raise ConfigError(f"parallel_sample forks one prompt's blocks into n rows, and speculative_method="
+                          f"{config.speculative_method!r} verifies each row at its own positions: set "
+                          "speculative_method=None, or generate(model, ids.expand(n, -1), config, do_sample=True)")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise PromptError(f"parallel_sample takes one prompt [1, T], got shape {tuple(input_ids.shape)}")
     check_prompt(model, input_ids, config.max_new_tokens, config)
@@ -281,7 +299,8 @@ def check_prompts(model: Model, prompts, config: GenerationConfig) -> None:
         check_prompt(model, p[None], config.max_new_tokens, config)
 
 
-def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers: tuple) -> GenerationOutput:
+def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers: tuple,
+                     draft_model: Model | None = None) -> GenerationOutput:
     """Prompts of different lengths in one batch: left-padded, each row at its own positions
     0..len-1 (padding at -1, never written or attended), then decoded at its own position; a row
     that has stopped is fed at position -1, so it writes nothing."""
@@ -289,16 +308,17 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     if observers:
         raise ConfigError("observers with a list of prompts: an observer would see the padding rows' attention. "
                           "Generate the prompts one at a time, or as one [B, T] tensor of equal lengths.")
-    step = choose_step(model, config, len(prompts), ragged=True)
-    stats, device, n = GenerationStats(), model.device, config.max_new_tokens
     lens = [p.numel() for p in prompts]
     B, T = len(prompts), max(lens)
+    generator = make_generator(config, model.device)
+    step = choose_step(model, config, len(prompts), generator=generator, ragged=True, draft_model=draft_model,
+                       max_len=T + config.max_new_tokens)
+    stats, device, n = GenerationStats(), model.device, config.max_new_tokens
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     pos = torch.full((B, T), -1, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):  # left padding: every row's last column is its last token
         ids[b, T - lens[b]:], pos[b, T - lens[b]:] = p.to(device), torch.arange(lens[b], device=device)
     row_lens = torch.tensor(lens, device=device)
-    generator = make_generator(config, device)
     with torch.inference_mode():
         cache = make_cache(model, config, B, T + n, ragged=True)
         policy = make_policy(config, cache)

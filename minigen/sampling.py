@@ -21,11 +21,19 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
     """
     if not config.do_sample:
         return logits.argmax(dim=-1)
+    probs = probabilities(logits, config)  # [B, V]
+    clocks = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] ~ Exp(1)
+    return (probs / clocks).argmax(dim=-1)
+
+
+def probabilities(logits: Tensor, config: GenerationConfig) -> Tensor:
+    """The distribution `sample` draws from, [..., V] from logits [..., V]: tempered, then cut to the
+    top-k and top-p tokens. Speculative sampling (steps/speculative.py) compares two of these."""
     # Subtract the best logit before dividing: a tiny temperature then sends every other logit to
     # -inf and the best to 0 (greedy), instead of everything to +-inf and NaN.
     logits = (logits - logits.amax(dim=-1, keepdim=True)) / config.temperature
     if config.top_k is not None and config.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, config.top_k, dim=-1).values[:, -1:]  # [B, 1]
+        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]  # [..., 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if config.top_p is not None and config.top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -34,9 +42,7 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
         drop_sorted = probs.cumsum(dim=-1) - probs >= config.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)  # [B, V]
-    clocks = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] ~ Exp(1)
-    return (probs / clocks).argmax(dim=-1)
+    return logits.softmax(dim=-1)
 
 
 def make_generator(config: GenerationConfig, device: torch.device) -> torch.Generator | None:

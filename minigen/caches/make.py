@@ -56,7 +56,9 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
     elif config.kv_budget is not None:  # kv_budget slots per row, evicting the least attended
         cache = HeavyHitterCache(L, batch, c.n_kv_heads, c.head_dim, config.kv_budget, dtype=dtype, device=device)
     elif window is not None:  # a ring buffer of sinks + window slots, whatever max_len
-        cache = WindowKVCache(L, batch, c.n_kv_heads, c.head_dim, window, sinks, dtype=dtype, device=device)
+        spare = config.num_speculative_tokens if config.speculative_method else 0  # what a rewind may need back
+        cache = WindowKVCache(L, batch, c.n_kv_heads, c.head_dim, window, sinks, dtype=dtype, device=device,
+                              spare=spare)
     else:
         cache = KVCache(L, batch, c.n_kv_heads, max_len, c.head_dim, dtype=dtype, device=device)
     if config.prefetch_depth is not None:

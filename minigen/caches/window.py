@@ -1,7 +1,7 @@
 """The rolling buffer for window attention with sinks (chapter 5).
 
-Shapes: L layers, B batch, Hkv key/value heads, S = sink_tokens + window_size slots, T new tokens,
-Dh head dim.
+Shapes: L layers, B batch, Hkv key/value heads, S = sink_tokens + window_size + spare slots, T new
+tokens, Dh head dim.
 
 It follows the cache contract of cache.py: `prepare(input_pos)` says which position each slot holds
 after this step (-1: empty), `update` writes and returns every slot, `nbytes` counts every byte
@@ -27,17 +27,24 @@ class WindowKVCache:
     which just left the window of query p (attention.in_window). Positions are the original ones:
     RoPE is applied before keys are cached (model.py), so this cache does not re-index positions as
     StreamingLLM does; generation past the model's trained context is not supported.
+
+    `spare` slots widen the ring past the window (speculative decoding, chapter 15): a verify step
+    writes k + 1 positions and may then rewind up to k of them, so the ring must still hold the
+    window of the first rewound position; with spare = k nothing a rewind needs was overwritten.
+    The mask still shows each query only its window: the spare slots cost memory, never text.
     """
     observers = ()
     blocks = None
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, head_dim: int, window_size: int,
-                 sink_tokens: int = 4, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        if window_size < 1 or not 0 <= sink_tokens <= window_size:
-            raise ConfigError(f"window_size={window_size}, sink_tokens={sink_tokens} are invalid: need "
-                              "window_size >= 1 and 0 <= sink_tokens <= window_size")
+                 sink_tokens: int = 4, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 spare: int = 0):
+        if window_size < 1 or not 0 <= sink_tokens <= window_size or spare < 0:
+            raise ConfigError(f"window_size={window_size}, sink_tokens={sink_tokens}, spare={spare} are invalid: "
+                              "need window_size >= 1, 0 <= sink_tokens <= window_size and spare >= 0")
         self.window_size, self.sink_tokens = window_size, sink_tokens
-        S = sink_tokens + window_size
+        self.ring = window_size + spare  # slots that rotate; the sinks stay put
+        S = sink_tokens + self.ring
         self.k = torch.zeros(n_layers, batch, n_kv_heads, S, head_dim, dtype=dtype, device=device)  # [L, B, Hkv, S, Dh]
         self.v = torch.zeros_like(self.k)
         self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)  # per-layer views: see kv_cache.py
@@ -58,7 +65,7 @@ class WindowKVCache:
     def slot_of(self, pos: Tensor) -> Tensor:
         """The slot of each position [T] -> [T] (the rule in the class docstring)."""
         sinks = self.sink_tokens
-        return torch.where(pos < sinks, pos, sinks + (pos - sinks) % self.window_size)
+        return torch.where(pos < sinks, pos, sinks + (pos - sinks) % self.ring)
 
     def prepare(self, input_pos: Tensor) -> Tensor:
         """Positions seen by this step's queries: [S] for one new token, [S + T] for T > 1."""
@@ -75,10 +82,10 @@ class WindowKVCache:
             return self.slot_pos
         # Several tokens: an early query still needs keys that a later token of this step evicts,
         # so this step attends over the buffer as it was plus the new tokens, then keeps the
-        # survivors: the sinks and the last window_size (writing just those keeps each slot written
+        # survivors: the sinks and the last `ring` (writing just those keeps each slot written
         # once; index_copy_ with repeated slots is undefined).
         before = self.slot_pos.clone()
-        self._keep = ((input_pos < self.sink_tokens) | (input_pos > input_pos[-1] - self.window_size)).nonzero()[:, 0]
+        self._keep = ((input_pos < self.sink_tokens) | (input_pos > input_pos[-1] - self.ring)).nonzero()[:, 0]
         self._slots = self.slot_of(input_pos[self._keep])
         self.slot_pos.index_copy_(0, self._slots, input_pos[self._keep])
         B, Hkv, S, Dh = self.k.shape[1:]
@@ -98,7 +105,7 @@ class WindowKVCache:
         start = torch.where(real, input_pos, big).amin(dim=1, keepdim=True)  # [B, 1]; big: the row writes nothing
         self.row_pos.masked_fill_(self.row_pos >= start, -1)  # forget positions at or after each row's write
         last = input_pos.amax(dim=1, keepdim=True)  # [B, 1]
-        keep = real & ((input_pos < self.sink_tokens) | (input_pos > last - self.window_size))
+        keep = real & ((input_pos < self.sink_tokens) | (input_pos > last - self.ring))
         rows, cols = keep.nonzero(as_tuple=True)
         slots = self.slot_of(input_pos[rows, cols])
         before = self.row_pos.clone() if input_pos.shape[1] > 1 else None
@@ -139,7 +146,7 @@ class WindowKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: sinks + window slots of keys and values, and their positions, whatever the length."""
+        """Bytes held: sinks + window (+ spare) slots of keys and values, and their positions, whatever the length."""
         rows = self.row_pos.nbytes if self.row_pos is not None else 0
         return self.k.nbytes + self.v.nbytes + self.slot_pos.nbytes + rows
 

@@ -22,7 +22,7 @@ from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_w
 from ..config import GenerationConfig
 from ..kernels import build as kernel_build
 from ..kernels import triton_attention
-from . import fused
+from . import fused, speculative
 from .eager import EagerStep, NaiveStep
 from .graphs import CompiledStep, GraphedStep
 
@@ -59,10 +59,27 @@ def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> b
 
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
                 sample: Callable | None = None, generator: torch.Generator | None = None,
-                ragged: bool = False) -> EagerStep:
+                ragged: bool = False, draft_model=None, max_len: int | None = None) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generator: for a CUDA graph,
-    which samples inside the graph). Here, once, the config meets the model and the machine
-    (combinations.check_run): a setting they cannot run is refused with ConfigError and the fix."""
+    which samples inside the graph, and for speculative sampling). Here, once, the config meets the
+    model and the machine (combinations.check_run): a setting they cannot run is refused with
+    ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py): its
+    draft model's cache holds `max_len` positions; several rows run at their own positions."""
+    speculative.check_draft(config, model, draft_model)
+    if config.speculative_method is not None:
+        if batch > 1 and not ragged:
+            check_rows(config, "speculative decoding of several rows (each accepts its own count of tokens, so "
+                       "the rows move apart)", RAGGED_REFUSED)
+        target = _choose(model, config, batch, observers, sample, generator, ragged or batch > 1)
+        proposer = (speculative.NgramProposer(config) if config.speculative_method == "ngram" else
+                    speculative.DraftProposer(draft_model, config, batch, max_len))
+        return speculative.SpeculativeStep(target, proposer, config, generator, ragged or batch > 1)
+    return _choose(model, config, batch, observers, sample, generator, ragged)
+
+
+def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sample: Callable | None,
+            generator: torch.Generator | None, ragged: bool) -> EagerStep:
+    """choose_step's plain steps (and a speculative step's target)."""
     if ragged:
         check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
     run = run_of(model, config, batch, observers)

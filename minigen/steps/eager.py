@@ -11,6 +11,7 @@ generation (steps/choose.py) and never branches on the kind again:
     CompiledStep compile=True: the decode step compiled by torch.compile (graphs.py, chapter 8)
     GraphedStep  cuda_graphs=True: the decode step captured in a CUDA graph, sampling inside (graphs.py)
     FusedStep    fused_decode: every layer of a decode token in one C call (fused.py, chapter 14)
+    SpeculativeStep  speculative_method: propose k tokens, verify them in one forward (speculative.py, chapter 15)
 
 Each has `prefill(model, ids, input_pos, cache, policy) -> logits [B, V]` (the last position) and
 `decode(model, tokens [B, 1], input_pos, cache, policy) -> logits [B, V]`, a `name` for reports, and
@@ -50,6 +51,15 @@ class EagerStep:
 
     def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
         return decode_step(model, tokens, input_pos, cache, policy)
+
+    def verify(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+        """Several tokens per row [B, T] at input_pos [T] (or [B, T], -1: padding) -> the logits of
+        every position [B, T, V]: speculative decoding's check of k proposals (speculative.py)."""
+        return model(tokens, input_pos, cache, policy=policy)
+
+    def report(self, stats) -> None:
+        """Fill what this step knows of a finished generation into GenerationStats."""
+        stats.compile_s = self.compile_s
 
 
 class NaiveStep(EagerStep):
