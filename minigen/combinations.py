@@ -1,7 +1,7 @@
 """How the settings of a GenerationConfig combine: the one table of features, the pairs refused
 (with why and the fix), the pairs applied with a note, and the settings that need another.
 
-config.py checks every config against these tables when it is built; `combination_table` renders
+config.py checks every config against these tables when it is built; course/table.py renders
 them as the README's table (scripts/update_readme.py). These rules read only a config's fields.
 What a config needs of the model and the machine (the fused C step, Triton, CUDA, the head dim)
 is declared here too, as RUN_RULES, and checked once per generation, when its step is chosen
@@ -384,38 +384,3 @@ def _describe(c: "GenerationConfig", feature: str) -> str:
         keys = [k for k in ("sparse_top_k", "sparsity_threshold") if getattr(c, k) is not None]
         return " and ".join(f"{k}={getattr(c, k)!r}" for k in keys)
     return f"{feature}={getattr(c, feature)!r}"
-
-
-def combination_table() -> str:
-    """The Markdown table of which cache features combine (README, 'How the features combine')."""
-    names = list(FEATURES)
-    refused: list[str] = []  # numbered notes
-    applied: list[str] = []  # lettered notes
-    rows = ["| | " + " | ".join(f"`{n}`" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
-    for a in names:
-        cells = []
-        for b in names:
-            pair = frozenset({a, b})
-            if a == b:
-                cells.append("")
-            elif pair in REFUSED:
-                note = "{}; {}".format(*REFUSED[pair])
-                refused += [note] if note not in refused else []
-                cells.append(f"no ({refused.index(note) + 1})")
-            elif pair in APPLIED:
-                applied += [APPLIED[pair]] if APPLIED[pair] not in applied else []
-                cells.append(f"yes ({'abcdefghijklmn'[applied.index(APPLIED[pair])]})")
-            else:
-                cells.append("yes")
-        rows.append(f"| `{a}` | " + " | ".join(cells) + " |")
-    rows += ["", "Switched on by: " + "; ".join(f"`{n}`: {what}" for n, (_, what) in FEATURES.items()) + ".", ""]
-    rows += [f"{i}. Refused: {note}." for i, note in enumerate(refused, 1)]
-    rows += [""] + [f"- ({'abcdefghijklmn'[i]}) {note}." for i, note in enumerate(applied)]
-    rows += ["", "Settings that need another:"]
-    rows += [f"- `{key}` with `{other}`: refused: {why}; {fix}." for key, other, _, why, fix in REFUSED_SETTINGS]
-    needs: dict[str, list[str]] = {}
-    for key, (switch, _, _) in SWITCHES.items():
-        needs.setdefault(switch, []).append(f"`{key}`")
-    rows += [f"- {', '.join(keys)} only with `{switch}`: set to anything but the default without it, refused."
-             for switch, keys in needs.items()]
-    return "\n".join(rows)

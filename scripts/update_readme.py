@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # a plain checkout works too, not only an installed minigen
 
 from minigen.course.book import load_book, readme_chapter_list  # noqa: E402
-from minigen.combinations import combination_table  # noqa: E402
+from minigen.course.table import combination_table  # noqa: E402
 
 START, END = "<!-- chapters:start -->", "<!-- chapters:end -->"
 TABLE = ("<!-- combinations:start -->", "<!-- combinations:end -->")

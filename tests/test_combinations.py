@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig
-from minigen.combinations import APPLIED, FEATURES, REFUSED, combination_table
+from minigen.combinations import APPLIED, FEATURES, REFUSED
+from minigen.course.table import combination_table
 from minigen.evaluate import score
 
 pytestmark = pytest.mark.usefixtures("one_thread")

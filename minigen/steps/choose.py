@@ -71,8 +71,12 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
             check_rows(config, "speculative decoding of several rows (each accepts its own count of tokens, so "
                        "the rows move apart)", RAGGED_REFUSED)
         target = _choose(model, config, batch, observers, sample, generator, ragged or batch > 1)
-        proposer = (speculative.NgramProposer(config) if config.speculative_method == "ngram" else
-                    speculative.DraftProposer(draft_model, config, batch, max_len))
+        if config.speculative_method == "ngram":
+            proposer = speculative.NgramProposer(config)
+        else:  # the draft runs its own fastest step (fused at batch 1 where it applies)
+            draft = speculative.draft_config(config)
+            proposer = speculative.DraftProposer(draft_model, draft, _choose(draft_model, draft, batch, (), None, None,
+                                                                             batch > 1), batch, max_len)
         return speculative.SpeculativeStep(target, proposer, config, generator, ragged or batch > 1)
     return _choose(model, config, batch, observers, sample, generator, ragged)
 

@@ -41,6 +41,7 @@ from torch import Tensor
 from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import ConfigError
+from ..model import Model
 from ..sampling import probabilities
 from .eager import EagerStep
 
@@ -78,21 +79,24 @@ class NgramProposer:
         """Nothing cached to rewind."""
 
 
+def draft_config(config: GenerationConfig) -> GenerationConfig:
+    """The draft's own config: the target's sampling (so that q is what the draft draws from), a plain
+    full-precision cache, no speculation."""
+    sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample,
+                            **(sampling if config.do_sample else {}))
+
+
 class DraftProposer:
     """A draft model proposes k tokens autoregressively from its own cache, which it rewinds to the
     accepted text at the next round (a write at p forgets positions >= p). It samples as the target
     would (same temperature, top-k, top-p) and keeps its probabilities q for the acceptance rule."""
     name = "draft"
 
-    def __init__(self, draft, config: GenerationConfig, batch: int, max_len: int):
-        from .choose import choose_step  # choose imports this module
-        self.model, self.batch = draft, batch
-        # the draft's own config: the target's sampling, a plain full-precision cache, no speculation
-        self.config = GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample,
-                                       **({"temperature": config.temperature, "top_k": config.top_k,
-                                           "top_p": config.top_p} if config.do_sample else {}))
+    def __init__(self, draft, config: GenerationConfig, step: EagerStep, batch: int, max_len: int):
+        """config: draft_config(the target's); step: the draft's own (choose.py chooses it)."""
+        self.model, self.config, self.step, self.batch = draft, config, step, batch
         self.ragged = batch > 1  # rows drift apart as they accept different counts: per-row positions
-        self.step = choose_step(draft, self.config, batch, ragged=self.ragged)
         with self.step.grad_mode():
             self.cache = make_cache(draft, self.config, batch, max_len, ragged=self.ragged)
         self.cached = [0] * batch  # positions of each row's text held in the draft's cache
@@ -302,7 +306,6 @@ class SpeculativeStep(EagerStep):
 # ---------------------------------------------------------------- checks and construction
 def check_draft(config: GenerationConfig, model, draft_model) -> None:
     """Refuse, before any work, a draft model that does not fit the config or the target."""
-    from ..model import Model
     if config.speculative_method == "draft" and draft_model is None:
         raise ConfigError("speculative_method='draft' needs a draft model: generate(model, ids, config, "
                           "draft_model=draft), e.g. minigen.drafts.layer_skip(model, 12); or use "
