@@ -276,6 +276,29 @@ def test_smollm2_verify_every_weight_format(smollm2, english_text_ids, kind):
     torch.testing.assert_close(mine.k, eager.k, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_smollm2_verify_equals_fused_decode_steps_bit_for_bit(smollm2, english_text_ids, threads):
+    """A chunk of T tokens in one C call gives each token the bits that T fused decode steps give it,
+    one token at a time: the several-row products give each row the bits of that row alone
+    (rows_batch.c), and a row's norms, RoPE, cache write and attention never read another row. So
+    speculative decoding over the fused step sees the logits plain fused decoding would."""
+    model, _ = smollm2
+    prompt, chunk = english_text_ids[None, :130], english_text_ids[None, 130:143]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        chunked, stepped = _prefilled(model, prompt, 150), _prefilled(model, prompt, 150)
+        with torch.inference_mode():
+            together = fused.FusedStep().verify(model, chunk, torch.arange(130, 143), chunked)[0]
+            step = fused.FusedStep()
+            alone = torch.cat([step.decode(model, chunk[:, t:t + 1], torch.tensor([130 + t]), stepped)
+                               for t in range(chunk.shape[1])])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(together, alone)
+    assert torch.equal(chunked.k, stepped.k) and torch.equal(chunked.v, stepped.v)
+
+
 def test_verify_after_a_rewind_equals_a_fresh_run(tiny_llama):
     """Speculative decoding's rewind: verify 8 tokens at p..p+7, keep 2 (the rest rejected), verify 3
     new ones from p+2. Slots p+5..p+7 still hold rejected keys; each token attends to slots up to its
