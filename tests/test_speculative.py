@@ -2,7 +2,13 @@
 target agrees with.
 
 Oracles: plain greedy decoding (the same config without speculative_method), token for token, on
-every cache the combination table applies speculation to; each row of a batch generated alone.
+every cache the combination table applies speculation to, for k = 1..8 and every proposer; each row
+of a batch generated alone, without speculation.
+
+The prompts repeat themselves, so prompt lookup has n-grams to propose from, and the drafts range
+from the target itself (accepts everything) to an unrelated model (almost nothing): each test
+checks that proposals were made, and the greedy ones that some were accepted and some rejected,
+so the rewind of every cache runs.
 """
 
 from __future__ import annotations
@@ -20,6 +26,63 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def tiny():
     return minigen.from_hf(tiny_hf("llama"))
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    """The same tiny Llama converted to bf16 weights (fp32 activations on a CPU: precision.py)."""
+    return minigen.from_hf(tiny_hf("llama"), dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def another():
+    """A different tiny random model with the same vocabulary (another seed)."""
+    return minigen.from_hf(tiny_hf("llama", seed=1))
+
+
+# proposer -> (speculative_method, the draft made from the target and `another`)
+PROPOSERS = {
+    "ngram": ("ngram", lambda target, another: None),
+    "layer_skip": ("draft", lambda target, another: drafts.layer_skip(target, 1)),
+    "unrelated": ("draft", lambda target, another: drafts.unrelated(target)),
+    "another model": ("draft", lambda target, another: another),
+    "itself": ("draft", lambda target, another: target),
+}
+# Every cache the combination table applies speculation to (combinations.APPLIED, and the pairs it
+# does not refuse), with a window shorter than the text (a 17-token prompt and 20 new tokens).
+CACHES = {
+    "contiguous": {},
+    "eager": dict(fused_decode=False),  # the default ("auto") runs the fused C step at batch 1
+    "fused": dict(fused_decode=True),
+    "paged 4": dict(cache_chunk_size=4),
+    "paged 16": dict(cache_chunk_size=16),
+    "window": dict(window_size=6, sink_tokens=0),
+    "window with sinks": dict(window_size=6, sink_tokens=2),
+    "paged window": dict(cache_chunk_size=4, window_size=6, sink_tokens=1),
+    "offload": dict(prefetch_depth=0),
+    "offload paged window": dict(prefetch_depth=1, cache_chunk_size=4, window_size=8, sink_tokens=1),
+    "sparse top-k": dict(sparse_top_k=4),
+    "sparse threshold": dict(sparsity_threshold=0.3),
+    "window sparse": dict(window_size=8, sink_tokens=2, sparse_top_k=4),
+    "fp16 cache": dict(kv_dtype="float16"),
+}
+# The caches that take a batch's rows at their own positions (speculating rows move apart; the
+# others are refused for several rows: combinations.RAGGED_REFUSED).
+ROW_CACHES = ("contiguous", "paged 4", "paged 16", "window", "window with sinks", "paged window", "fp16 cache")
+NEW = 20  # new tokens per greedy run
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """Plain greedy decoding without speculation, each (model, prompt, config) run once per module."""
+    done: dict = {}
+
+    def run(model, prompt: torch.Tensor, **config) -> torch.Tensor:
+        key = (id(model), tuple(prompt.shape), tuple(prompt.flatten().tolist()), repr(sorted(config.items())))
+        if key not in done:
+            done[key] = minigen.generate(model, prompt, **config).tokens
+        return done[key]
+    return run
 
 
 def repeating(n: int, seed: int, vocab: int = 97) -> torch.Tensor:
@@ -44,3 +107,83 @@ def test_the_draft_cache_counted_its_unfed_last_proposal(tiny, k):
     assert alone.draft_tokens > 0 and alone.acceptance_rate == 1.0, (alone.draft_tokens, alone.accepted_tokens)
     rows = minigen.generate(tiny, [prompt[0], prompt[0, :5]], **kw).stats
     assert rows.draft_tokens > 0 and rows.acceptance_rate == 1.0, (rows.draft_tokens, rows.accepted_tokens)
+
+
+# ---------------------------------------------------------------- greedy: token for token
+def speculate(model, prompt, proposer: str, draft, k: int, **config):
+    method, _ = PROPOSERS[proposer]
+    return minigen.generate(model, prompt, speculative_method=method, num_speculative_tokens=k,
+                            draft_model=draft, **config)
+
+
+EXACT = ("contiguous", "eager", "fused", "paged 4", "paged 16", "offload")  # every key kept, in the weights' dtype
+
+
+def check_acceptance(proposer: str, cache: str, accepted: int, rejected: int) -> None:
+    """What each proposer must have done over a test's runs (draft_tokens > 0 is checked per run)."""
+    if proposer == "itself" and cache in EXACT:  # the target agrees with its own argmax every time
+        # (the draft keeps a plain full cache: beside a window, sparse keys or a 16-bit cache it is
+        # another function than the target, and may disagree)
+        assert rejected == 0, f"the target rejected {rejected} of its own greedy proposals"
+    elif proposer in ("ngram", "layer_skip"):  # both kinds of round happened: kept, and rewound
+        assert accepted > 0 and rejected > 0, (accepted, rejected)
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("dtype, cache", [("fp32", c) for c in CACHES] + [("bf16", c) for c in CACHES if c != "fp16 cache"])
+def test_greedy_speculation_equals_plain_greedy(tiny, tiny_bf16, another, plain, dtype, cache, proposer):
+    """fp32, and bf16 weights with a bf16 cache (the runs in bf16 take fewer k: they cost as much)."""
+    model = tiny if dtype == "fp32" else tiny_bf16
+    config = dict(CACHES[cache], max_new_tokens=NEW, stop_token_ids=[])
+    if dtype == "bf16":
+        config["kv_dtype"] = "bfloat16"
+    draft = PROPOSERS[proposer][1](model, another)
+    prompt = repeating(5, seed=15)  # 12 tokens; its n-grams and the layer-skip draft get some accepted on every cache
+    want = plain(model, prompt, **config)
+    accepted = rejected = 0
+    for k in range(1, 9) if dtype == "fp32" else (1, 2, 5, 8):
+        out = speculate(model, prompt, proposer, draft, k, **config)
+        assert torch.equal(out.tokens, want), f"k={k}: {out.tokens[0, -NEW:].tolist()} != {want[0, -NEW:].tolist()}"
+        s = out.stats
+        assert s.draft_tokens > 0, f"k={k}: nothing was proposed"
+        # every verify forward emits the kept proposals and one token of the target's own; the first
+        # token comes from the prompt's forward
+        assert s.accepted_tokens + s.target_forwards == NEW - 1, (k, s.accepted_tokens, s.target_forwards)
+        assert s.acceptance_rate == s.accepted_tokens / s.draft_tokens
+        accepted, rejected = accepted + s.accepted_tokens, rejected + s.draft_tokens - s.accepted_tokens
+    check_acceptance(proposer, cache, accepted, rejected)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+def test_greedy_speculation_with_the_triton_kernel_equals_plain(tiny, another, plain, proposer):
+    # verify steps run through torch, steps with nothing proposed through the kernel (in Triton's
+    # interpreter on a CPU: slow, so one k)
+    pytest.importorskip("triton")
+    config = dict(attention_backend="triton", cache_chunk_size=4, max_new_tokens=12, stop_token_ids=[])
+    prompt = repeating(7, seed=0)
+    out = speculate(tiny, prompt, proposer, PROPOSERS[proposer][1](tiny, another), 3, **config)
+    assert out.stats.draft_tokens > 0
+    assert torch.equal(out.tokens, plain(tiny, prompt, **config))
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("cache", ROW_CACHES)
+def test_every_row_of_a_batch_equals_that_row_alone_without_speculation(tiny, another, plain, cache, proposer):
+    config = dict(CACHES[cache], max_new_tokens=16, stop_token_ids=[])
+    draft = PROPOSERS[proposer][1](tiny, another)
+    ragged = [repeating(5, seed=15)[0], repeating(5, seed=1)[0, :9], repeating(6, seed=2)[0, :4]]
+    tensor = torch.cat([repeating(5, seed) for seed in (15, 19, 21)])  # [3, 12]
+    accepted = rejected = 0
+    for k in (1, 3, 8):
+        out = speculate(tiny, ragged, proposer, draft, k, **config)
+        for p, got in zip(ragged, out.tokens):
+            want = plain(tiny, p[None], **config)[0]
+            assert torch.equal(got, want), f"k={k}, a prompt of {p.numel()}: {got.tolist()} != {want.tolist()}"
+        both = speculate(tiny, tensor, proposer, draft, k, **config)
+        for row in range(tensor.shape[0]):
+            want = plain(tiny, tensor[row:row + 1], **config)[0]
+            assert torch.equal(both.tokens[row], want), f"k={k}, row {row}"
+        for s in (out.stats, both.stats):
+            assert s.draft_tokens > 0
+            accepted, rejected = accepted + s.accepted_tokens, rejected + s.draft_tokens - s.accepted_tokens
+    check_acceptance(proposer, cache, accepted, rejected)
