@@ -19,6 +19,8 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import drafts
+from minigen.caches import make
+from minigen.caches.window import WindowKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -187,3 +189,110 @@ def test_every_row_of_a_batch_equals_that_row_alone_without_speculation(tiny, an
             assert s.draft_tokens > 0
             accepted, rejected = accepted + s.accepted_tokens, rejected + s.draft_tokens - s.accepted_tokens
     check_acceptance(proposer, cache, accepted, rejected)
+
+
+class NoSpareRing(WindowKVCache):
+    """The ring buffer without spare slots, whatever make_cache asks for: what it was before speculation."""
+
+    def __init__(self, *args, spare: int = 0, **kwargs):
+        super().__init__(*args, spare=0, **kwargs)
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_the_window_ring_keeps_spare_slots_for_a_rewind(tiny, another, plain, monkeypatch, proposer, sinks):
+    # A verify step writes k + 1 positions p..p+k into a ring of `window` slots, overwriting positions
+    # p - window .. p + k - window; when the target rejects proposal m + 1, the next query at p + m + 1
+    # still needs positions from p + m + 2 - window on, which the overwrite took for m + 2 <= k. With k
+    # spare slots nothing it needs is overwritten; without them the text changes.
+    config = dict(window_size=6, sink_tokens=sinks, max_new_tokens=NEW, stop_token_ids=[])
+    prompt, k = repeating(5, seed=15), 4
+    draft = PROPOSERS[proposer][1](tiny, another)
+    want = plain(tiny, prompt, **config)
+    rows = [prompt[0], prompt[0, :7]]
+    assert torch.equal(speculate(tiny, prompt, proposer, draft, k, **config).tokens, want)
+    monkeypatch.setattr(make, "WindowKVCache", NoSpareRing)
+    without = speculate(tiny, prompt, proposer, draft, k, **config)
+    assert without.stats.draft_tokens > without.stats.accepted_tokens  # rejected proposals, rewound
+    assert not torch.equal(without.tokens, want), "the ring needs no spare slots? then make.py need not add them"
+    in_rows = speculate(tiny, rows, proposer, draft, k, **config).tokens  # per-row positions: the same ring rule
+    assert not all(torch.equal(got, plain(tiny, p[None], **config)[0]) for p, got in zip(rows, in_rows))
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+def test_each_row_stops_at_its_own_stop_while_speculating(tiny, another, plain, proposer):
+    prompts = [repeating(5, seed=15)[0], repeating(5, seed=1)[0, :9], repeating(6, seed=2)[0, :4]]
+    free = plain(tiny, prompts[1][None], max_new_tokens=12, stop_token_ids=[])[0]
+    stop = int(free[9 + 4])  # row 1's fifth new token: row 1 stops there, the others maybe elsewhere
+    config = dict(max_new_tokens=12, stop_token_ids=[stop])
+    out = speculate(tiny, prompts, proposer, PROPOSERS[proposer][1](tiny, another), 4, **config)
+    assert out.tokens[1].numel() == 9 + 5 and int(out.tokens[1][-1]) == stop
+    for p, got in zip(prompts, out.tokens):
+        alone = plain(tiny, p[None], **config)[0]
+        stops = [i for i, t in enumerate(alone[p.numel():].tolist()) if t == stop]
+        alone = alone[:p.numel() + stops[0] + 1] if stops else alone  # alone pads after its stop: cut there
+        assert torch.equal(got, alone), (p.numel(), got.tolist(), alone.tolist())
+    # alone too, the stop ends the generation
+    one = speculate(tiny, prompts[1][None], proposer, PROPOSERS[proposer][1](tiny, another), 4, **config)
+    assert one.tokens.shape[1] == 9 + 5 and one.stats.new_tokens == 5
+
+
+def test_stream_yields_what_generate_returns(tiny):
+    prompt = repeating(5, seed=15)
+    config = dict(max_new_tokens=NEW, stop_token_ids=[], speculative_method="draft", num_speculative_tokens=3)
+    stats = minigen.GenerationStats()
+    streamed = list(minigen.stream(tiny, prompt, stats=stats, draft_model=drafts.layer_skip(tiny, 1), **config))
+    whole = minigen.generate(tiny, prompt, draft_model=drafts.layer_skip(tiny, 1), **config)
+    assert torch.equal(torch.stack(streamed, dim=1), whole.tokens[:, prompt.shape[1]:])
+    assert stats.draft_tokens == whole.stats.draft_tokens > 0 and stats.step == whole.stats.step
+
+
+def test_a_draft_in_another_dtype_is_accepted(tiny, tiny_bf16, plain):
+    # the draft's precision is its own: the tokens are the target's whatever it proposes
+    prompt, config = repeating(5, seed=15), dict(max_new_tokens=NEW, stop_token_ids=[])
+    for target, draft in ((tiny, tiny_bf16), (tiny_bf16, tiny)):
+        out = speculate(target, prompt, "itself", draft, 4, **config)
+        assert torch.equal(out.tokens, plain(target, prompt, **config))
+        assert out.stats.accepted_tokens > 0  # the same weights, rounded: they mostly agree
+
+
+# ---------------------------------------------------------------- SmolLM2
+SMOL_CASES = {  # name -> (speculative_method, the draft, k, the cache)
+    "ngram": ("ngram", None, 4, {}),
+    "ngram paged": ("ngram", None, 3, dict(cache_chunk_size=16)),
+    "ngram window": ("ngram", None, 5, dict(window_size=16, sink_tokens=4)),
+    "itself": ("draft", lambda m: m, 4, {}),
+    "layer_skip": ("draft", lambda m: drafts.layer_skip(m, 24), 2, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def smol_prompt(smollm2):
+    _, tok = smollm2
+    return tok("The cat sat on the mat. The dog sat on the log. The cat sat on the", return_tensors="pt").input_ids
+
+
+@pytest.mark.parametrize("name", SMOL_CASES)
+def test_smollm2_greedy_speculation_equals_plain(smollm2, smol_prompt, name):
+    model, _ = smollm2
+    method, make_draft, k, cache = SMOL_CASES[name]
+    config = dict(cache, max_new_tokens=24, stop_token_ids=[])
+    out = minigen.generate(model, smol_prompt, speculative_method=method, num_speculative_tokens=k,
+                           draft_model=make_draft(model) if make_draft else None, **config)
+    assert torch.equal(out.tokens, minigen.generate(model, smol_prompt, **config).tokens)
+    s = out.stats
+    assert s.draft_tokens > 0
+    if name == "itself":
+        assert s.acceptance_rate == 1.0
+    elif method == "ngram":  # the text repeats itself: prompt lookup is right about some of it
+        assert 0 < s.accepted_tokens < s.draft_tokens
+
+
+def test_smollm2_rows_equal_alone_while_speculating(smollm2, smol_prompt):
+    model, tok = smollm2
+    prompts = [smol_prompt[0], tok("One, two, three, four, one, two,", return_tensors="pt").input_ids[0]]
+    config = dict(max_new_tokens=16, stop_token_ids=[])
+    out = minigen.generate(model, prompts, speculative_method="ngram", **config)
+    for p, got in zip(prompts, out.tokens):
+        assert torch.equal(got, minigen.generate(model, p[None], **config).tokens[0])
+    assert out.stats.accepted_tokens > 0
