@@ -21,6 +21,8 @@ from conftest import tiny_hf
 from minigen import drafts
 from minigen.caches import make
 from minigen.caches.window import WindowKVCache
+from minigen.sampling import probabilities
+from minigen.steps import speculative
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -296,3 +298,115 @@ def test_smollm2_rows_equal_alone_while_speculating(smollm2, smol_prompt):
     for p, got in zip(prompts, out.tokens):
         assert torch.equal(got, minigen.generate(model, p[None], **config).tokens[0])
     assert out.stats.accepted_tokens > 0
+
+
+# ---------------------------------------------------------------- sampling: the target's distribution, exactly
+SAMPLES = 2000  # rows of one tensor batch: independent samples
+P_MIN = 1e-3  # the p-value below which a sampler fails; a seeded run gives the same p-value every time
+SMALL_PROMPT = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 3, 1, 4, 1, 5]])  # every token occurs: lookup proposes after any
+
+
+@pytest.fixture(scope="module")
+def small():
+    """(target, draft): two tiny random Llamas with a vocabulary of 8, so that two tokens have 64 outcomes."""
+    return (minigen.from_hf(tiny_hf("llama", vocab_size=8)), minigen.from_hf(tiny_hf("llama", seed=3, vocab_size=8)))
+
+
+def exact_three(model, prompt: torch.Tensor, temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
+    """P(t1, t2, t3 | prompt) [V, V, V], the obvious way: full forwards without a cache, each next
+    token's softmax of the last logits divided by the temperature, cut to the top k."""
+    def next_probs(ids):  # [N, T] -> [N, V]
+        with torch.inference_mode():
+            logits = model(ids, torch.arange(ids.shape[1]))[:, -1].double() / temperature
+        if top_k is not None:
+            logits = logits.masked_fill(logits < logits.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
+        return logits.softmax(dim=-1)
+
+    V = model.config.vocab_size
+    tokens = torch.arange(V)
+    after_one = torch.cat([prompt.expand(V, -1), tokens[:, None]], dim=1)  # row a: the prompt, then a
+    after_two = torch.cat([prompt.expand(V * V, -1), torch.cartesian_prod(tokens, tokens)], dim=1)  # row a V + b
+    p1, p2, p3 = next_probs(prompt)[0], next_probs(after_one), next_probs(after_two).view(V, V, V)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of observed counts against exact probabilities -> the p-value. A count
+    in a cell of probability 0 fails outright; cells expecting fewer than 5 are merged into one (the
+    chi-square approximation wants about 5 per cell)."""
+    counts, probs = counts.flatten().double(), probs.flatten()
+    assert counts[probs == 0].sum() == 0, "a token of probability 0 was drawn"
+    observed, expected = counts[probs > 0], probs[probs > 0] * counts.sum()
+    small = expected < 5
+    if small.any():
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = torch.tensor((len(expected) - 1) / 2, dtype=torch.float64)
+    return float(torch.special.gammaincc(dof, statistic / 2))  # P(chi2 with len - 1 dof > statistic)
+
+
+def sampled_p_values(small, method: str | None, k: int, sampling: dict, seed: int = 0):
+    """Draw SAMPLES texts of k + 2 new tokens (the round after the first token proposes k: a round
+    proposes no more than the tokens still to come, minus its own) -> (p-value of (t1, t2), p-value
+    of (t2, t3), stats)."""
+    target, draft = small
+    T, V = SMALL_PROMPT.shape[1], target.config.vocab_size
+    extra = dict(speculative_method=method, num_speculative_tokens=k) if method else {}
+    out = minigen.generate(target, SMALL_PROMPT.expand(SAMPLES, -1), max_new_tokens=k + 2, do_sample=True, seed=seed,
+                           stop_token_ids=[], draft_model=draft if method == "draft" else None, **extra, **sampling)
+    t1, t2, t3 = out.tokens[:, T], out.tokens[:, T + 1], out.tokens[:, T + 2]
+    exact = exact_three(target, SMALL_PROMPT, **sampling)
+    first_two = chi_square_p(torch.bincount(t1 * V + t2, minlength=V * V), exact.sum(dim=2))
+    second_third = chi_square_p(torch.bincount(t2 * V + t3, minlength=V * V), exact.sum(dim=0))
+    return first_two, second_third, out.stats
+
+
+SAMPLING = {"t=1": {}, "t=0.7 top-4": dict(temperature=0.7, top_k=4)}
+
+
+@pytest.mark.parametrize("method, k", [(None, 1), ("ngram", 1), ("ngram", 2), ("draft", 1), ("draft", 2)])
+@pytest.mark.parametrize("sampling", SAMPLING)
+def test_speculative_sampling_draws_the_target_s_distribution(small, method, k, sampling):
+    # t2 is the round's first proposal kept or the residual's draw; t3 the bonus token (k = 1) or the
+    # second proposal's verdict (k = 2). Plain sampling (None) passes the same test.
+    first_two, second_third, s = sampled_p_values(small, method, k, SAMPLING[sampling])
+    assert first_two > P_MIN and second_third > P_MIN, (first_two, second_third)
+    if method is not None:  # every row proposed at its second token; some kept, some not
+        assert s.draft_tokens >= SAMPLES and 0 < s.accepted_tokens < s.draft_tokens, (s.draft_tokens, s.accepted_tokens)
+
+
+def always_accept(logits, proposal, q, config, generator):
+    """A wrong rule: keep every proposal, then a bonus token from the target."""
+    p = probabilities(logits, config)
+    return proposal + [int(speculative.draw(p[len(proposal)], generator))]
+
+
+def resample_from_p(logits, proposal, q, config, generator):
+    """A wrong rule: the right test min(1, p / q), but a rejection draws from p, not max(0, p - q)."""
+    p = probabilities(logits, config)
+    for i, x in enumerate(proposal):
+        qx = q[i, x] if q is not None else 1.0
+        if torch.rand((), generator=generator) * qx >= p[i, x]:
+            return proposal[:i] + [int(speculative.draw(p[i], generator))]
+    return proposal + [int(speculative.draw(p[len(proposal)], generator))]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("rule", [always_accept, resample_from_p], ids=["always accept", "resample from p"])
+def test_a_wrong_acceptance_rule_fails_the_distribution_test(small, monkeypatch, method, rule):
+    # SpeculativeStep picks its rule from the module when it is built: the planted rule runs
+    monkeypatch.setattr(speculative, "accept_sampled", rule)
+    first_two, _, _ = sampled_p_values(small, method, 1, {})
+    assert first_two < 1e-6, first_two
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "layer_skip"])
+def test_a_seed_gives_the_same_tokens(tiny, another, proposer):
+    rows = repeating(5, seed=15).expand(3, -1)
+    draft = PROPOSERS[proposer][1](tiny, another)
+    config = dict(max_new_tokens=NEW, stop_token_ids=[], do_sample=True)
+    first, again, other = (speculate(tiny, rows, proposer, draft, 4, seed=seed, **config).tokens for seed in (1, 1, 2))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    assert not torch.equal(first[0], first[1])  # the rows are samples of their own
