@@ -18,7 +18,7 @@ import torch
 
 import minigen
 from conftest import tiny_hf
-from minigen import drafts
+from minigen import ConfigError, GenerationConfig, drafts
 from minigen.caches import make
 from minigen.caches.window import WindowKVCache
 from minigen.sampling import probabilities
@@ -410,3 +410,79 @@ def test_a_seed_gives_the_same_tokens(tiny, another, proposer):
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
     assert not torch.equal(first[0], first[1])  # the rows are samples of their own
+
+
+# ---------------------------------------------------------------- bad input: refused up front, with the fix
+IDS = torch.tensor([[1, 2, 3, 1, 2]])
+
+
+def ngram(**config) -> GenerationConfig:
+    return GenerationConfig(speculative_method="ngram", **config)
+
+
+# case -> (what the user does to the tiny model, fragments of the message: the settings and the fix)
+BAD = {
+    **{f"k={v!r}": (lambda m, v=v: ngram(num_speculative_tokens=v),
+                    [f"num_speculative_tokens={v!r} is invalid", "speculative_method='ngram'", "use an integer >= 1"])
+       for v in (0, -1, 2.5, True, "4")},
+    "k without a method": (lambda m: GenerationConfig(num_speculative_tokens=3),
+                           ["num_speculative_tokens=3", "without speculative_method", "set speculative_method='ngram'"]),
+    "unknown method": (lambda m: GenerationConfig(speculative_method="eagle"),
+                       ["speculative_method='eagle' is invalid", '"ngram"', '"draft"']),
+    "draft without a model": (lambda m: minigen.generate(m, IDS, speculative_method="draft"),
+                              ["speculative_method='draft' needs a draft model", "draft_model=", "'ngram'"]),
+    "draft without a model, stream": (lambda m: minigen.stream(m, IDS, speculative_method="draft"),  # at the call
+                                      ["speculative_method='draft' needs a draft model", "draft_model="]),
+    "draft without a model, rows": (lambda m: minigen.generate(m, [IDS[0], IDS[0, :2]], speculative_method="draft"),
+                                    ["speculative_method='draft' needs a draft model", "draft_model="]),
+    "a draft model without draft": (lambda m: minigen.generate(m, IDS, draft_model=drafts.unrelated(m)),
+                                    ["draft_model=", "speculative_method=None", "set speculative_method='draft'",
+                                     "drop draft_model"]),
+    "a draft model with ngram": (lambda m: minigen.generate(m, IDS, speculative_method="ngram",
+                                                            draft_model=drafts.unrelated(m)),
+                                 ["draft_model=", "speculative_method='ngram'", "drop draft_model"]),
+    "a draft that is no model": (lambda m: minigen.generate(m, IDS, speculative_method="draft", draft_model="tiny"),
+                                 ["draft_model must be a minigen Model", "got str"]),
+    "a draft with another vocabulary": (lambda m: minigen.generate(m, IDS, speculative_method="draft",
+                                                                   draft_model=minigen.from_hf(tiny_hf(vocab_size=50))),
+                                        ["vocabulary has 50 tokens", "the target's 97", "the target's tokenizer"]),
+    "a draft on another device": (lambda m: minigen.generate(m, IDS, speculative_method="draft",
+                                                             draft_model=drafts.unrelated(m).to("meta")),
+                                  ["the draft model is on meta and the target on cpu", "Fix: draft_model.to('cpu')"]),
+    "lookup min above max": (lambda m: ngram(prompt_lookup_min=3, prompt_lookup_max=2),
+                             ["prompt_lookup_min=3 is more than prompt_lookup_max=2", "use prompt_lookup_min <= 2"]),
+    "lookup min 0": (lambda m: ngram(prompt_lookup_min=0), ["prompt_lookup_min=0 is invalid", "integer >= 1"]),
+    "lookup without ngram": (lambda m: GenerationConfig(speculative_method="draft", prompt_lookup_max=5),
+                             ["prompt_lookup_max=5 has no effect without speculative_method='ngram'",
+                              "set speculative_method='ngram'"]),
+    **{f"with {key}": (lambda m, key=key, value=value: ngram(**{key: value}),
+                       [f"{key}={value!r}" if key != "use_cache" else "use_cache=False", "speculative_method='ngram'",
+                        "do not combine", "Fix: drop one: speculative_method=None or"])
+       for key, value in (("kv_budget", 8), ("quant_bits", 4), ("compile", True), ("cuda_graphs", True),
+                          ("use_cache", False))},
+    "the serving engine": (lambda m: minigen.Engine(m, ngram()),
+                           ["speculative_method='ngram' does not combine with the serving engine",
+                            "Fix: speculative_method=None"]),
+    "the serving engine, per request": (lambda m: minigen.Engine(m, num_blocks=4).add_request([1, 2],
+                                                                                             speculative_method="ngram"),
+                                        ["speculative_method cannot change per request", "Engine(model, config)"]),
+    "observers": (lambda m: minigen.generate(m, IDS, speculative_method="ngram", observers=(lambda layer, probs: None,)),
+                  ["speculative decoding with observers", "Fix: speculative_method=None"]),
+    "parallel_sample": (lambda m: minigen.parallel_sample(m, IDS, 3, do_sample=True, speculative_method="ngram"),
+                        ["parallel_sample", "speculative_method='ngram'", "set speculative_method=None"]),
+    **{f"rows with {key}": (lambda m, key=key, value=value: minigen.generate(
+        m, IDS.expand(2, -1), speculative_method="ngram", **{key: value}),
+        [f"{key}={value!r} does not combine with speculative decoding of several rows", f"Fix: {key}=None"])
+       for key, value in (("prefetch_depth", 0), ("sparse_top_k", 4))},
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_speculative_input_is_a_config_error_naming_the_settings_and_the_fix(tiny, case):
+    do, fragments = BAD[case]
+    with pytest.raises(ConfigError) as e:
+        do(tiny)
+    assert e.value.__cause__ is None and (e.value.__context__ is None or e.value.__suppress_context__), \
+        "a library traceback is chained to the error"
+    for fragment in fragments:
+        assert fragment in str(e.value), (fragment, str(e.value))
