@@ -53,7 +53,8 @@ def _config(args, **flags):
 def cmd_generate(args) -> None:
     import torch
     from . import load
-    from .errors import PromptError
+    from . import drafts
+    from .errors import ConfigError, PromptError
     from .generate import GenerationStats, stream
     config = _config(args, max_new_tokens=args.max_new_tokens, use_cache=False if args.no_cache else None,
                      do_sample=True if args.do_sample else None, temperature=args.temperature,
@@ -71,11 +72,15 @@ def cmd_generate(args) -> None:
                                       return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tok(args.prompt, return_tensors="pt").input_ids
+    if (args.draft is not None) != (config.speculative_method == "draft"):
+        raise ConfigError("--draft names the draft of speculative_method=draft, and needs it: set both "
+                          "(--set speculative_method=draft --draft layers:20), or neither")
+    draft = drafts.parse(args.draft, model) if args.draft is not None else None
     stats = GenerationStats()
     new: list[int] = []
     printed = ""
     echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
-    for token in stream(model, ids, config, stats=stats):
+    for token in stream(model, ids, config, stats=stats, draft_model=draft):
         new.append(int(token[0]))
         text = tok.decode(new, skip_special_tokens=True)
         sys.stdout.write(echo + text[len(printed):])  # print only what this token added
@@ -102,7 +107,7 @@ def cmd_bench(args) -> None:
     result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
                        compute_dtype=args.compute_dtype, weight_bits=args.weight_bits,
-                       llama_cpp="llama.cpp" in args.engine)
+                       llama_cpp="llama.cpp" in args.engine, grounded=args.grounded, draft=args.draft)
     print_report(result)
     if args.json:
         try:
@@ -220,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
     g.add_argument("--seed", type=int, help="seed of the sampler")
     g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
+    g.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "
+                                   "layers:N, int4:G, int8:G or unrelated (drafts.py)")
     _add_config_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -238,6 +245,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize minigen's weights to int8 or int4 (the run also times minigen unquantized)")
     b.add_argument("--engine", action="append", default=[], choices=["llama.cpp"],
                    help="add an engine: llama.cpp (llama-cpp-python, on the bundled GGUF), when installed")
+    b.add_argument("--grounded", action="store_true",
+                   help="ask the model to repeat the prompt's text (an input-grounded task, as prompt lookup likes)")
+    b.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "
+                                   "layers:N, int4:G, int8:G or unrelated (the run times it alone too)")
     _add_config_args(b)
     b.set_defaults(func=cmd_bench)
 

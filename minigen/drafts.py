@@ -73,3 +73,35 @@ def unrelated(model: Model, dim: int = 64, n_layers: int = 2, seed: int = 0) -> 
     draft = draft.to(model.device).eval()
     dispatch.install(draft)
     return draft
+
+
+# ---------------------------------------------------------------- drafts by name (the CLI's --draft)
+SPECS = "layers:N (the first N layers), int4:G or int8:G (quantized, groups of G), unrelated"
+
+
+def check_spec(spec: str, n_layers: int) -> tuple[str, int | None]:
+    """Read a draft's name as the CLI gives it -> (kind, its number); ConfigError naming the forms."""
+    kind, _, arg = str(spec).partition(":")
+    bad = ConfigError(f"--draft {spec!r} is not a draft: use {SPECS}")
+    if kind == "unrelated" and not arg:
+        return kind, None
+    if kind not in ("layers", "int4", "int8") or not (arg or kind != "layers"):
+        raise bad
+    try:
+        number = int(arg) if arg else 32
+    except ValueError:
+        raise bad from None
+    if kind == "layers" and not 1 <= number <= n_layers:
+        raise ConfigError(f"--draft {spec!r}: the target has {n_layers} layers, so use layers:N with N in "
+                          f"[1, {n_layers}]")
+    return kind, number
+
+
+def parse(spec: str, model: Model) -> Model:
+    """The draft a CLI name describes, made from `model` (check_spec lists the names)."""
+    kind, number = check_spec(spec, model.config.n_layers)
+    if kind == "layers":
+        return layer_skip(model, number)
+    if kind == "unrelated":
+        return unrelated(model)
+    return quantized(model, 4 if kind == "int4" else 8, number)

@@ -9,7 +9,10 @@ Oracles, per feature, on a tiny random model scoring a 48-token text teacher-for
   one switched on, change the NLLs when their setting bites (a window shorter than the text, a
   budget smaller than it, ...) and leave them as they are when it cannot (a window as long as the
   text, a threshold of 0);
-- batch rows never influence each other: greedy rows batched equal each row alone.
+- batch rows never influence each other: greedy rows batched equal each row alone;
+- speculation changes how many forwards run, never the greedy tokens (every greedy config that
+  runs is run with prompt lookup too, where the table applies it), nor any NLL (the window's spare
+  slots for rewinds are masked).
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ from hypothesis import strategies as st
 
 import minigen
 from conftest import tiny_hf
-from minigen import ConfigError, GenerationConfig
-from minigen.combinations import APPLIED, FEATURES, REFUSED
+from minigen import ConfigError, GenerationConfig, drafts
+from minigen.combinations import APPLIED, FEATURES, RAGGED_REFUSED, REFUSED, refused_with
 from minigen.course.table import combination_table
 from minigen.evaluate import score
 
@@ -72,6 +75,10 @@ FIELDS = {
     "cuda_graphs": st.booleans(),
     "attention_backend": st.sampled_from(["torch", "triton"]),
     "fused_decode": st.sampled_from(["auto", True, False]),
+    "speculative_method": maybe(st.sampled_from(["ngram", "draft"])),
+    "num_speculative_tokens": st.integers(1, 8),
+    "prompt_lookup_min": st.integers(1, 3),  # min > max is refused (test_speculative.py): not drawn here
+    "prompt_lookup_max": st.integers(3, 5),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
@@ -81,12 +88,15 @@ SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_
             "prefetch_depth": ["prefetch_depth"], "quant_bits": ["quant_bits"], "window_size": ["window_size"],
             "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"],
             "compile": ["compile"], "cuda_graphs": ["cuda_graphs"], "attention_backend": ["attention_backend"],
-            "fused_decode": ["fused_decode"]}
+            "fused_decode": ["fused_decode"], "speculative_method": ["speculative_method"]}
 # A compile costs seconds; cuda_graphs is refused on a CPU (when it runs); the Triton kernel runs in its interpreter
-# on a CPU (a step of the tiny model: ~0.1 s), and needs cache_chunk_size, so it is drawn with one.
-RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.2, "fused_decode": 0.1}
+# on a CPU (a step of the tiny model: ~0.1 s; a config that runs scores the text through it twice or more: ~7 s),
+# and needs cache_chunk_size, so it is drawn with one.
+RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.1, "fused_decode": 0.1}
 NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
-         "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"]}
+         "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"],
+         "speculative_method": ["num_speculative_tokens"],
+         "speculative_method='ngram'": ["prompt_lookup_min", "prompt_lookup_max"]}
 
 
 @st.composite
@@ -118,7 +128,8 @@ def configs(draw):
             fields[feature] = draw(FIELDS[feature].filter(lambda v: v is not None))
     fields["do_sample"] = draw(FIELDS["do_sample"])
     for switch, keys in NEEDS.items():
-        is_on = fields["do_sample"] if switch == "do_sample" else switch in on
+        is_on = (fields["do_sample"] if switch == "do_sample" else fields["speculative_method"] == "ngram"
+                 if switch == "speculative_method='ngram'" else switch in on)
         for key in keys:
             if is_on or draw(st.integers(0, 39)) == 0:  # now and then, a setting without its switch
                 fields[key] = draw(FIELDS[key])
@@ -138,6 +149,12 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def draft(tiny):
+    """speculative_method="draft"'s draft: the tiny model's first layer (some proposals kept, some not)."""
+    return drafts.layer_skip(tiny, 1)
+
+
+@pytest.fixture(scope="module")
 def text():
     return torch.randint(0, 97, (TEXT_LEN,), generator=torch.Generator().manual_seed(7))
 
@@ -149,7 +166,9 @@ def off(config: GenerationConfig, feature: str) -> GenerationConfig:
             "sparse": ("sparse_top_k", "sparsity_threshold", "sparse_score"),
             "kv_budget": ("kv_budget",),
             "cache_chunk_size": ("cache_chunk_size", "quant_residual", "attention_backend"),
-            "prefetch_depth": ("prefetch_depth",)}[feature]
+            "prefetch_depth": ("prefetch_depth",),
+            "speculative_method": ("speculative_method", "num_speculative_tokens", "prompt_lookup_min",
+                                   "prompt_lookup_max")}[feature]
     return dataclasses.replace(config, **{k: DEFAULTS[k] for k in keys})
 
 
@@ -192,7 +211,7 @@ def run_nll(model, text, config):
 @example(fields={**DEFAULTS, "kv_budget": 10, "sparse_top_k": 8, "window_size": 30})
 @example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8, "window_size": 12,
                  "attention_backend": "triton", "max_new_tokens": 3})
-def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
+def test_a_config_either_runs_every_feature_or_is_refused(tiny, draft, text, fields):
     named = {k for k, v in fields.items() if v != DEFAULTS[k]}  # what the user wrote
     try:
         config = GenerationConfig(**fields)
@@ -209,11 +228,18 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
     if config.fused_decode is True:  # the C step is the torch step's arithmetic, in another order
         torch.testing.assert_close(nll, run_nll(tiny, text, config.replace(fused_decode=False)),
                                    atol=EXACT_ATOL, rtol=EXACT_RTOL)
-    both = minigen.generate(tiny, prompts, config)
-    assert both.tokens.shape[0] == 2 and both.tokens.shape[1] <= 20 + config.max_new_tokens
+    draft = draft if config.speculative_method == "draft" else None
+    try:
+        both = minigen.generate(tiny, prompts, config, draft_model=draft)
+    except ConfigError as e:  # speculating rows move apart: what cannot take per-row positions is refused for two
+        assert config.speculative_method is not None and "speculative decoding of several rows" in str(e), str(e)
+        assert any(f"{k}=" in str(e) for k in named), (str(e), named)
+        prompts = prompts[:1]
+        both = minigen.generate(tiny, prompts, config, draft_model=draft)
+    assert both.tokens.shape[0] == len(prompts) and both.tokens.shape[1] <= 20 + config.max_new_tokens
     if not config.do_sample and config.max_new_tokens:
-        for row in range(2):
-            alone = minigen.generate(tiny, prompts[row:row + 1], config).tokens[0]
+        for row in range(len(prompts)):
+            alone = minigen.generate(tiny, prompts[row:row + 1], config, draft_model=draft).tokens[0]
             n = min(len(alone), both.tokens.shape[1])
             assert torch.equal(both.tokens[row, :n], alone[:n]), f"row {row} depends on its neighbour"
 
@@ -227,13 +253,22 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, text, fields):
     if config.attention_backend == "triton" and not config.do_sample:
         torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, config.replace(
             attention_backend="torch")).tokens, atol=0, rtol=0)
+    # Speculation changes how many forwards run, never the greedy tokens: a greedy config runs with
+    # prompt lookup switched on too, wherever the table applies it (not through the Triton kernel's
+    # interpreter, for time: test_speculative.py runs that).
+    if not config.do_sample and config.max_new_tokens and config.attention_backend == "torch" \
+            and not refused_with(config, "speculative_method"):
+        speculating = config if config.speculative_method else config.replace(speculative_method="ngram")
+        rows = prompts[:1] if RAGGED_REFUSED.keys() & set(config.features()) else prompts
+        torch.testing.assert_close(minigen.generate(tiny, rows, speculating, draft_model=draft).tokens,
+                                   minigen.generate(tiny, rows, off(config, "speculative_method")).tokens, atol=0, rtol=0)
     # Compiling changes how the step runs, never its tokens.
     if config.compile and not config.do_sample:
         torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, config.replace(compile=False)).tokens,
                                    atol=0, rtol=0)
     # Exact features change nothing but where the bytes live (in a 16-bit cache, up to a rounding flip).
     rtol = FLIP_RTOL if config.kv_dtype in ("bfloat16", "float16") else EXACT_RTOL
-    for feature in ("prefetch_depth", "cache_chunk_size"):
+    for feature in ("prefetch_depth", "cache_chunk_size", "speculative_method"):
         if feature in on and not (feature == "cache_chunk_size" and "quant_bits" in on):
             torch.testing.assert_close(nll, run_nll(tiny, text, off(config, feature)), atol=EXACT_ATOL, rtol=rtol)
     # A lossy feature alone among the lossy ones changes the NLLs exactly when it bites.
@@ -254,7 +289,7 @@ def test_refused_pairs_name_both_keys_and_a_fix():
               "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16},
               "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
               "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 16},  # needs blocks
-              "fused_decode": {"fused_decode": True}}
+              "fused_decode": {"fused_decode": True}, "speculative_method": {"speculative_method": "ngram"}}
     assert set(switch) == set(FEATURES)
     for pair, (why, fix) in REFUSED.items():
         a, b = sorted(pair)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from .. import drafts
 from ..config import GenerationConfig
 from ..errors import BenchError
 from ..generate import generate
@@ -33,6 +34,7 @@ from .machine import PeakRSS, hardware_info, memory_read_bandwidth
 from ..numerics.precision import DTYPES, dtype_of
 from ..numerics.weight_quant import check_weight_bits, quantize_weights
 from ..numerics.weight_quant import weight_bytes as packed_weight_bytes
+from .speculation import alpha_from_length, predicted_speedup
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -41,6 +43,7 @@ TEXT = Path(__file__).parents[1] / "data" / "english.txt"
 # is within a prefill's noise (on SmolLM2 a 4-token run can take no longer than the 1-token run),
 # and dividing by a difference near zero reports an absurd rate, such as 3e9 tok/s.
 MIN_NEW_TOKENS = 8
+SPECULATIVE_KEYS = ("speculative_method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
 
 # ---------------------------------------------------------------- bytes per token
@@ -63,13 +66,19 @@ def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) ->
 
 
 # ---------------------------------------------------------------- the engines
-def prompt_ids(tokenizer, prompt_len: int) -> torch.Tensor:
-    """The first `prompt_len` tokens of real English text, [1, prompt_len]."""
+def prompt_ids(tokenizer, prompt_len: int, grounded: bool = False) -> torch.Tensor:
+    """The first `prompt_len` tokens of real English text, [1, prompt_len]. grounded=True wraps them in
+    a chat prompt that asks the model to repeat them (an input-grounded task: what prompt lookup,
+    chapter 15, speeds up), [1, prompt_len + the template's tokens]."""
     text = TEXT.read_text(encoding="utf-8") if TEXT.exists() else "The quick brown fox jumps over the lazy dog. " * 200
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :prompt_len]
     if ids.shape[1] < prompt_len:
         raise BenchError(f"--prompt-len {prompt_len} is longer than the benchmark text, which is "
                          f"{ids.shape[1]} tokens for this tokenizer: use --prompt-len <= {ids.shape[1]}")
+    if grounded:
+        passage = tokenizer.decode(ids[0])
+        messages = [{"role": "user", "content": "Repeat the following text exactly, word for word:\n\n" + passage}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
     return ids
 
 
@@ -103,6 +112,7 @@ class EngineRun:
     weight_bytes: int  # the weights the engine holds
     step_bytes: int  # what one of its decode steps reads at the mid-run context: its own roofline
     step: str = ""  # minigen's engines: the step that ran (GenerationStats.step: "eager", "fused", ...)
+    stats: object = None  # minigen's engines: the GenerationStats of the last run
 
 
 def _time_engines(runs: dict[str, Callable], new_tokens: int, repeats: int, progress) -> dict[str, dict]:
@@ -143,14 +153,18 @@ def _time_engines(runs: dict[str, Callable], new_tokens: int, repeats: int, prog
 def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None = None, prompt_len: int = 64,
               new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
               baseline: bool = True, compute_dtype: torch.dtype | str | None = None,
-              weight_bits: int | None = None, llama_cpp: bool = False) -> dict:
+              weight_bits: int | None = None, llama_cpp: bool = False, grounded: bool = False,
+              draft: str | None = None) -> dict:
     """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict.
 
     compute_dtype: minigen's activations (precision.py; default fp32 on a CPU). transformers runs
     in the weights' dtype. weight_bits (8 or 4) quantizes minigen's weights (weight_quant.py) and
     adds minigen in the unquantized dtype to the same run, for the ratio. llama_cpp adds llama.cpp
-    (llama-cpp-python) on the bundled GGUF. Every setting is checked before the weights load: the
-    run sizes, then the model's context."""
+    (llama-cpp-python) on the bundled GGUF. grounded: the prompt asks the model to repeat the text
+    (prompt_ids). A config with speculative_method adds minigen without it to the run ("minigen plain")
+    and, for "draft", the draft alone ("minigen draft"; `draft` is a drafts.parse spec such as
+    "layers:20"), for the speed-up, alpha and the speed model's prediction. Every setting is checked
+    before the weights load: the run sizes, then the model's context."""
     from tqdm.auto import tqdm
     from ..combinations import Run, check_run
     from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
@@ -172,15 +186,25 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
         raise BenchError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} exceeds the model's context of "
                          f"{model_config.max_seq_len} tokens: lower one of them")
     check_run(config, Run.of_shapes(model_config))  # e.g. a quant_group_size that the head dim refuses
+    if (draft is not None) != (config.speculative_method == "draft"):
+        raise BenchError("--draft names the draft of speculative_method=draft, and needs it: set both "
+                         "(--set speculative_method=draft --draft layers:20), or neither")
+    if draft is not None:
+        drafts.check_spec(draft, model_config.n_layers)
     tokenizer = load_tokenizer(folder)
-    ids = prompt_ids(tokenizer, prompt_len)
+    ids = prompt_ids(tokenizer, prompt_len, grounded)
+    prompt_len = ids.shape[1]
+    if prompt_len + new_tokens > model_config.max_seq_len:
+        raise BenchError(f"the grounded prompt ({prompt_len} tokens) + --new-tokens {new_tokens} exceeds the "
+                         f"model's context of {model_config.max_seq_len} tokens: lower one of them")
     state = read_safetensors(folder)
     model = _minigen_model(model_config, state, dtype, compute)
     hw = hardware_info()
     kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
     engines, model, compile_s = _build_engines(model, model_config, state, folder, ids, config, dtype=dtype,
                                                compute=compute, weight_bits=weight_bits, baseline=baseline,
-                                               llama_cpp=llama_cpp, new_tokens=new_tokens, kv_elem=kv_elem)
+                                               llama_cpp=llama_cpp, new_tokens=new_tokens, kv_elem=kv_elem,
+                                               draft=draft)
     progress = tqdm(total=repeats * len(engines), desc="bench", unit="run")
     timed = _time_engines({name: e.run for name, e in engines.items()}, new_tokens, repeats, progress)
     progress.close()
@@ -193,6 +217,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
               "weight_bits": weight_bits, "precision": model.precision.describe(model.dtype),
               "compile_s": max(compile_s), "prompt_len": prompt_len, "new_tokens": new_tokens,
               "repeats": repeats, "config": config.to_dict(), "exact": exact(config) and weight_bits is None,
+              "grounded": grounded, "draft": draft,
               "bytes_per_token": per_token, "roofline_tokens_per_s": hw["memory_read_gb_s"] * 1e9 / per_token}
     return _report(result, engines, timed, dtype)
 
@@ -206,12 +231,12 @@ def _minigen_model(model_config, state: dict, dtype: torch.dtype, compute: torch
 
 
 def _minigen_engine(model, ids: torch.Tensor, config: GenerationConfig, context: int, kv_elem: int,
-                    compile_s: list[float]) -> EngineRun:
+                    compile_s: list[float], draft_model=None) -> EngineRun:
     """minigen on `model`; each run adds its compile seconds to `compile_s`."""
     def run(n: int):
-        out = generate(model, ids, config, max_new_tokens=n)
+        out = generate(model, ids, config, max_new_tokens=n, draft_model=draft_model)
         compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
-        engine.step = out.stats.step
+        engine.step, engine.stats = out.stats.step, out.stats
         return out.tokens, out.stats.kv_cache_bytes
     engine = EngineRun(run, weight_bytes(model), bytes_per_decode_step(model, context, kv_elem))
     return engine
@@ -235,7 +260,7 @@ def _transformers_engine(folder: Path, ids: torch.Tensor, dtype: torch.dtype, st
 
 def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Tensor, config: GenerationConfig, *,
                    dtype: torch.dtype, compute: torch.dtype | None, weight_bits: int | None, baseline: bool,
-                   llama_cpp: bool, new_tokens: int, kv_elem: int):
+                   llama_cpp: bool, new_tokens: int, kv_elem: int, draft: str | None = None):
     """-> (the engines to time, in the order they take turns; the model of the engine "minigen";
     the list that minigen's runs add their compile seconds to).
 
@@ -253,7 +278,14 @@ def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Te
     elif dtype != torch.float32:
         floats32 = build_model(model_config, state, torch.float32)
         engines["minigen float32"] = _minigen_engine(floats32, ids, config, context, kv_elem, compile_s)
-    engines["minigen"] = _minigen_engine(model, ids, config, context, kv_elem, compile_s)
+    draft_model = None
+    if config.speculative_method is not None:  # the same step without speculation, for the speed-up
+        plain = config.replace(**{k: GenerationConfig.__dataclass_fields__[k].default for k in SPECULATIVE_KEYS})
+        engines["minigen plain"] = _minigen_engine(model, ids, plain, context, kv_elem, compile_s)
+        if draft is not None:  # the draft decoding alone: its cost c against the target's step
+            draft_model = drafts.parse(draft, model)
+            engines["minigen draft"] = _minigen_engine(draft_model, ids, plain, context, kv_elem, compile_s)
+    engines["minigen"] = _minigen_engine(model, ids, config, context, kv_elem, compile_s, draft_model)
     if baseline:
         engines["transformers"] = _transformers_engine(folder, ids, dtype,
                                                        bytes_per_decode_step(floats, context, kv_elem))
@@ -287,6 +319,8 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
         result["speedup_vs_float32"] = speed["minigen"] / speed["minigen float32"]
     if "llama.cpp" in rows:
         result["speedup_vs_llama_cpp"] = speed["minigen"] / speed["llama.cpp"]
+    if "minigen plain" in rows:
+        result["speculation"] = _speculation(result["config"], engines["minigen"].stats, speed)
     if "transformers" in rows:
         prompt_len = result["prompt_len"]
         a, b = timed["minigen"]["tokens"], timed["transformers"]["tokens"]
@@ -299,6 +333,20 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
             raise AssertionError(f"minigen and transformers greedy tokens differ ({match:.1%} agree) "
                                  "under an exact config: this is a correctness bug")
     return result
+
+
+def _speculation(config: dict, stats, speed: dict[str, float]) -> dict:
+    """What speculation did in the timed run (its last N-token run) and what the speed model predicts
+    from it: alpha read off the mean acceptance length, c the draft's step over the target's
+    (prompt lookup: 0, a search), v = 1 (a verify forward costs one step, Leviathan et al.'s assumption)."""
+    k, length = config["num_speculative_tokens"], stats.mean_acceptance_length
+    alpha = alpha_from_length(min(max(length, 1.0), k + 1.0), k)
+    c = speed["minigen plain"] / speed["minigen draft"] if "minigen draft" in speed else 0.0
+    return {"method": config["speculative_method"], "k": k, "acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": length, "alpha": alpha, "draft_cost": c,
+            "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
+            "speedup_vs_plain": speed["minigen"] / speed["minigen plain"],
+            "predicted_speedup": predicted_speedup(alpha, k, c)}
 
 
 # ---------------------------------------------------------------- llama.cpp, as an optional engine
@@ -369,6 +417,14 @@ def print_report(result: dict) -> None:
         print(f"minigen {result['dtype']} / minigen float32 decode: {result['speedup_vs_float32']:.2f}x (same run)")
     if "speedup_vs_llama_cpp" in result:
         print(f"minigen / llama.cpp decode: {result['speedup_vs_llama_cpp']:.2f}x")
+    if "speculation" in result:
+        sp = result["speculation"]
+        print(f"speculative ({sp['method']}, k={sp['k']}"
+              + (f", draft {result['draft']}, c={sp['draft_cost']:.2f}" if result.get("draft") else "") + "): "
+              f"{sp['accepted_tokens']} of {sp['draft_tokens']} proposals accepted ({sp['acceptance_rate']:.0%}), "
+              f"{sp['mean_acceptance_length']:.2f} tokens per target forward (alpha {sp['alpha']:.2f}); "
+              f"minigen / minigen plain decode: {sp['speedup_vs_plain']:.2f}x (same run), "
+              f"the speed model predicts {sp['predicted_speedup']:.2f}x")
     if "speedup" in result:
         print(f"minigen / transformers decode: {result['speedup']:.2f}x; greedy tokens agree: "
               f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'}"
