@@ -23,7 +23,7 @@ import torch
 
 import minigen
 from conftest import tiny_hf
-from minigen import GenerationConfig, errors, loading
+from minigen import GenerationConfig, drafts, errors, loading
 from minigen.measure import bench, machine
 from minigen.__main__ import build_parser
 from minigen.serving.batching import RequestQueue, group_by_length, pad_batch
@@ -297,6 +297,90 @@ def _(tmp_path):
 def _(tmp_path):
     (tmp_path / "generation_config.json").write_bytes(b"\xff\xfe{")
     GenerationConfig.from_json(tmp_path / "generation_config.json")
+
+
+# ---------------------------------------------------------------- speculative decoding
+@case("speculative-k-zero")
+def _():
+    for bad in (-1, 2.5, True, "4"):  # the row's other values, refused as well
+        with pytest.raises(errors.ConfigError, match=f"num_speculative_tokens={bad!r} is invalid"):
+            GenerationConfig(speculative_method="ngram", num_speculative_tokens=bad)
+    GenerationConfig(speculative_method="ngram", num_speculative_tokens=0)
+
+
+@case("speculative-method-unknown")
+def _():
+    GenerationConfig(speculative_method="eagle")
+
+
+@case("speculative-draft-without-model")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), speculative_method="draft")
+
+
+@case("speculative-model-without-draft")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), draft_model=drafts.unrelated(tiny_model))
+
+
+@case("speculative-draft-vocabulary")
+def _(tiny_model):
+    draft = minigen.from_hf(tiny_hf("llama", vocab_size=50))
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), speculative_method="draft", draft_model=draft)
+
+
+@case("speculative-draft-device")
+def _(tiny_model):
+    draft = drafts.unrelated(tiny_model).to("meta")
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), speculative_method="draft", draft_model=draft)
+
+
+@case("speculative-draft-bf16")
+def _(tiny_model):
+    ids, kw = torch.tensor([[3, 1, 4, 1, 5, 3, 1]]), dict(max_new_tokens=8, stop_token_ids=[])
+    draft = minigen.from_hf(tiny_hf("llama"), dtype=torch.bfloat16)
+    out = minigen.generate(tiny_model, ids, speculative_method="draft", draft_model=draft, **kw)
+    assert out.stats.draft_tokens > 0
+    assert torch.equal(out.tokens, minigen.generate(tiny_model, ids, **kw).tokens)
+
+
+@case("speculative-lookup-min-above-max")
+def _():
+    GenerationConfig(speculative_method="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+@case("speculative-lookup-without-ngram")
+def _():
+    GenerationConfig(speculative_method="draft", prompt_lookup_max=5)
+
+
+@case("speculative-with-quant")
+def _():
+    for key, value in (("kv_budget", 8), ("compile", True), ("cuda_graphs", True), ("use_cache", False)):
+        with pytest.raises(errors.ConfigError, match=f"{key}={value!r} and speculative_method='ngram' do not combine"):
+            GenerationConfig(speculative_method="ngram", **{key: value})
+    GenerationConfig(speculative_method="ngram", quant_bits=4)
+
+
+@case("speculative-engine")
+def _(tiny_model):
+    minigen.Engine(tiny_model, GenerationConfig(speculative_method="ngram"))
+
+
+@case("speculative-observers")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), speculative_method="ngram",
+                     observers=(lambda layer, probs: None,))
+
+
+@case("speculative-parallel-sample")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, torch.tensor([[1, 2, 3]]), 3, do_sample=True, speculative_method="ngram")
+
+
+@case("speculative-rows-offload")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3], [3, 2, 1]]), speculative_method="ngram", prefetch_depth=0)
 
 
 # ---------------------------------------------------------------- prompts and texts

@@ -151,9 +151,10 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.gemv_q8.restype = None
         lib.gemv_q4.restype = ctypes.c_int  # the same
         lib.gemv_late_regions.restype = i64
-        # layers, L, dims, tokens [B], B, x [B, D], pos (steps/fused.py)
-        lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64]
-        lib.decode_layers.restype = ctypes.c_int
+        # layers, L, dims, tokens [B], B, x [B, D], pos (steps/fused.py); verify_layers: T for B, positions pos..
+        for fn in (lib.decode_layers, lib.verify_layers):
+            fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64]
+            fn.restype = ctypes.c_int
         lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
         lib.attend_decode.restype = ctypes.c_int
         lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps

@@ -12,6 +12,9 @@ kernels as eager decoding, everything in between on the calling thread in fp32, 
 one head per thread once the context is long enough to share out. A tensor batch (B rows at one
 shared position, up to 16) runs in the same call: with fp32 weights its products meet every row in
 one pass of the several-row kernel, as the eager step's do, and everything else loops over the rows.
+Speculative decoding's verify (chapter 15) is the same call on a chunk of one sequence
+(`verify_layers`): T tokens at consecutive positions, each its own row, every row's keys and
+values written before any row attends, so that the chunk is causal.
 
 What it takes (everything else is refused up front with the reason, never run another way:
 combinations.RUN_RULES and REFUSED):
@@ -114,13 +117,14 @@ class _Plan:
                           int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
                           _weight(model.head), None)
-        self.x = torch.empty(cache.k.shape[1], cfg.dim)  # the residual stream of each row, written by C
+        self.x = torch.empty(FUSED_MAX_ROWS, cfg.dim)  # the residual stream of each row (or chunk token), written by C
 
 
 class FusedStep(EagerStep):
-    """fused_decode: the prompt through torch (EagerStep.prefill), each decode token in one C call.
-    The C descriptions of the (model, cache) pair are built at the first decode step and held here,
-    by the step the caller owns, never on the cache."""
+    """fused_decode: the prompt through torch (EagerStep.prefill), each decode token in one C call, and
+    speculative decoding's verify of one sequence's chunk in one C call too. The C descriptions of the
+    (model, cache) pair are built at the first call and held here, by the step the caller owns, never
+    on the cache."""
     name = "fused"
 
     def __init__(self):
@@ -135,22 +139,42 @@ class FusedStep(EagerStep):
             "fused_decode takes one token per row at one shared position and no attention policy (the config " \
             "refuses the rest)"
         lib = kernel_build.library()
+        return self._run(lib.decode_layers, model, tokens[:, 0], input_pos, cache, B)
+
+    def verify(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+        """EagerStep.verify's contract: tokens [1, T] of one sequence at consecutive positions input_pos
+        [T], 2 <= T <= FUSED_MAX_ROWS, in one C call (each token's keys and values written before any
+        attends, so the chunk is causal) -> logits [1, T, V]. Anything else (several rows at their own
+        positions, a longer chunk) runs EagerStep's torch forward."""
+        B, T = tokens.shape
+        if not (B == 1 and policy is None and input_pos.dim() == 1 and 2 <= T <= FUSED_MAX_ROWS
+                and bool((input_pos.diff() == 1).all())):
+            return super().verify(model, tokens, input_pos, cache, policy)
+        lib = kernel_build.library()
+        return self._run(lib.verify_layers, model, tokens[0], input_pos, cache, 1)[None]
+
+    def _run(self, entry, model: Model, ids: Tensor, input_pos: Tensor, cache: KVCache, rows: int) -> Tensor:
+        """One C call of decode.c: `entry` (decode_layers or verify_layers) on token ids [M] at the
+        positions input_pos ([1] shared, or [M] consecutive) in a cache of `rows` rows -> logits [M, V].
+        Builds the plan of (model, cache) on first use and checks, before C reads or writes anything,
+        the cache, the ids and the cache's room."""
+        M = ids.shape[0]
+        assert type(cache) is KVCache and cache.k.shape[1] == rows and cache.k.dtype in CACHE_DTYPES, \
+            "fused_decode writes a contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
         if self.planned_for != (id(model), id(cache)):
-            assert type(cache) is KVCache and cache.k.shape[1] == B and cache.k.dtype in CACHE_DTYPES, \
-                "fused_decode writes a contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
             self.plan, self.planned_for = _Plan(model, cache), (id(model), id(cache))
         plan = self.plan
         cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
         pos = int(input_pos[0])
-        ids = tokens[:, 0].to(torch.int64).contiguous()
+        ids = ids.to(torch.int64).contiguous()
         if not bool(((ids >= 0) & (ids < model.config.vocab_size)).all()):  # C would read past the embedding
             bad = int(ids[(ids < 0) | (ids >= model.config.vocab_size)][0])
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {model.config.vocab_size})")
         plan.dims.threads = torch.get_num_threads()
-        logits = torch.empty(B, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+        logits = torch.empty(M, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
         plan.dims.logits = logits.data_ptr()
         # each row's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
-        if lib.decode_layers(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), ids.data_ptr(), B,
-                             plan.x.data_ptr(), pos) != 0:
+        if entry(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), ids.data_ptr(), M,
+                 plan.x.data_ptr(), pos) != 0:
             raise MemoryError("fused_decode: the C step could not allocate its work buffers")
         return logits

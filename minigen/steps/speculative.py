@@ -100,9 +100,11 @@ class DraftProposer:
         with self.step.grad_mode():
             self.cache = make_cache(draft, self.config, batch, max_len, ragged=self.ragged)
         self.cached = [0] * batch  # positions of each row's text held in the draft's cache
+        self.fed = [0] * batch  # of each row's latest proposals, how many went into that cache (all but the last)
 
     def start(self, texts: list[list[int]]) -> None:
         self.cached = [0] * self.batch  # a write at position 0 forgets the previous text
+        self.fed = [0] * self.batch
 
     def _positions(self, pos: list[list[int]], width: int) -> Tensor:
         """Per-row positions, left-padded with -1 to `width` ([T] at batch 1) -> [B, width]."""
@@ -147,12 +149,14 @@ class DraftProposer:
                             tokens[b], pos[b] = [new[b]], [self.cached[b] + i]
                 if not any(tokens):
                     break
+        for b in rows:
+            self.fed[b] = max(len(out[b]) - 1, 0)
         return [out[b] for b in rows], [torch.stack(probs[b]) if probs[b] else None for b in rows]
 
     def accepted(self, row: int, kept: int) -> None:
         """`kept` of the row's proposals were accepted: its cache holds the text up to the last one
         fed (the last proposal never was); the rest is forgotten at the next write."""
-        self.cached[row] = self.cached[row] + kept
+        self.cached[row] += min(kept, self.fed[row])
 
 
 # ---------------------------------------------------------------- the acceptance rules

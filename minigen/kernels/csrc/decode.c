@@ -10,8 +10,11 @@
  * context is long enough to pay for a parallel region. Llama family only: RMSNorm, RoPE in the
  * rotate-half pairing, SwiGLU, grouped-query attention, optional q/k/v biases (Qwen2); fp32
  * activations and fp32 sums throughout, the cache in fp32 or bf16 (rounded to nearest even, as
- * torch's .to(torch.bfloat16) rounds). minigen/steps/fused.py builds the descriptions and checks
- * what applies. */
+ * torch's .to(torch.bfloat16) rounds). One body (run_layers) runs up to DECODE_MAX_ROWS rows, each
+ * at its own position in its own cache row; its two entry points say which: decode_layers, a tensor
+ * batch (B rows, one shared position), and verify_layers, a chunk of one sequence (T consecutive
+ * positions, speculative decoding's verify). minigen/steps/fused.py builds the descriptions and
+ * checks what applies. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -41,7 +44,7 @@ typedef struct {
     const float *inv_freq;              /* RoPE's inverse frequencies [Dh / 2], fp32 */
     const float *final_norm;            /* the last RMSNorm's weight [D], fp32 */
     Weight head;                        /* the output head [V, D], any kind */
-    float *logits;                      /* out: [V] */
+    float *logits;                      /* out: [rows, V] */
 } Dims;
 
 /* y[n] = W x for any kind above (the bf16 and int4 kernels want x prepared, done here) */
@@ -58,6 +61,17 @@ static void matvec_any(const Weight *w, const float *x, float *y, int threads, f
     m.xsum = work;  /* int4: work holds k / G sums and k reordered activations */
     if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m.xperm = work + w->k / w->G;
     gemv(q4_rows(&m), &m, y, w->n, threads);
+}
+
+/* RoPE's table for position pos: cos [Dh] and sin_signed [Dh], the angles fp32 pos * inv_freq (as
+ * Model.forward), each half of the head sharing them (rotate-half pairing) */
+static void rope_angles(const float *inv_freq, int64_t pos, int64_t Dh, float *cos, float *sin_signed) {
+    for (int64_t i = 0; i < Dh / 2; i++) {
+        float angle = (float)pos * inv_freq[i];
+        cos[i] = cos[i + Dh / 2] = cosf(angle);
+        sin_signed[i] = -sinf(angle);
+        sin_signed[i + Dh / 2] = sinf(angle);
+    }
 }
 
 /* Rotate one head in place: x * cos + roll(x, Dh/2) * sin_signed (model.apply_rope) */
@@ -98,43 +112,48 @@ static void product(const Weight *w, const float *x, float *y, int64_t B, int th
     for (int64_t b = 0; b < B; b++) matvec_any(w, x + b * w->k, y + b * w->n, threads, work);
 }
 
-/* One decode token for each of B rows at the same position pos, embedding to logits: x [B, D] gets
- * the tokens' embeddings, then each layer's output in turn; RoPE's angles for pos are worked out
- * here (fp32 pos * inv_freq, as Model.forward), and pos's slot is written in every layer's cache
- * (row b at b * Hkv * S * Dh); then the final norm and the head write d->logits [B, V]. Returns 0,
- * or -1 without memory for the work buffers (or for B past DECODE_MAX_ROWS or Dh past 1024).
+/* M rows through every layer, embedding to logits. Row r is token tokens[r] at position pos_of[r],
+ * in cache row cache_row[r]: x [M, D] gets the tokens' embeddings, then each layer's output in turn;
+ * RoPE's angles of each row's position are worked out here (fp32 pos * inv_freq, as Model.forward);
+ * every row's keys and values are written at its slot before any row attends, so a row sees the
+ * rows before it in the same call (a chunk of one sequence is causal), and attends to slots
+ * 0..its own position; then the final norm and the head write d->logits [M, V]. Returns 0, or -1
+ * without memory for the work buffers (or for M past DECODE_MAX_ROWS or Dh past 1024).
  * The norm and the head are here, not in torch, for what surrounds them: after a step has streamed
  * the weights through the caches, torch's first small operations run cold (~0.2 ms for a norm that
  * takes 8 us in a loop), a few percent of an int4 step. */
-int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t B,
-                  float *x, int64_t pos) {
+static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t M,
+                      float *x, const int64_t *pos_of, const int64_t *cache_row) {
     const int64_t D = d->D, H = d->H, Hkv = d->Hkv, Dh = d->Dh, F = d->F, S = d->S;
     const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F, row_cache = Hkv * S * Dh;
-    if (B < 1 || B > DECODE_MAX_ROWS || Dh > 1024) return -1;
-    float *buf = malloc(sizeof(float) * (size_t)(B * (D + qkv_n + H * Dh + D + 2 * F + H * (pos + 1)) + 2 * widest));
-    if (!buf) return -1;
-    float cos[1024], sin_signed[1024];
-    for (int64_t i = 0; i < Dh / 2; i++) {
-        float angle = (float)pos * d->inv_freq[i];
-        cos[i] = cos[i + Dh / 2] = cosf(angle);
-        sin_signed[i] = -sinf(angle);
-        sin_signed[i + Dh / 2] = sinf(angle);
+    if (M < 1 || M > DECODE_MAX_ROWS || Dh > 1024) return -1;
+    int64_t last = 0, attended = 0;  /* the furthest position, and the slots all rows attend to */
+    for (int64_t r = 0; r < M; r++) {
+        last = pos_of[r] > last ? pos_of[r] : last;
+        attended += pos_of[r] + 1;
     }
-    for (int64_t b = 0; b < B; b++) embed_row(&d->embed, tokens[b], d->embed_bf16, x + b * D);
-    float *h = buf, *qkv = h + B * D, *att = qkv + B * qkv_n, *o = att + B * H * Dh, *gu = o + B * D,
-          *scores = gu + B * 2 * F, *work = scores + B * H * (pos + 1);
+    const int64_t span = last + 1;  /* scores of each (row, head): room for the longest row's slots */
+    float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + 2 * Dh + H * span)
+                                                 + 2 * widest));
+    if (!buf) return -1;
+    float *h = buf, *qkv = h + M * D, *att = qkv + M * qkv_n, *o = att + M * H * Dh, *gu = o + M * D,
+          *cos = gu + M * 2 * F, *sin_signed = cos + M * Dh, *scores = sin_signed + M * Dh,
+          *work = scores + M * H * span;
+    for (int64_t r = 0; r < M; r++) rope_angles(d->inv_freq, pos_of[r], Dh, cos + r * Dh, sin_signed + r * Dh);
+    for (int64_t r = 0; r < M; r++) embed_row(&d->embed, tokens[r], d->embed_bf16, x + r * D);
     const int group = (int)(H / Hkv), bf16 = d->cache_bf16;
     for (int64_t l = 0; l < n_layers; l++) {
         const Layer *L = &layers[l];
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, L->attn_norm, h + b * D, D, d->eps);
-        product(&L->wqkv, h, qkv, B, d->threads, work);
-        for (int64_t b = 0; b < B; b++) {
-            float *q = qkv + b * qkv_n;
+        for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, L->attn_norm, h + r * D, D, d->eps);
+        product(&L->wqkv, h, qkv, M, d->threads, work);
+        for (int64_t r = 0; r < M; r++) {
+            float *q = qkv + r * qkv_n;
             if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) q[i] += L->bqkv[i];
-            for (int64_t hd = 0; hd < H + Hkv; hd++) rope(q + hd * Dh, cos, sin_signed, Dh);  /* q and k heads */
+            for (int64_t hd = 0; hd < H + Hkv; hd++)  /* q and k heads */
+                rope(q + hd * Dh, cos + r * Dh, sin_signed + r * Dh, Dh);
             const float *k_new = q + H * Dh, *v_new = k_new + Hkv * Dh;
-            for (int64_t j = 0; j < Hkv; j++) {  /* write this position's slot of row b */
-                int64_t at = b * row_cache + (j * S + pos) * Dh;
+            for (int64_t j = 0; j < Hkv; j++) {  /* write row r's slot: its position, in its cache row */
+                int64_t at = cache_row[r] * row_cache + (j * S + pos_of[r]) * Dh;
                 for (int64_t i = 0; i < Dh; i++) {
                     if (bf16) {
                         ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
@@ -148,36 +167,59 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
         }
         /* long enough to share out, and the products' regions have not backed off to one thread (a busy
          * neighbour: see the top of parallel.c) */
-        int par = d->threads > 1 && B * (pos + 1) * H * Dh >= (1 << 16);
+        int par = d->threads > 1 && attended * H * Dh >= (1 << 16);
 #ifdef _OPENMP
         par = par && !backing_off();
 #endif
         #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
-        for (int64_t bh = 0; bh < B * H; bh++) {  /* row bh / H, query head bh % H */
-            const int64_t b = bh / H, hd = bh % H;
-            attend_head(qkv + b * qkv_n + hd * Dh, L->kc, L->vc, bf16, b * row_cache + (hd / group) * S * Dh,
-                        pos + 1, Dh, NULL, scores + bh * (pos + 1), att + bh * Dh);
+        for (int64_t rh = 0; rh < M * H; rh++) {  /* row rh / H, query head rh % H */
+            const int64_t r = rh / H, hd = rh % H;
+            attend_head(qkv + r * qkv_n + hd * Dh, L->kc, L->vc, bf16,
+                        cache_row[r] * row_cache + (hd / group) * S * Dh, pos_of[r] + 1, Dh, NULL, scores + rh * span,
+                        att + rh * Dh);
         }
-        product(&L->wo, att, o, B, d->threads, work);
-        for (int64_t i = 0; i < B * D; i++) x[i] += o[i];
-        for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, L->mlp_norm, h + b * D, D, d->eps);
-        product(&L->wgu, h, gu, B, d->threads, work);
-        for (int64_t b = 0; b < B; b++) {  /* silu(gate) * up, into the first half of the row's [2F] */
-            float *g_row = gu + b * 2 * F;
+        product(&L->wo, att, o, M, d->threads, work);
+        for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
+        for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, L->mlp_norm, h + r * D, D, d->eps);
+        product(&L->wgu, h, gu, M, d->threads, work);
+        for (int64_t r = 0; r < M; r++) {  /* silu(gate) * up, into the first half of the row's [2F] */
+            float *g_row = gu + r * 2 * F;
             int64_t i = 0;
             for (; i + 8 <= F; i += 8) {
                 f32x8 g = load_f32(g_row + i), a = g / (1.0f + exp8(-g)) * load_f32(g_row + F + i);
                 memcpy(g_row + i, &a, sizeof a);
             }
             for (; i < F; i++) g_row[i] = g_row[i] / (1.0f + expf(-g_row[i])) * g_row[F + i];
-            /* pack the rows as [B, F]: row b moves down to b * F, over nothing a later row still holds */
-            if (b > 0) memmove(gu + b * F, g_row, sizeof(float) * (size_t)F);
+            /* pack the rows as [M, F]: row r moves down to r * F, over nothing a later row still holds */
+            if (r > 0) memmove(gu + r * F, g_row, sizeof(float) * (size_t)F);
         }
-        product(&L->wdown, gu, o, B, d->threads, work);
-        for (int64_t i = 0; i < B * D; i++) x[i] += o[i];
+        product(&L->wdown, gu, o, M, d->threads, work);
+        for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
     }
-    for (int64_t b = 0; b < B; b++) rms_norm(x + b * D, d->final_norm, h + b * D, D, d->eps);
-    product(&d->head, h, d->logits, B, d->threads, work);
+    for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, d->final_norm, h + r * D, D, d->eps);
+    product(&d->head, h, d->logits, M, d->threads, work);
     free(buf);
     return 0;
+}
+
+/* A decode token for each of B rows of a tensor batch, all at position pos: row b is cache row b.
+ * x [B, D] is the residual stream's room; logits to d->logits [B, V]. */
+int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t B,
+                  float *x, int64_t pos) {
+    int64_t pos_of[DECODE_MAX_ROWS], cache_row[DECODE_MAX_ROWS];
+    if (B < 1 || B > DECODE_MAX_ROWS) return -1;
+    for (int64_t b = 0; b < B; b++) { pos_of[b] = pos; cache_row[b] = b; }
+    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, cache_row);
+}
+
+/* T tokens of one sequence (cache row 0) at positions pos..pos + T - 1: speculative decoding's
+ * check of T - 1 proposals after the last accepted token, one forward whose products read each
+ * weight once for all T (fp32: the several-row kernel). Token t attends to slots 0..pos + t, the
+ * chunk's earlier tokens included. x [T, D]; logits to d->logits [T, V], one row per position. */
+int verify_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t T,
+                  float *x, int64_t pos) {
+    int64_t pos_of[DECODE_MAX_ROWS], cache_row[DECODE_MAX_ROWS];
+    if (T < 1 || T > DECODE_MAX_ROWS) return -1;
+    for (int64_t t = 0; t < T; t++) { pos_of[t] = pos + t; cache_row[t] = 0; }
+    return run_layers(layers, n_layers, d, tokens, T, x, pos_of, cache_row);
 }

@@ -23,7 +23,7 @@
  *   parallel.c     the parallel region over rows, its back-off on a busy machine, and the
  *                  products' entry points (gemv_f32, gemm_f32, gemv_bf16, gemv_q8, gemv_q4);
  *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
- *   decode.c       a whole decode step in C (decode_layers).
+ *   decode.c       a whole decode step in C (decode_layers), and a chunk of one sequence (verify_layers).
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
  * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
  * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
@@ -74,8 +74,8 @@ INTERNAL void row_q4_perm(const Mat *m, float *y, int64_t i);
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
 
-/* decode.c: the rows one fused decode step takes (cpu.MAX_ROWS: where the several-row kernel stops
- * paying; steps/fused.py refuses more) */
+/* decode.c: the rows one fused decode step or verify chunk takes (cpu.MAX_ROWS: where the several-row
+ * kernel stops paying; steps/fused.py refuses more) */
 #define DECODE_MAX_ROWS 16
 
 /* parallel.c: y [n] = row(m, y, i) for i < n, on `threads` threads or, backing off, on one */

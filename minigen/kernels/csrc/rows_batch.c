@@ -20,32 +20,38 @@
 #define PF_ROWS 2
 #endif
 
-static void rows_f32(const Mat *m, float *y, int64_t i) {
-    const float *w = (const float *)m->W + i * m->k;
-    int64_t k = m->k, r = 0;
-    for (; r + XROWS <= m->M; r += XROWS) {
-        const float *x = m->x + r * k;
-        f32x8 acc[XROWS][4] = {{{0}}};
-        int64_t j = 0;
-        for (; j + 32 <= k; j += 32) {
-            f32x8 w0 = load_f32(w + j), w1 = load_f32(w + j + 8), w2 = load_f32(w + j + 16), w3 = load_f32(w + j + 24);
-            if (r == 0 && i + PF_ROWS < m->n) { __builtin_prefetch(w + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w + PF_ROWS * k + j + 16, 0, 2); }
-            #pragma GCC unroll 8  /* unrolled, acc stays in registers: twice as fast as the rolled loop here */
-            for (int q = 0; q < XROWS; q++) {
-                const float *xq = x + q * k + j;
-                acc[q][0] += w0 * load_f32(xq);
-                acc[q][1] += w1 * load_f32(xq + 8);
-                acc[q][2] += w2 * load_f32(xq + 16);
-                acc[q][3] += w3 * load_f32(xq + 24);
-            }
+/* Rows r..r + nq - 1 of x (nq <= XROWS) against row i of W. Inlined with nq a constant, so that each
+ * count is its own unrolled loop with its sums in registers: 4 for the passes of four rows, 1 to 3
+ * for the rows left over, which take one pass together rather than one pass each (measured: a
+ * leftover row cost as much as four rows in a pass). */
+static inline __attribute__((always_inline)) void rows_f32_pass(const Mat *m, float *y, int64_t i, int64_t r,
+                                                                 const int nq) {
+    const float *w = (const float *)m->W + i * m->k, *x = m->x + r * m->k;
+    int64_t k = m->k, j = 0;
+    f32x8 acc[XROWS][4] = {{{0}}};
+    for (; j + 32 <= k; j += 32) {
+        f32x8 w0 = load_f32(w + j), w1 = load_f32(w + j + 8), w2 = load_f32(w + j + 16), w3 = load_f32(w + j + 24);
+        if (r == 0 && i + PF_ROWS < m->n) { __builtin_prefetch(w + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w + PF_ROWS * k + j + 16, 0, 2); }
+        #pragma GCC unroll 8  /* unrolled, acc stays in registers: twice as fast as the rolled loop here */
+        for (int q = 0; q < nq; q++) {
+            const float *xq = x + q * k + j;
+            acc[q][0] += w0 * load_f32(xq);
+            acc[q][1] += w1 * load_f32(xq + 8);
+            acc[q][2] += w2 * load_f32(xq + 16);
+            acc[q][3] += w3 * load_f32(xq + 24);
         }
-        for (int q = 0; q < XROWS; q++)
-            y[(r + q) * m->n + i] = finish_f32(acc[q][0], acc[q][1], acc[q][2], acc[q][3], w, x + q * k, j, k);
     }
-    for (; r < m->M; r++) {  /* the rows left over: one at a time, as row_f32 does them */
-        Mat one = *m;
-        one.x = m->x + r * k;
-        row_f32(&one, y + r * m->n, i);
+    for (int q = 0; q < nq; q++)
+        y[(r + q) * m->n + i] = finish_f32(acc[q][0], acc[q][1], acc[q][2], acc[q][3], w, x + q * k, j, k);
+}
+
+static void rows_f32(const Mat *m, float *y, int64_t i) {
+    int64_t r = 0;
+    for (; r + XROWS <= m->M; r += XROWS) rows_f32_pass(m, y, i, r, XROWS);
+    switch (m->M - r) {  /* the rows left over, in one pass */
+        case 3: rows_f32_pass(m, y, i, r, 3); break;
+        case 2: rows_f32_pass(m, y, i, r, 2); break;
+        case 1: rows_f32_pass(m, y, i, r, 1); break;
     }
 }
 
@@ -93,53 +99,57 @@ static inline f32x8 sum8_x8(const f32x8 v[8]) {
     return out;
 }
 
-static void rows_f32_pair(const Mat *m, float *y, int64_t p) {
-    int64_t i = 2 * p, k = m->k, r = 0;
-    if (i + 1 >= m->n) { rows_f32(m, y, i); return; }  /* an odd last row */
-    const float *w0 = (const float *)m->W + i * k, *w1 = w0 + k;
-    for (; r + XROWS <= m->M; r += XROWS) {
-        const float *x = m->x + r * k;
-        __m512 acc[XROWS][2][2];  /* [row of x][row of W][chains a|b, c|d] */
-        for (int q = 0; q < XROWS; q++)
-            acc[q][0][0] = acc[q][0][1] = acc[q][1][0] = acc[q][1][1] = _mm512_setzero_ps();
-        int64_t j = 0;
-        for (; j + 32 <= k; j += 32) {
-            __m512 ab0 = _mm512_loadu_ps(w0 + j), cd0 = _mm512_loadu_ps(w0 + j + 16);
-            __m512 ab1 = _mm512_loadu_ps(w1 + j), cd1 = _mm512_loadu_ps(w1 + j + 16);
-            if (r == 0 && i + 1 + PF_ROWS < m->n) {
-                __builtin_prefetch(w0 + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w0 + PF_ROWS * k + j + 16, 0, 2);
-                __builtin_prefetch(w1 + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w1 + PF_ROWS * k + j + 16, 0, 2);
-            }
-            #pragma GCC unroll 8
-            for (int q = 0; q < XROWS; q++) {
-                __m512 xab = _mm512_loadu_ps(x + q * k + j), xcd = _mm512_loadu_ps(x + q * k + j + 16);
-                __asm__("" : "+v"(xab), "+v"(xcd));  /* in registers: see above */
-                acc[q][0][0] = _mm512_fmadd_ps(ab0, xab, acc[q][0][0]);
-                acc[q][0][1] = _mm512_fmadd_ps(cd0, xcd, acc[q][0][1]);
-                acc[q][1][0] = _mm512_fmadd_ps(ab1, xab, acc[q][1][0]);
-                acc[q][1][1] = _mm512_fmadd_ps(cd1, xcd, acc[q][1][1]);
-            }
+/* Rows r..r + nq - 1 of x (nq <= XROWS) against rows i and i + 1 of W, inlined with nq a constant (as
+ * rows_f32_pass) */
+static inline __attribute__((always_inline)) void rows_f32_pair_pass(const Mat *m, float *y, int64_t i, int64_t r,
+                                                                      const int nq) {
+    const int64_t k = m->k;
+    const float *w0 = (const float *)m->W + i * k, *w1 = w0 + k, *x = m->x + r * k;
+    __m512 acc[XROWS][2][2];  /* [row of x][row of W][chains a|b, c|d] */
+    for (int q = 0; q < XROWS; q++)
+        acc[q][0][0] = acc[q][0][1] = acc[q][1][0] = acc[q][1][1] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 32 <= k; j += 32) {
+        __m512 ab0 = _mm512_loadu_ps(w0 + j), cd0 = _mm512_loadu_ps(w0 + j + 16);
+        __m512 ab1 = _mm512_loadu_ps(w1 + j), cd1 = _mm512_loadu_ps(w1 + j + 16);
+        if (r == 0 && i + 1 + PF_ROWS < m->n) {
+            __builtin_prefetch(w0 + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w0 + PF_ROWS * k + j + 16, 0, 2);
+            __builtin_prefetch(w1 + PF_ROWS * k + j, 0, 2); __builtin_prefetch(w1 + PF_ROWS * k + j + 16, 0, 2);
         }
-        if (j == k) {  /* no tails (k a multiple of 32): the eight sums at once, see sum8_x8 */
-            f32x8 v[2 * XROWS];
-            for (int q = 0; q < XROWS; q++)
-                for (int h = 0; h < 2; h++)
-                    v[2 * q + h] = (low8(acc[q][h][0]) + high8(acc[q][h][0])) + (low8(acc[q][h][1]) + high8(acc[q][h][1]));
-            f32x8 s = sum8_x8(v);
-            for (int q = 0; q < XROWS; q++)
-                for (int h = 0; h < 2; h++) y[(r + q) * m->n + i + h] = s[2 * q + h];
-            continue;
+        #pragma GCC unroll 8
+        for (int q = 0; q < nq; q++) {
+            __m512 xab = _mm512_loadu_ps(x + q * k + j), xcd = _mm512_loadu_ps(x + q * k + j + 16);
+            __asm__("" : "+v"(xab), "+v"(xcd));  /* in registers: see above */
+            acc[q][0][0] = _mm512_fmadd_ps(ab0, xab, acc[q][0][0]);
+            acc[q][0][1] = _mm512_fmadd_ps(cd0, xcd, acc[q][0][1]);
+            acc[q][1][0] = _mm512_fmadd_ps(ab1, xab, acc[q][1][0]);
+            acc[q][1][1] = _mm512_fmadd_ps(cd1, xcd, acc[q][1][1]);
         }
-        for (int q = 0; q < XROWS; q++)
-            for (int h = 0; h < 2; h++)  /* row_f32's end, on its chains a, b, c, d */
-                y[(r + q) * m->n + i + h] = finish_f32(low8(acc[q][h][0]), high8(acc[q][h][0]), low8(acc[q][h][1]),
-                                                       high8(acc[q][h][1]), h ? w1 : w0, x + q * k, j, k);
     }
-    for (; r < m->M; r++) {  /* the rows of x left over: one at a time, as row_f32 does them */
-        Mat one = *m;
-        one.x = m->x + r * k;
-        row_f32(&one, y + r * m->n, i);
-        row_f32(&one, y + r * m->n, i + 1);
+    if (j == k) {  /* no tails (k a multiple of 32): the eight sums at once, see sum8_x8 (rows past nq: zeros) */
+        f32x8 v[2 * XROWS];
+        for (int q = 0; q < XROWS; q++)
+            for (int h = 0; h < 2; h++)
+                v[2 * q + h] = (low8(acc[q][h][0]) + high8(acc[q][h][0])) + (low8(acc[q][h][1]) + high8(acc[q][h][1]));
+        f32x8 s = sum8_x8(v);
+        for (int q = 0; q < nq; q++)
+            for (int h = 0; h < 2; h++) y[(r + q) * m->n + i + h] = s[2 * q + h];
+        return;
+    }
+    for (int q = 0; q < nq; q++)
+        for (int h = 0; h < 2; h++)  /* row_f32's end, on its chains a, b, c, d */
+            y[(r + q) * m->n + i + h] = finish_f32(low8(acc[q][h][0]), high8(acc[q][h][0]), low8(acc[q][h][1]),
+                                                   high8(acc[q][h][1]), h ? w1 : w0, x + q * k, j, k);
+}
+
+static void rows_f32_pair(const Mat *m, float *y, int64_t p) {
+    int64_t i = 2 * p, r = 0;
+    if (i + 1 >= m->n) { rows_f32(m, y, i); return; }  /* an odd last row */
+    for (; r + XROWS <= m->M; r += XROWS) rows_f32_pair_pass(m, y, i, r, XROWS);
+    switch (m->M - r) {  /* the rows of x left over, in one pass */
+        case 3: rows_f32_pair_pass(m, y, i, r, 3); break;
+        case 2: rows_f32_pair_pass(m, y, i, r, 2); break;
+        case 1: rows_f32_pair_pass(m, y, i, r, 1); break;
     }
 }
 #endif
