@@ -324,3 +324,60 @@ def test_ch10_admission_checker_asks_the_engine_and_names_the_usual_mistakes():
             (lambda need, free, reserved, running, b: running < b and need < free - reserved, "exactly fits")]:
         with pytest.raises(ExerciseFailed, match=hint):
             ch10.check_can_admit(wrong)
+
+
+# ---------------------------------------------------------------- chapter 15
+@pytest.mark.usefixtures("one_thread")
+def test_ch15_distribution_tools_agree_with_plain_sampling():
+    """The exact joint of a tiny model's continuations sums to 1, and plain sampling (no speculation)
+    passes the chi-square test against it, while sampling at another temperature does not."""
+    from minigen.course import distributions
+    model = distributions.tiny_llama(8, seed=0)
+    prompt = torch.tensor([1, 5, 2, 7])
+    config = minigen.GenerationConfig(do_sample=True, max_new_tokens=2, stop_token_ids=[], seed=0)
+    exact = distributions.continuation_probabilities(model, prompt, 2, config)
+    assert exact.shape == (8, 8) and abs(float(exact.sum()) - 1) < 1e-9
+    for temperature, passes in ((1.0, True), (0.7, False)):
+        out = minigen.generate(model, prompt.expand(4000, -1), config, temperature=temperature)
+        counts = distributions.outcome_counts(out.tokens[:, len(prompt):], 8)
+        assert counts.sum() == 4000
+        assert (distributions.chi_square(counts, exact)[2] > 1e-3) == passes, temperature
+    # a count where the distribution puts nothing: impossible under it, p-value 0
+    assert distributions.chi_square(torch.tensor([5.0, 5.0, 1.0]), torch.tensor([0.5, 0.5, 0.0]))[2] == 0.0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_ch15_accept_checker_takes_the_solution_and_refuses_wrong_rules():
+    import sys
+    from minigen import drafts
+    from minigen.course import distributions
+    from minigen.course.exercises import ch15
+    from minigen.sampling import probabilities
+    from minigen.steps import speculative
+    from minigen.steps.speculative import accept_sampled
+    assert ch15.check_accept_sampled(ch15.solution_accept_sampled)
+    # minigen's own rule passes the same distribution test (what the checker holds answers to)
+    model, (label, case, prompt) = distributions.tiny_llama(8, seed=0), ch15._cases()[0]
+    counts, _ = ch15.run_rule(accept_sampled, model, prompt, case["config"], drafts.layer_skip(model, 1))
+    exact = distributions.continuation_probabilities(model, prompt, ch15.NEW, case["config"]).sum(0)
+    assert distributions.chi_square(counts, exact)[2] > ch15.P_MIN
+
+    def ignores_the_config(logits, proposal, q, config, generator):  # softmax of the raw logits
+        return ch15.solution_accept_sampled(logits, proposal, q, minigen.GenerationConfig(do_sample=True), generator)
+
+    def never_keeps(logits, proposal, q, config, generator):
+        return [int(torch.multinomial(probabilities(logits, config)[0], 1, generator=generator))]
+
+    for wrong, hint in ((ch15.keep_every_proposal, "you keep every proposal"),
+                        (ch15.resample_from_target, "residual max\\(0, p - q\\)"),
+                        (ignores_the_config, "probabilities\\(logits, config\\)"),
+                        (never_keeps, "every guess must be kept"),
+                        (lambda *args: None, "returned None"),
+                        (lambda logits, proposal, *rest: list(proposal) + [0, 0], "tokens for")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch15.check_accept_sampled(wrong)
+    # an answer that calls minigen's rule, imported by name or looked up in its module, fails
+    for calls in (accept_sampled, lambda *args: accept_sampled(*args), lambda *args: speculative.accept_sampled(*args)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own accept_sampled"):
+            ch15.check_accept_sampled(calls)
+    assert speculative.accept_sampled is accept_sampled and sys.getprofile() is None  # the checker put them back
