@@ -34,7 +34,7 @@ from .machine import PeakRSS, hardware_info, memory_read_bandwidth
 from ..numerics.precision import DTYPES, dtype_of
 from ..numerics.weight_quant import check_weight_bits, quantize_weights
 from ..numerics.weight_quant import weight_bytes as packed_weight_bytes
-from .speculation import alpha_from_length, predicted_speedup
+from . import speculation
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -320,7 +320,7 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
     if "llama.cpp" in rows:
         result["speedup_vs_llama_cpp"] = speed["minigen"] / speed["llama.cpp"]
     if "minigen plain" in rows:
-        result["speculation"] = _speculation(result["config"], engines["minigen"].stats, speed)
+        result["speculation"] = speculation.summarize(result["config"], engines["minigen"].stats, speed)
     if "transformers" in rows:
         prompt_len = result["prompt_len"]
         a, b = timed["minigen"]["tokens"], timed["transformers"]["tokens"]
@@ -333,20 +333,6 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
             raise AssertionError(f"minigen and transformers greedy tokens differ ({match:.1%} agree) "
                                  "under an exact config: this is a correctness bug")
     return result
-
-
-def _speculation(config: dict, stats, speed: dict[str, float]) -> dict:
-    """What speculation did in the timed run (its last N-token run) and what the speed model predicts
-    from it: alpha read off the mean acceptance length, c the draft's step over the target's
-    (prompt lookup: 0, a search), v = 1 (a verify forward costs one step, Leviathan et al.'s assumption)."""
-    k, length = config["num_speculative_tokens"], stats.mean_acceptance_length
-    alpha = alpha_from_length(min(max(length, 1.0), k + 1.0), k)
-    c = speed["minigen plain"] / speed["minigen draft"] if "minigen draft" in speed else 0.0
-    return {"method": config["speculative_method"], "k": k, "acceptance_rate": stats.acceptance_rate,
-            "mean_acceptance_length": length, "alpha": alpha, "draft_cost": c,
-            "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
-            "speedup_vs_plain": speed["minigen"] / speed["minigen plain"],
-            "predicted_speedup": predicted_speedup(alpha, k, c)}
 
 
 # ---------------------------------------------------------------- llama.cpp, as an optional engine

@@ -50,3 +50,18 @@ def alpha_from_length(mean_length: float, k: int) -> float:
 def best_k(alpha: float, c: float, v: float = 1.0, k_max: int = 16) -> int:
     """The k in 1..k_max with the highest predicted speed-up."""
     return max(range(1, k_max + 1), key=lambda k: predicted_speedup(alpha, k, c, v))
+
+
+def summarize(config: dict, stats, speed: dict[str, float]) -> dict:
+    """bench's report of a speculative run: what speculation did (the stats of its last N-token run)
+    and what the speed model predicts from it: alpha read off the mean acceptance length, c the
+    target's plain decode rate over the draft's (prompt lookup: 0, a search), and v = 1 (a verify
+    forward costs one step, Leviathan et al.'s assumption)."""
+    k, length = config["num_speculative_tokens"], stats.mean_acceptance_length
+    alpha = alpha_from_length(min(max(length, 1.0), k + 1.0), k)
+    c = speed["minigen plain"] / speed["minigen draft"] if "minigen draft" in speed else 0.0
+    return {"method": config["speculative_method"], "k": k, "acceptance_rate": stats.acceptance_rate,
+            "mean_acceptance_length": length, "alpha": alpha, "draft_cost": c,
+            "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens,
+            "speedup_vs_plain": speed["minigen"] / speed["minigen plain"],
+            "predicted_speedup": predicted_speedup(alpha, k, c)}

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ..caches.make import make_cache
+from ..combinations import FUSED_MAX_ROWS
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..model import Model
@@ -119,7 +120,9 @@ class DraftProposer:
         input_pos = self._positions(pos, width)
         if width == 1:
             return self.step.decode(self.model, ids, input_pos, self.cache)
-        return self.step.prefill(self.model, ids, input_pos, self.cache)
+        if width <= FUSED_MAX_ROWS:  # a catch-up of a few tokens: the step's verify (one C call when fused)
+            return self.step.verify(self.model, ids, input_pos, self.cache)[:, -1]
+        return self.step.prefill(self.model, ids, input_pos, self.cache)  # the prompt
 
     def propose(self, rows: list[int], texts: list[list[int]], ks: list[int],
                 generator: torch.Generator | None) -> tuple[list[list[int]], list[Tensor | None]]:
