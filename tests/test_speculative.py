@@ -238,6 +238,13 @@ def test_each_row_stops_at_its_own_stop_while_speculating(tiny, another, plain, 
     # alone too, the stop ends the generation
     one = speculate(tiny, prompts[1][None], proposer, PROPOSERS[proposer][1](tiny, another), 4, **config)
     assert one.tokens.shape[1] == 9 + 5 and one.stats.new_tokens == 5
+    # a tensor batch pads a stopped row with its stop token, as plain decoding's batch does
+    tensor = torch.cat([repeating(5, seed) for seed in (15, 19, 21)])  # [3, 12]
+    stop = int(plain(tiny, tensor[1:2], max_new_tokens=12, stop_token_ids=[])[0, 12 + 3])
+    config = dict(max_new_tokens=12, stop_token_ids=[stop])
+    both = speculate(tiny, tensor, proposer, PROPOSERS[proposer][1](tiny, another), 4, **config)
+    want = plain(tiny, tensor, **config)
+    assert torch.equal(both.tokens, want) and (want[1, 12 + 3:] == stop).all(), (both.tokens.tolist(), want.tolist())
 
 
 def test_stream_yields_what_generate_returns(tiny):
