@@ -68,8 +68,9 @@ def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) ->
 # ---------------------------------------------------------------- the engines
 def prompt_ids(tokenizer, prompt_len: int, grounded: bool = False) -> torch.Tensor:
     """The first `prompt_len` tokens of real English text, [1, prompt_len]. grounded=True wraps them in
-    a chat prompt that asks the model to repeat them (an input-grounded task: what prompt lookup,
-    chapter 15, speeds up), [1, prompt_len + the template's tokens]."""
+    a chat prompt that asks the model to copy them (an input-grounded task: what prompt lookup,
+    chapter 15, speeds up), [1, prompt_len + the template's tokens]. SmolLM2-135M paraphrases when
+    asked to "repeat the text exactly" and copies when asked to copy it "word for word"."""
     text = TEXT.read_text(encoding="utf-8") if TEXT.exists() else "The quick brown fox jumps over the lazy dog. " * 200
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :prompt_len]
     if ids.shape[1] < prompt_len:
@@ -77,7 +78,7 @@ def prompt_ids(tokenizer, prompt_len: int, grounded: bool = False) -> torch.Tens
                          f"{ids.shape[1]} tokens for this tokenizer: use --prompt-len <= {ids.shape[1]}")
     if grounded:
         passage = tokenizer.decode(ids[0])
-        messages = [{"role": "user", "content": "Repeat the following text exactly, word for word:\n\n" + passage}]
+        messages = [{"role": "user", "content": "Copy the following text word for word, without changing anything:\n\n" + passage}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
     return ids
 
