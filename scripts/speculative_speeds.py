@@ -7,11 +7,10 @@ speed-up) and README's speculative rows.
 
 Prompt lookup ("ngram") runs on the grounded prompt (bench.prompt_ids(..., grounded=True): the model
 is asked to repeat 200 tokens of English text) and on an open-ended one; every draft on the
-open-ended one. Each round times, in turn, plain decoding of each prompt, each draft decoding
-alone (its plain rate gives c, the draft's step over the target's) and each speculative setting,
-greedy, no stop token; the greedy tokens of every speculative run are checked against plain
-decoding's. The table gives medians over rounds: the speed-up is the ratio to plain decoding of the
-same prompt in the same round. alpha is read off the mean acceptance length (speculation.py); the
+open-ended one. Each measurement is a pair of runs, greedy, no stop token: plain decoding of the
+prompt, then the draft decoding alone (the ratio of their rates is c, the draft's step over the
+target's) or a speculative setting (the ratio is its speed-up); the greedy tokens of every
+speculative run are checked against plain decoding's. The table gives the median over rounds. alpha is read off the mean acceptance length (speculation.py); the
 prediction is Leviathan et al.'s E(alpha, k) / (k c + v) with v = 1.
 """
 
@@ -60,33 +59,36 @@ def main(argv: list[str] | None = None) -> None:
                                            made.get(name))
     gen = dict(max_new_tokens=args.new_tokens, stop_token_ids=[])
     plain = {p: minigen.generate(model, ids, **gen) for p, ids in prompts.items()}  # warm-up and the reference
-    rates = {key: [] for key in [*prompts, *made, *runs]}
+    # each measurement is a pair, plain decoding of the same prompt right before it: a ratio within a
+    # pair holds on a shared machine whose speed moves from one minute to the next
+    ratios = {key: [] for key in [*made, *runs]}
     stats = {}
     for r in range(args.rounds):
-        for p, ids in prompts.items():
-            rates[p].append(minigen.generate(model, ids, **gen).stats.decode_tokens_per_s)
-        for name, draft in made.items():
-            rates[name].append(minigen.generate(draft, prompts["open"], **gen).stats.decode_tokens_per_s)
+        for name, draft in made.items():  # c: the draft's step over the target's
+            target = minigen.generate(model, prompts["open"], **gen).stats.decode_tokens_per_s
+            ratios[name].append(target / minigen.generate(draft, prompts["open"], **gen).stats.decode_tokens_per_s)
         for key, (p, overrides, draft) in runs.items():
+            base = minigen.generate(model, prompts[p], **gen).stats.decode_tokens_per_s
             out = minigen.generate(model, prompts[p], **gen, **overrides, draft_model=draft)
             assert torch.equal(out.tokens, plain[p].tokens), f"{key}: speculative greedy tokens differ from plain"
-            rates[key].append(out.stats.decode_tokens_per_s / rates[p][-1])
+            ratios[key].append(out.stats.decode_tokens_per_s / base)
             stats[key] = out.stats
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr)
     hw = hardware_info()
     print(f"{hw['cpu']}, {hw['threads']} threads, torch {hw['torch']}; SmolLM2-135M "
           f"{'int%d' % args.weight_bits if args.weight_bits else 'fp32 (the dequantized Q4_1 file)'}; "
           f"{args.new_tokens} greedy tokens, median of {args.rounds} rounds in turns; plain decode "
-          + ", ".join(f"{p} {statistics.median(rates[p]):.1f} tok/s ({plain[p].stats.step})" for p in prompts))
+          + ", ".join(f"{p} {plain[p].stats.decode_tokens_per_s:.1f} tok/s ({plain[p].stats.step}, the warm-up run)"
+                      for p in prompts))
     print("| draft | prompt | k | c | acceptance rate | tokens per forward | alpha | measured | predicted (v = 1) |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
     for (name, p, k), s in stats.items():
-        c = statistics.median(rates[p]) / statistics.median(rates[name]) if name in made else 0.0
+        c = statistics.median(ratios[name]) if name in made else 0.0
         length = s.mean_acceptance_length
         alpha = alpha_from_length(min(max(length, 1.0), k + 1.0), k)
         row = dict(draft=name, prompt=p, k=k, c=c, acceptance_rate=s.acceptance_rate, tokens_per_forward=length,
-                   alpha=alpha, measured=statistics.median(rates[(name, p, k)]),
+                   alpha=alpha, measured=statistics.median(ratios[(name, p, k)]),
                    predicted=predicted_speedup(alpha, k, c))
         rows.append(row)
         print(f"| {name} | {p} | {k} | {c:.2f} | {s.acceptance_rate:.2f} | {length:.2f} | {alpha:.2f} | "
