@@ -21,8 +21,12 @@ def sample(logits: Tensor, config: GenerationConfig, generator: torch.Generator 
     """
     if not config.do_sample:
         return logits.argmax(dim=-1)
-    probs = probabilities(logits, config)  # [B, V]
-    clocks = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] ~ Exp(1)
+    return draw(probabilities(logits, config), generator)
+
+
+def draw(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token from each distribution probs [..., V] -> [...]: the exponential race (see `sample`)."""
+    clocks = torch.empty_like(probs).exponential_(generator=generator)  # [..., V] ~ Exp(1)
     return (probs / clocks).argmax(dim=-1)
 
 

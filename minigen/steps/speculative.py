@@ -43,7 +43,7 @@ from ..combinations import FUSED_MAX_ROWS
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..model import Model
-from ..sampling import probabilities
+from ..sampling import draw, probabilities
 from .eager import EagerStep
 
 
@@ -163,12 +163,6 @@ class DraftProposer:
 
 
 # ---------------------------------------------------------------- the acceptance rules
-def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One token from each distribution probs [..., V] (the exponential race of sampling.sample)."""
-    clocks = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / clocks).argmax(dim=-1)
-
-
 def accept_greedy(logits: Tensor, proposal: list[int], q: Tensor | None, config: GenerationConfig,
                   generator: torch.Generator | None) -> list[int]:
     """logits [k + 1, V] of the target at the last token and each proposal -> the tokens emitted:
