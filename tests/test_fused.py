@@ -262,7 +262,7 @@ def test_smollm2_verify_matches_the_eager_verify(smollm2, english_text_ids, kv_d
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
 def test_smollm2_verify_every_weight_format(smollm2, english_text_ids, kind):
-    """Weights other than fp32 meet the chunk's rows one at a time inside C (decode.c: product); the
+    """Weights other than fp32 meet the chunk's rows in their own several-row loops (decode.c: product); the
     logits agree with the eager forward as a decode step's do (fp32 cache: ~1e-5)."""
     folder = minigen.loading.resolve_folder("smollm2-135m")
     cfg, state = minigen.loading.read_config(folder), minigen.loading.read_safetensors(folder)
@@ -276,13 +276,29 @@ def test_smollm2_verify_every_weight_format(smollm2, english_text_ids, kind):
     torch.testing.assert_close(mine.k, eager.k, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_smollm2_verify_equals_fused_decode_steps_bit_for_bit(smollm2, english_text_ids, threads):
+def _smollm2_as(kind: str):
+    """SmolLM2 with its weights as `kind`: "float32", "bfloat16", or "int8" / "int4" with ":G" groups."""
+    folder = minigen.loading.resolve_folder("smollm2-135m")
+    cfg, state = minigen.loading.read_config(folder), minigen.loading.read_safetensors(folder)
+    if kind in ("float32", "bfloat16"):
+        return minigen.loading.build_model(cfg, state, getattr(torch, kind))
+    bits, group = kind.split(":")
+    return minigen.quantize_weights(minigen.loading.build_model(cfg, state), int(bits.removeprefix("int")),
+                                    int(group))
+
+
+@pytest.mark.parametrize("kind, threads", [("float32", 1), ("float32", 2), ("bfloat16", 2), ("int8:32", 1),
+                                           ("int8:32", 2), ("int8:64", 2), ("int4:32", 1), ("int4:32", 2),
+                                           ("int4:64", 2)])
+def test_smollm2_verify_equals_fused_decode_steps_bit_for_bit(smollm2, english_text_ids, kind, threads):
     """A chunk of T tokens in one C call gives each token the bits that T fused decode steps give it,
-    one token at a time: the several-row products give each row the bits of that row alone
-    (rows_batch.c), and a row's norms, RoPE, cache write and attention never read another row. So
-    speculative decoding over the fused step sees the logits plain fused decoding would."""
-    model, _ = smollm2
+    one token at a time: the several-row products give each row the bits of that row alone (fp32:
+    rows_batch.c; int8 and int4: the codes widened once, then each row of x through the one-row
+    loop's own order of sums, rows_avx512.c; bf16 and the other groupings: the one-row loop per row of
+    x), and a row's norms, RoPE, cache write and attention never read another row. So speculative
+    decoding over the fused step sees the logits plain fused decoding would, whatever the weights.
+    13 tokens: three passes of four rows and one left over."""
+    model = smollm2[0] if kind == "float32" else _smollm2_as(kind)
     prompt, chunk = english_text_ids[None, :130], english_text_ids[None, 130:143]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

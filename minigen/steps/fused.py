@@ -11,7 +11,8 @@ buy. torch.compile removes part of it; llama.cpp's answer is to write the whole 
 kernels as eager decoding, everything in between on the calling thread in fp32, attention over
 one head per thread once the context is long enough to share out. A tensor batch (B rows at one
 shared position, up to 16) runs in the same call: with fp32 weights its products meet every row in
-one pass of the several-row kernel, as the eager step's do, and everything else loops over the rows.
+one pass of the several-row kernel, as the eager step's do (int8 and int4 rows of codes are widened
+once for every row: decode.c's product), and everything else loops over the rows.
 Speculative decoding's verify (chapter 15) is the same call on a chunk of one sequence
 (`verify_layers`): T tokens at consecutive positions, each its own row, every row's keys and
 values written before any row attends, so that the chunk is causal.

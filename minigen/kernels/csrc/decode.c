@@ -47,20 +47,32 @@ typedef struct {
     float *logits;                      /* out: [rows, V] */
 } Dims;
 
-/* y[n] = W x for any kind above (the bf16 and int4 kernels want x prepared, done here) */
-static void matvec_any(const Weight *w, const float *x, float *y, int threads, float *work) {
-    Mat m = {.W = w->W, .scales = w->scales, .mins = w->mins, .x = x, .k = w->k, .G = w->G};
-    if (w->kind == 0) { gemv(row_f32, &m, y, w->n, threads); return; }
+/* The description of W x for one row x of the activations, with x prepared as its kind's row loop
+ * wants it (bf16: reordered; int4: the sums of x over each group and x reordered) in `work`, which
+ * holds WORK_PER_ROW(k) floats; returns that row loop. */
+#define WORK_PER_ROW(k) (2 * (k))
+static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
+    *m = (Mat){.W = w->W, .scales = w->scales, .mins = w->mins, .x = x, .k = w->k, .G = w->G, .n = w->n};
+    if (w->kind == 0) return row_f32;
     if (w->kind == 1) {  /* x reordered for row_bf16, as gemv_bf16 does */
         prepare_bf16(x, w->k, work);
-        m.x = work;
-        gemv(row_bf16, &m, y, w->n, threads);
-        return;
+        m->x = work;
+        return row_bf16;
     }
-    if (w->kind == 2) { gemv(q8_rows(&m), &m, y, w->n, threads); return; }
-    m.xsum = work;  /* int4: work holds k / G sums and k reordered activations */
-    if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m.xperm = work + w->k / w->G;
-    gemv(q4_rows(&m), &m, y, w->n, threads);
+    if (w->kind == 2) return q8_rows(m);
+    m->xsum = work;  /* int4: work holds k / G sums and k reordered activations */
+    if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m->xperm = work + w->k / w->G;
+    return q4_rows(m);
+}
+
+/* Row i of W against each of the M rows of x that m[0..M-1] describe (m[0].M = M), through their
+ * one-row loop m->each: the row comes from memory once and meets every row of x while it sits in
+ * L1, so a chunk of M tokens streams the weights once rather than M times. Each output is that
+ * loop's own, so every row gets the bits it gets alone. The dequantizing is done M times, so
+ * where that, not memory, sets the pace (int4 on Zen 4, measured in an earlier session) this buys
+ * nothing; where memory does, it is most of the step (chapter 15's verify cost). */
+static void rows_each(const Mat *m, float *y, int64_t i) {
+    for (int64_t r = 0; r < m[0].M; r++) m[r].each(&m[r], y + r * m[r].n, i);
 }
 
 /* RoPE's table for position pos: cos [Dh] and sin_signed [Dh], the angles fp32 pos * inv_freq (as
@@ -101,15 +113,25 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
     }
 }
 
-/* y [B, n] = x [B, k] @ W^T: fp32 weights meet every row in one pass (the several-row kernel, so
- * the weights stream from memory once for the batch), the other kinds one row at a time */
+/* y [B, n] = x [B, k] @ W^T, the weights streamed from memory once for all B rows: fp32 through the
+ * several-row kernel (rows_batch.c); int8 and int4 in groups of 32 through their several-row loops
+ * (rows_avx512.c: each row of codes widened once, then every row of x in the one-row loop's order);
+ * the rest each row of W through its one-row loop B times (rows_each). Every kind gives each row of
+ * x the bits it gets alone. SmolLM2, a 5-token verify against one decode step, 2 threads, on the
+ * Xeon of issue 23's note: int8 3.62 -> 2.76 steps, int4 4.23 -> 3.26 (the widening and the
+ * multiply-adds, not memory, set those rows' pace; fp32's is 1.0). work: B * WORK_PER_ROW(k) floats. */
 static void product(const Weight *w, const float *x, float *y, int64_t B, int threads, float *work) {
     if (B > 1 && w->kind == 0) {
         Mat m = {.W = w->W, .x = x, .k = w->k, .M = B, .n = w->n};
         gemm_rows(&m, y, threads);
         return;
     }
-    for (int64_t b = 0; b < B; b++) matvec_any(w, x + b * w->k, y + b * w->n, threads, work);
+    Mat m[DECODE_MAX_ROWS];
+    for (int64_t b = 0; b < B; b++) m[b].each = describe(w, x + b * w->k, work + b * WORK_PER_ROW(w->k), &m[b]);
+    if (B == 1) { gemv(m[0].each, &m[0], y, w->n, threads); return; }
+    m[0].M = B;
+    row_fn several = several_rows(&m[0]);
+    gemv(several ? several : rows_each, m, y, w->n, threads);
 }
 
 /* M rows through every layer, embedding to logits. Row r is token tokens[r] at position pos_of[r],
@@ -133,8 +155,8 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
         attended += pos_of[r] + 1;
     }
     const int64_t span = last + 1;  /* scores of each (row, head): room for the longest row's slots */
-    float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + 2 * Dh + H * span)
-                                                 + 2 * widest));
+    float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + 2 * Dh + H * span
+                                                      + WORK_PER_ROW(widest))));
     if (!buf) return -1;
     float *h = buf, *qkv = h + M * D, *att = qkv + M * qkv_n, *o = att + M * H * Dh, *gu = o + M * D,
           *cos = gu + M * 2 * F, *sin_signed = cos + M * Dh, *scores = sin_signed + M * Dh,
@@ -214,7 +236,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
 
 /* T tokens of one sequence (cache row 0) at positions pos..pos + T - 1: speculative decoding's
  * check of T - 1 proposals after the last accepted token, one forward whose products read each
- * weight once for all T (fp32: the several-row kernel). Token t attends to slots 0..pos + t, the
+ * weight once for all T (see product). Token t attends to slots 0..pos + t, the
  * chunk's earlier tokens included. x [T, D]; logits to d->logits [T, V], one row per position. */
 int verify_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t T,
                   float *x, int64_t pos) {

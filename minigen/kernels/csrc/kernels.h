@@ -38,8 +38,12 @@
 
 #define INTERNAL __attribute__((visibility("hidden")))
 
+typedef struct Mat Mat;
+/* one output row of a product: y[i] = W[i, :] @ x */
+typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
+
 /* One matrix-vector product: y = W @ x, W [n, k] in the format its row function reads, x [k] fp32. */
-typedef struct {
+struct Mat {
     const void *W;             /* fp32 or bf16 weights, or int8 / int4 codes */
     const uint16_t *scales;    /* int8 / int4: fp16 scale of each group [n, k / G] */
     const uint16_t *mins;      /* int4: fp16 minimum of each group [n, k / G] */
@@ -48,10 +52,8 @@ typedef struct {
     int64_t k, G;
     int64_t M, n;              /* gemm_f32: rows of x (x [M, k], y [M, n]); 0 for one vector */
     const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
-} Mat;  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
-
-/* one output row of a product: y[i] = W[i, :] @ x */
-typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
+    row_fn each;               /* decode.c's several rows of x through a one-row loop: that loop */
+};  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
 /* rows.c: the portable row loops */
 INTERNAL void row_f32(const Mat *m, float *y, int64_t i);
@@ -69,7 +71,13 @@ INTERNAL row_fn q4_rows(const Mat *m);
 INTERNAL void row_q8_wide(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_wide(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_perm(const Mat *m, float *y, int64_t i);
+/* the same rows against several rows of x (decode.c's several-row product), the codes widened once */
+#define MAX_WIDE_K 8192  /* k of the several-row loops' widened codes on the stack; a longer row: one row at a time */
+INTERNAL void rows_q8_wide(const Mat *m, float *y, int64_t i);
+INTERNAL void rows_q4_perm(const Mat *m, float *y, int64_t i);
 #endif
+/* rows.c: the several-row loop of m->each (the one-row loop of m, a row of x), or NULL for none */
+INTERNAL row_fn several_rows(const Mat *m);
 
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);

@@ -167,3 +167,12 @@ row_fn q4_rows(const Mat *m) {  /* the int4 loop for this machine and matrix */
     (void)m;
     return row_q4;
 }
+
+row_fn several_rows(const Mat *m) {  /* several rows of x, the codes widened once (rows_avx512.c) */
+#ifdef __AVX512F__
+    if (m->k <= MAX_WIDE_K && m->each == row_q8_wide) return rows_q8_wide;
+    if (m->k <= MAX_WIDE_K && m->each == row_q4_perm) return rows_q4_perm;
+#endif
+    (void)m;
+    return NULL;
+}
