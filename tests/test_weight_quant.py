@@ -8,6 +8,8 @@ groups of 32 reproduce.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,7 +96,7 @@ def test_the_8_wide_loops_agree_where_the_cpu_has_avx512(monkeypatch, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(wide, narrow))  # two loops ran: sums in two orders
 
 
-def test_a_quantized_model_decodes_through_the_kernel_and_prefills_dequantized():
+def test_a_quantized_model_decodes_and_prefills_through_the_kernels():
     hf = tiny_hf("llama", hidden_size=64)
     model = quantize_weights(minigen.from_hf(hf), bits=4)
     assert isinstance(model.blocks[0].attn.wqkv, QuantizedWeight) and isinstance(model.lm_head, QuantizedWeight)
@@ -110,6 +112,50 @@ def test_a_quantized_model_decodes_through_the_kernel_and_prefills_dequantized()
         torch.testing.assert_close(model(ids, torch.arange(10)), ref(ids, torch.arange(10)), atol=1e-4, rtol=1e-4)
     out = minigen.generate(model, ids, max_new_tokens=12, stop_token_ids=[]).tokens
     assert torch.equal(out, minigen.generate(ref, ids, max_new_tokens=12, stop_token_ids=[]).tokens)
+
+
+needs_onednn = pytest.mark.skipif(not cpu_kernel._ONEDNN, reason="this torch has no oneDNN")
+
+
+@needs_cc
+@needs_onednn
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(bits=st.sampled_from([8, 4]), rows=st.integers(2, 80), n=st.integers(1, 300), groups=st.integers(1, 6),
+       group_size=st.sampled_from([32, 64, 96]), tile_rows=st.sampled_from([8, 16, 64, 4096]), seed=st.integers(0, 2**16))
+@example(bits=4, rows=17, n=1000, groups=18, group_size=32, tile_rows=64, seed=0)  # SmolLM2's k = 576
+def test_a_prompt_multiplies_the_codes_a_tile_at_a_time_with_the_dequantized_bits(
+        bits, rows, n, groups, group_size, tile_rows, seed):
+    """quantized_linear: each tile of codes becomes fp32 in C (dequant_rows) and meets oneDNN's GEMM;
+    the oracle is the same GEMM on the whole dequantized matrix, which it must match bit for bit,
+    whatever the tile (a tile computes what dequantize() computes, and a column of the GEMM's
+    result does not depend on its neighbours)."""
+    k = groups * group_size
+    g = torch.Generator().manual_seed(seed)
+    q = quantize_matrix(torch.randn(n, k, generator=g), bits, group_size)
+    x = torch.randn(1, rows, k, generator=g)
+    with mock.patch.object(cpu_kernel, "TILE_BYTES", tile_rows * 4 * k):
+        y = cpu_kernel.quantized_linear(x, q)
+    oracle = cpu_kernel.linear(x, q.dequantize())
+    assert y is not None and y.shape == (1, rows, n) and torch.equal(y, oracle)
+
+
+def test_a_quantized_prompt_never_dequantizes_a_whole_matrix(monkeypatch):
+    """A prompt's products take the codes a tile at a time (chapter 16): dequantize() of a whole
+    matrix, 4 bytes a weight written per product, is what they replace. Row lookups (the
+    embedding) still dequantize the rows they read. Where the kernels are off, the reference
+    dequantizes, as before."""
+    model = quantize_weights(minigen.from_hf(tiny_hf("llama", hidden_size=64)), bits=4)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        with kernel_build.enabled(False):
+            ref = model(ids, torch.arange(40))
+        whole = QuantizedWeight.dequantize
+        def rows_only(self, rows=None):
+            assert rows is not None, "a whole matrix was dequantized for a product"
+            return whole(self, rows)
+        monkeypatch.setattr(QuantizedWeight, "dequantize", rows_only)
+        out = model(ids, torch.arange(40))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_tied_head_is_the_embedding_quantized_once():

@@ -159,6 +159,8 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.attend_decode.restype = ctypes.c_int
         lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps
         lib.rms_norm_rows.restype = None
+        lib.dequant_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, mins, out, n, k, G
+        lib.dequant_rows.restype = None
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}/: {complaint}")
 

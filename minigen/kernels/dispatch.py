@@ -9,6 +9,7 @@ accepts it and otherwise to the reference:
     linear             one row: C matrix-vector (fp32, bf16, int8, int4 weights)      reference
                        2..16 fp32 rows: the C several-row kernel (reads W once)       (F.linear,
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
+                       int8 / int4 rows: fp32 a tile at a time, oneDNN's GEMM
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
@@ -46,7 +47,10 @@ class KernelOps:
             y = cpu.matmul_rows(x.reshape(rows, x.shape[-1]), w)  # a batch's rows read each weight once
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
-        if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): dequantize for the product
+        if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): a tile of codes at a time
+            y = cpu.quantized_linear(x.float(), w)
+            if y is not None:
+                return y.to(out_dtype)
             w = w.dequantize()
         if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
             x, w = x.float(), w.float()  # fp32 sums and result, as the reference
