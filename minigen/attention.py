@@ -44,14 +44,47 @@ def causal_mask(query_pos: Tensor, key_pos: Tensor) -> Tensor:
     return _per_row((k >= 0) & (k <= query_pos[..., :, None]))
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = True) -> Tensor:
+class Causal:
+    """The mask of a prompt that starts a sequence: key slot s holds position s, and query t (at
+    position t) sees slots 0..t. `attend` hands it to SDPA as `is_causal` over the first T slots,
+    so no [T, S] mask is built and torch's CPU flash kernel skips the tiles above the diagonal:
+    an 8,192-token prompt's attention needs ~20 MB instead of ~600 MB, in a third of the time
+    (measured on chapter 16's Xeon). `Model.forward` uses it where `prefix_causal` holds."""
+
+    def __init__(self, T: int):
+        self.T = T
+
+    def __repr__(self) -> str:
+        return f"Causal({self.T})"
+
+
+def prefix_causal(query_pos: Tensor, key_pos: Tensor) -> bool:
+    """True when query_pos [T] is 0..T-1 and key slot s holds position s for s < T, every other
+    slot empty or later (-1 or >= T): then `causal_mask` is the lower triangle over the first T
+    slots, `Causal(T)`."""
+    T = query_pos.shape[-1]
+    if not (query_pos.dim() == 1 and key_pos.dim() == 1 and 1 < T <= key_pos.shape[0]):
+        return False
+    first = torch.arange(T, device=query_pos.device)
+    rest = key_pos[T:]
+    return bool(torch.equal(query_pos, first) and torch.equal(key_pos[:T], first) and ((rest < 0) | (rest >= T)).all())
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softmax: bool = True) -> Tensor:
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped-query heads.
 
     q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] or [B, 1, T, S], bool (True: attend) or
     float (added to the scores: 0 or -inf) -> [B, H, T, Dh]. SDPA keeps its scores and
     probabilities in fp32 whatever q's dtype; fp32_softmax=False with 16-bit q instead runs each
     step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 7 measures).
+    mask may also be `Causal(T)`: the first T slots, lower triangle, without building the mask.
     """
+    if isinstance(mask, Causal):
+        k, v = k[:, :, :mask.T], v[:, :, :mask.T]
+        if fp32_softmax or q.dtype == torch.float32:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        pos = torch.arange(mask.T, device=q.device)
+        mask = causal_mask(pos, pos)
     if fp32_softmax or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     scores = attention_scores(q, k)  # [B, H, T, S] in q's dtype

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttentionPolicy, attend, attend_blocks, causal_mask
+from .attention import AttentionPolicy, Causal, attend, attend_blocks, causal_mask, prefix_causal
 from .caches.contract import BlockView
 from .numerics.precision import Precision
 from .numerics.weight_quant import QuantizedWeight
@@ -330,12 +330,15 @@ class Model(nn.Module):
         # when the slot holds a position <= input_pos[t]. `prepare` is where the cache plans this
         # step (cache.py), once for all layers.
         key_pos = cache.prepare(input_pos) if cache is not None else input_pos  # [S] or [B, S]
-        # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
-        mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
-        if input_pos.dim() == 2:  # a padding query attends everything: its output is discarded, but finite
-            mask = mask | (input_pos < 0)[:, None, :, None]
-        if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
+        plain = policy is None or (policy.window_size is None and not policy.sparse and not policy.observers)
+        if plain and prefix_causal(input_pos, key_pos):  # a prompt from position 0: SDPA's own causal tiles
+            mask = Causal(input_pos.shape[0])
+        else:  # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
+            mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
+            if input_pos.dim() == 2:  # a padding query attends everything: its output is discarded, but finite
+                mask = mask | (input_pos < 0)[:, None, :, None]
+            if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
+                mask = torch.zeros(mask.shape, dtype=x.dtype, device=x.device).masked_fill(~mask, float("-inf"))
         for block in self.blocks:
             x = block(x, rope, mask, cache, self.ops, policy, p)
         if last_only:
