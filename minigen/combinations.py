@@ -59,13 +59,17 @@ FEATURES: dict[str, tuple[Rule, str]] = {
                      "\"auto\" runs it wherever this table allows"),
     "speculative_method": (lambda c: c.speculative_method is not None,
                            "\"ngram\" or \"draft\": propose k tokens, verify them in one forward (chapter 15)"),
+    "prefill_precision": (lambda c: c.prefill_precision != "float32",
+                          "\"bfloat16\": a prompt's products of more than 16 rows with bf16 inputs and fp32 sums "
+                          "(chapter 16); a draft model's prompt and every decode step stay as they are"),
 }
 
 def _switch_off(feature: str) -> str:
     """How to turn a feature of FEATURES off, as a fix names it."""
     return {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
             "fused_decode": "fused_decode=False", "attention_backend": "attention_backend='torch'",
-            "sparse": "sparse_top_k=None and sparsity_threshold=None"}.get(feature, f"{feature}=None")
+            "sparse": "sparse_top_k=None and sparsity_threshold=None",
+            "prefill_precision": "prefill_precision='float32'"}.get(feature, f"{feature}=None")
 
 
 # The pairs that do not combine: feature -> {another feature: why}. The fix drops one of the two.
@@ -215,6 +219,7 @@ class Run:
     c_kernel_ok: bool | None = None
     triton: str | None = None  # "missing", "interpreted" or "compiled" (kernels/triton_attention.py)
     cuda: bool | None = None  # torch.cuda.is_available()
+    bf16_dot: bool | None = None  # a CPU with bf16 dot products (AVX512-BF16 or AMX-BF16; ARM's BF16); None: unknown
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
@@ -283,6 +288,10 @@ RUN_RULES: tuple[RunRule, ...] = (
     ("cuda_graphs", ("device",), lambda c, r: r.device != "cuda", lambda c, r:
      f"cuda_graphs=True needs the model on a CUDA device, not {r.device}: model.to('cuda'), or compile=True "
      "on a CPU"),
+    ("prefill_precision", ("bf16_dot",), lambda c, r: c.prefill_precision == "bfloat16" and not r.bf16_dot,
+     lambda c, r: "prefill_precision='bfloat16' needs bf16 dot products, and this CPU has none (no avx512_bf16 or "
+     "amx_bf16 on x86, no bf16 on ARM): its bf16 products would run slower than fp32. Use "
+     "prefill_precision='float32'"),
     ("attention_backend", ("triton",), lambda c, r: r.triton == "missing", lambda c, r:
      "attention_backend='triton' needs the triton package, which ships for Linux only: pip install triton, "
      "or use attention_backend='torch'"),

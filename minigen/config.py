@@ -28,6 +28,7 @@ from .numerics.precision import DTYPES
 
 KV_DTYPES = tuple(DTYPES)  # the one mapping of dtype names (numerics/precision.py)
 ATTENTION_BACKENDS = ("torch", "triton")
+PREFILL_PRECISIONS = ("float32", "bfloat16")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
@@ -70,6 +71,10 @@ class GenerationConfig:
     fused_decode: bool | str = "auto"
     # --- the fused kernel (chapter 9) ---
     attention_backend: str = "torch"  # decode attention: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
+    # --- prefill (chapter 16) ---
+    # a prompt's matrix products: "float32", or "bfloat16" (inputs rounded to bf16, fp32 sums: the
+    # bf16 dot products of AVX512-BF16 / AMX on a CPU); the decode step keeps its own format
+    prefill_precision: str = "float32"
     # --- speculative decoding (chapter 15; vLLM's names) ---
     speculative_method: str | None = None  # None: off; "ngram": prompt lookup; "draft": generate(..., draft_model=)
     num_speculative_tokens: int = 4  # k: tokens proposed per step, checked by the target in one forward
@@ -255,6 +260,9 @@ def _check_values(c: GenerationConfig) -> None:
     if c.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={c.attention_backend!r} is invalid: use \"torch\" (gather the blocks, "
                           "then torch's attention) or \"triton\" (the fused kernel of triton_attention.py)")
+    if c.prefill_precision not in PREFILL_PRECISIONS:
+        raise ConfigError(f"prefill_precision={c.prefill_precision!r} is invalid: use \"float32\" (the default) or "
+                          "\"bfloat16\" (a prompt's products with bf16 inputs and fp32 sums, chapter 16)")
     # speculative decoding (chapter 15)
     if c.speculative_method not in SPECULATIVE_METHODS:
         raise ConfigError(f"speculative_method={c.speculative_method!r} is invalid: use None (off), \"ngram\" "

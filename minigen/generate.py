@@ -29,6 +29,7 @@ from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
+from .numerics.precision import prompt_products
 from .sampling import make_generator, sample
 from .steps.choose import choose_step
 from .steps.eager import EagerStep
@@ -134,7 +135,8 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        logits = step.prefill(model, input_ids, input_pos, cache, policy)
+        with prompt_products(config.prefill_precision):  # the prompt's products in their own format (chapter 16)
+            logits = step.prefill(model, input_ids, input_pos, cache, policy)
         if after_prefill is not None:
             logits = after_prefill(logits)
         stats.prefill_s = time.perf_counter() - start

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from .attention import AttentionPolicy, Causal, attend, attend_blocks, causal_mask, prefix_causal
 from .caches.contract import BlockView
-from .numerics.precision import Precision
+from .numerics.precision import Precision, prompt_dtype
 from .numerics.weight_quant import QuantizedWeight
 
 
@@ -155,6 +155,8 @@ class TorchOps:
         out_dtype = out_dtype or x.dtype
         if isinstance(w, QuantizedWeight):
             w = w.dequantize()
+        if prompt_dtype(x.numel() // x.shape[-1]) == torch.bfloat16:  # prefill_precision (chapter 16)
+            return F.linear(x.bfloat16(), w.bfloat16()).to(out_dtype)
         if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
             x, w = x.float(), w.float()  # fp32 sums and result
         return F.linear(x, w).to(out_dtype)

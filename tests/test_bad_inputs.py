@@ -920,6 +920,19 @@ def _(monkeypatch, tmp_path):
     test_a_build_without_openmp_is_single_threaded_with_a_notice(monkeypatch, tmp_path)
 
 
+# ---------------------------------------------------------------- prefill
+@case("prefill-precision-unknown")
+def _():
+    GenerationConfig(prefill_precision="int4")
+
+
+@case("prefill-bf16-without-bf16-dot")
+def _(tiny_model, monkeypatch):
+    from minigen.kernels import cpu
+    monkeypatch.setattr(cpu, "bf16_dot_products", lambda: False)
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), prefill_precision="bfloat16")
+
+
 # ---------------------------------------------------------------- every row, run
 @pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=CASES[r["id"]][1] if r["id"] in CASES else ())
                                  for r in ROWS])

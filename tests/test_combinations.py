@@ -79,16 +79,18 @@ FIELDS = {
     "num_speculative_tokens": st.integers(1, 8),
     "prompt_lookup_min": st.integers(1, 3),  # min > max is refused (test_speculative.py): not drawn here
     "prompt_lookup_max": st.integers(3, 5),
+    "prefill_precision": st.sampled_from(["float32", "bfloat16"]),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
-LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget")
+LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget", "prefill_precision")
 
 
 SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_size"],
             "prefetch_depth": ["prefetch_depth"], "quant_bits": ["quant_bits"], "window_size": ["window_size"],
             "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"],
             "compile": ["compile"], "cuda_graphs": ["cuda_graphs"], "attention_backend": ["attention_backend"],
-            "fused_decode": ["fused_decode"], "speculative_method": ["speculative_method"]}
+            "fused_decode": ["fused_decode"], "speculative_method": ["speculative_method"],
+            "prefill_precision": ["prefill_precision"]}
 # A compile costs seconds; cuda_graphs is refused on a CPU (when it runs); the Triton kernel runs in its interpreter
 # on a CPU (a step of the tiny model: ~0.1 s; a config that runs scores the text through it twice or more: ~7 s),
 # and needs cache_chunk_size, so it is drawn with one.
@@ -118,6 +120,8 @@ def configs(draw):
                 fields["cache_chunk_size"] = draw(FIELDS["cache_chunk_size"].filter(lambda v: v is not None))
         elif feature in RARE:
             fields[feature] = True
+        elif feature == "prefill_precision":
+            fields[feature] = "bfloat16"
         elif feature == "sparse":
             fields["sparse_top_k"] = draw(FIELDS["sparse_top_k"])
             fields["sparsity_threshold"] = draw(FIELDS["sparsity_threshold"] if fields["sparse_top_k"] is None
@@ -168,7 +172,8 @@ def off(config: GenerationConfig, feature: str) -> GenerationConfig:
             "cache_chunk_size": ("cache_chunk_size", "quant_residual", "attention_backend"),
             "prefetch_depth": ("prefetch_depth",),
             "speculative_method": ("speculative_method", "num_speculative_tokens", "prompt_lookup_min",
-                                   "prompt_lookup_max")}[feature]
+                                   "prompt_lookup_max"),
+            "prefill_precision": ("prefill_precision",)}[feature]
     return dataclasses.replace(config, **{k: DEFAULTS[k] for k in keys})
 
 
@@ -194,6 +199,8 @@ def bites(config: GenerationConfig, feature: str) -> bool | None:
             return c.cache_chunk_size <= TEXT_LEN // 2 or None
         residual = c.quant_residual or c.quant_group_size
         return residual + c.quant_group_size <= TEXT_LEN // 2 or None
+    if feature == "prefill_precision":  # bf16 products where a forward has more than 16 rows: run_nll feeds
+        return not c.use_cache  # the naive loop the whole text, a cache one token at a time
     raise ValueError(feature)
 
 
@@ -290,7 +297,8 @@ def test_refused_pairs_name_both_keys_and_a_fix():
               "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16},
               "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
               "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 16},  # needs blocks
-              "fused_decode": {"fused_decode": True}, "speculative_method": {"speculative_method": "ngram"}}
+              "fused_decode": {"fused_decode": True}, "speculative_method": {"speculative_method": "ngram"},
+              "prefill_precision": {"prefill_precision": "bfloat16"}}
     assert set(switch) == set(FEATURES)
     for pair, (why, fix) in REFUSED.items():
         a, b = sorted(pair)

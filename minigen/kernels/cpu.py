@@ -158,6 +158,18 @@ def linear(x: Tensor, w: Tensor) -> Tensor | None:
         return None
 
 
+def bf16_dot_products() -> bool | None:
+    """Whether this CPU multiplies bf16 numbers natively (x86's avx512_bf16 or amx_bf16, ARM's bf16),
+    read from /proc/cpuinfo; None where it cannot tell (not Linux). Without them oneDNN's bf16 GEMM
+    converts to fp32 and runs slower than an fp32 one."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    flags = {f for line in info.splitlines() if line.startswith(("flags", "Features")) for f in line.split()}
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
 # Bytes of one fp32 tile of a quantized matrix (quantized_linear): about a core's L2 (1 MB on
 # Zen 4, 2 MB on Sapphire Rapids), so that the GEMM reads the tile from there.
 TILE_BYTES = 1024 * 1024
@@ -168,21 +180,48 @@ def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     fp32: the codes become fp32 a tile of rows at a time (dequant_rows, the same bits as
     w.dequantize()), each tile multiplied by oneDNN's GEMM while it is in cache. The whole matrix is
     never dequantized. None where it does not apply (the rules of `linear`, and the C kernel built)."""
-    n, k = w.shape
-    if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == k and w.dtype == torch.float32
+    if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == w.shape[1] and w.dtype == torch.float32
             and _takes(x, w.codes)):
         return None
-    x2 = x.reshape(-1, k).contiguous()
+    return _tiled(x, w, torch.float32)
+
+
+def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:
+    """x [..., k] @ w.T with both rounded to bf16 and fp32 sums, through oneDNN (which runs bf16 dot
+    products: AVX512-BF16's vdpbf16ps, or AMX tiles) -> [..., n] fp32, rounded to bf16 by the GEMM:
+    a prompt's products under prefill_precision="bfloat16" (chapter 16). w is fp32, bf16 or int8 /
+    int4 codes, turned into bf16 a tile of rows at a time. None where it does not apply (the rules of
+    `linear`; codes need the C kernel built)."""
+    quantized = isinstance(w, QuantizedWeight)
+    if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == w.shape[1]
+            and w.dtype in (torch.float32, torch.bfloat16) and (quantized or w.dim() == 2)
+            and _takes(x, w.codes if quantized else w, built=quantized)):
+        return None
+    return _tiled(x, w, torch.bfloat16)
+
+
+def _tiled(x: Tensor, w: Tensor | QuantizedWeight, dtype: torch.dtype) -> Tensor:
+    """x [..., k] @ w.T, the rows of w turned into `dtype` a tile of TILE_BYTES at a time (codes through
+    dequant_rows), x in `dtype`, each tile through oneDNN's GEMM while it is in cache -> [..., n] fp32."""
+    n, k = w.shape
+    x2 = x.reshape(-1, k).to(dtype).contiguous()
     rows = max(8, TILE_BYTES // (4 * k) // 8 * 8)
-    tile = torch.empty(min(rows, n), k)
+    codes = w if isinstance(w, QuantizedWeight) else None
+    wide = torch.empty(min(rows, n), k) if codes is not None else None  # the codes as fp32
+    tile = wide if dtype == torch.float32 else torch.empty(min(rows, n), k, dtype=dtype)
     y = torch.empty(x2.shape[0], n)
-    codes, scales, mins = w.codes, w.scales, w.mins
     lib, threads = build.loaded(), torch.get_num_threads()
     for r in range(0, n, rows):
-        t = tile[:min(rows, n - r)]
-        lib.dequant_rows(codes[r].data_ptr(), scales[r].data_ptr(), None if mins is None else mins[r].data_ptr(),
-                         t.data_ptr(), t.shape[0], k, w.group_size, threads)
-        y[:, r:r + t.shape[0]] = torch.ops.mkldnn._linear_pointwise(x2, t, None, "none", [], "")
+        m = min(rows, n - r)
+        if codes is not None:
+            lib.dequant_rows(codes.codes[r].data_ptr(), codes.scales[r].data_ptr(),
+                             None if codes.mins is None else codes.mins[r].data_ptr(), wide.data_ptr(), m, k,
+                             codes.group_size, threads)
+            if tile is not wide:
+                tile[:m].copy_(wide[:m])
+        else:
+            tile[:m].copy_(w[r:r + m])
+        y[:, r:r + m] = torch.ops.mkldnn._linear_pointwise(x2, tile[:m], None, "none", [], "")
     return y.view(*x.shape[:-1], n)
 
 

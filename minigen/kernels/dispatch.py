@@ -10,6 +10,8 @@ accepts it and otherwise to the reference:
                        2..16 fp32 rows: the C several-row kernel (reads W once)       (F.linear,
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
                        int8 / int4 rows: fp32 a tile at a time, oneDNN's GEMM
+                       a prompt's rows under prefill_precision="bfloat16": bf16 tiles,  F.linear in bf16
+                       oneDNN's bf16 GEMM
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics.precision import prompt_dtype
 from ..numerics.weight_quant import QuantizedWeight
 from . import cpu, triton_attention
 
@@ -38,6 +41,9 @@ class KernelOps:
     def linear(self, x: Tensor, w, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [..., in] @ w [out, in].T -> [..., out] in out_dtype (default x's), as the reference."""
         out_dtype = out_dtype or x.dtype
+        if prompt_dtype(x.numel() // x.shape[-1]) == torch.bfloat16:  # prefill_precision="bfloat16"
+            y = cpu.bf16_linear(x.float(), w)  # bf16 dot products, the weights a tile at a time
+            return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         if x.numel() == x.shape[-1]:  # one row (a decode step at batch 1): stream the weights once
             y = cpu.matvec(x.float(), w)
             if y is not None:

@@ -376,7 +376,9 @@ def print_report(result: dict) -> None:
     print(f"model {result['model']} ({result['dtype']}), prompt {result['prompt_len']} tokens, "
           f"{result['new_tokens']} new tokens, median of {result['repeats']}")
     if "precision" in result:
-        print(f"minigen's precision: {result['precision']}"
+        prefill = result.get("config", {}).get("prefill_precision", "float32")
+        print(f"minigen's precision: {result['precision']}; a prompt's products "
+              + ("in fp32" if prefill == "float32" else f"with {prefill} inputs and fp32 sums (prefill_precision)")
               + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
                  if result.get("compile_s") else ""))
     steps = {name: r["step"] for name, r in result["engines"].items() if r.get("step")}

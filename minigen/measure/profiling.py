@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
 
 from .. import attention, model
+from ..numerics.precision import prompt_products
 from ..kernels import dispatch
 from ..steps.choose import choose_step
 from ..caches import contiguous, h2o, offload, paged, quantized, window
@@ -195,7 +196,8 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     with step.grad_mode():
         cache = make_cache(model_, run, input_ids.shape[0], T + total)
         policy = make_policy(run, cache)
-        logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
+        with prompt_products(run.prefill_precision):  # the prompt's products in their format (chapter 16)
+            logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
         pos = T
 
         def one_step():

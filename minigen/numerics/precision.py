@@ -14,6 +14,8 @@ weights at the price of bf16 bytes); on a GPU, the weights' dtype (native 16-bit
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, replace
 
 import torch
@@ -62,3 +64,30 @@ class Precision:
                                  ("logits", self.fp32_logits)) if not keep]
         critical = "fp32 norms, softmax and logits" if not low else f"{', '.join(low)} in {name[self.compute]}"
         return f"{name[weights]} weights, {name[self.compute]} activations, {critical}"
+
+
+# ---------------------------------------------------------------- a prompt's products (chapter 16)
+# A prompt's matrix products are bound by arithmetic, a decode step's by memory: the format that
+# pays differs. GenerationConfig.prefill_precision picks the prompt's; the loop runs its prefill
+# inside `prompt_products`, and the model's linear op (model.TorchOps, kernels/dispatch.py) asks
+# `prompt_dtype` for the format of each product. Up to SHORT_PROMPT_ROWS rows stay fp32: the C
+# several-row kernel reads the weights once, so a short prompt is bound by memory like a decode step.
+SHORT_PROMPT_ROWS = 16
+_PROMPT_DTYPE = contextvars.ContextVar("prompt_dtype", default=torch.float32)
+
+
+@contextlib.contextmanager
+def prompt_products(name: str = "float32"):
+    """Within: products of more than SHORT_PROMPT_ROWS rows take bf16 inputs when name is
+    "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM); "float32" changes nothing."""
+    token = _PROMPT_DTYPE.set(dtype_of(name, "prefill_precision"))
+    try:
+        yield
+    finally:
+        _PROMPT_DTYPE.reset(token)
+
+
+def prompt_dtype(rows: int) -> torch.dtype:
+    """The input format of a product of `rows` rows: bf16 inside prompt_products("bfloat16") past
+    SHORT_PROMPT_ROWS rows, else fp32."""
+    return _PROMPT_DTYPE.get() if rows > SHORT_PROMPT_ROWS else torch.float32

@@ -35,7 +35,7 @@ from ..combinations import ENGINE_REFUSED, REQUEST_KEYS, check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
 from ..generate import check_prompt, make_policy
-from ..numerics.precision import DTYPES
+from ..numerics.precision import DTYPES, prompt_products
 from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
 from ..caches.paged import PagedKVCache
@@ -242,7 +242,8 @@ class Engine:
             ids[b, T - len(chunk):] = torch.tensor(chunk)
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
-        logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
+        with prompt_products(self.config.prefill_precision):  # the prompts' products in their format (chapter 16)
+            logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):

@@ -21,7 +21,7 @@ import torch
 from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_with, run_refusals
 from ..config import GenerationConfig
 from ..kernels import build as kernel_build
-from ..kernels import triton_attention
+from ..kernels import cpu, triton_attention
 from . import fused, speculative
 from .eager import EagerStep, NaiveStep
 from .graphs import CompiledStep, GraphedStep
@@ -41,6 +41,8 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
         run = dataclasses.replace(run, weight_dtypes=frozenset(map(fused.weight_kind, fused.weights(model))))
     if config.cuda_graphs:
         run = dataclasses.replace(run, cuda=torch.cuda.is_available())
+    if config.prefill_precision == "bfloat16" and run.device == "cpu":
+        run = dataclasses.replace(run, bf16_dot=cpu.bf16_dot_products())
     if config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"):
         run = dataclasses.replace(run, c_kernel_ok=kernel_build.available(), c_kernel=kernel_build.status())
     return run
