@@ -10,8 +10,8 @@ accepts it and otherwise to the reference:
                        2..16 fp32 rows: the C several-row kernel (reads W once)       (F.linear,
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
                        int8 / int4 rows: fp32 a tile at a time, oneDNN's GEMM
-                       a prompt's rows under prefill_precision="bfloat16": bf16 tiles,  F.linear in bf16
-                       oneDNN's bf16 GEMM
+                       a prompt's 17+ rows under prefill_precision="bfloat16":        F.linear in bf16
+                       bf16 tiles of any weight format, oneDNN's bf16 GEMM
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
