@@ -926,6 +926,14 @@ def _():
     GenerationConfig(prefill_precision="int4")
 
 
+@case("engine-step-budget-below-batch")
+def _(tiny_model):
+    for bad in (0, 4.0, True, "256"):  # the row's other values, refused as well
+        with pytest.raises(errors.ConfigError, match=f"max_num_batched_tokens={bad!r} is invalid"):
+            minigen.Engine(tiny_model, max_batch_size=8, max_num_batched_tokens=bad)
+    minigen.Engine(tiny_model, max_batch_size=8, max_num_batched_tokens=4)
+
+
 @case("prefill-bf16-without-bf16-dot")
 def _(tiny_model, monkeypatch):
     from minigen.kernels import cpu

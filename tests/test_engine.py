@@ -116,13 +116,14 @@ def test_metrics_schema_and_sanity(tiny):
     engine.run()
     m = engine.metrics()
     assert set(m) == {"ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s", "output_tokens_per_s", "preemptions",
-                      "prefix_cache_hit_rate", "steps", "kv_usage", "batch_size", "requests", "num_blocks",
-                      "block_size", "max_batch_size"}
+                      "prefix_cache_hit_rate", "steps", "kv_usage", "batch_size", "tokens_per_step", "requests",
+                      "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"}
     for key in ("ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s"):
         assert set(m[key]) == {"p50", "p90", "p99", "mean", "n"} and m[key]["n"] == 4
         assert 0 <= m[key]["p50"] <= m[key]["p90"] <= m[key]["p99"]
     assert (m["num_blocks"], m["block_size"], m["max_batch_size"]) == (8, 4, 2)
-    assert len(m["steps"]) == len(m["kv_usage"]) == len(m["batch_size"]) > 0
+    assert len(m["steps"]) == len(m["kv_usage"]) == len(m["batch_size"]) == len(m["tokens_per_step"]) > 0
+    assert m["max_num_batched_tokens"] is None
     assert all(0 <= u <= 1 for u in m["kv_usage"]) and max(m["batch_size"]) <= 2
     steps = m["steps"]
     assert set(steps[0]) == {"t_s", "step_s", "batch_size", "kv_usage", "prefill_tokens", "decode_tokens"}
@@ -197,3 +198,54 @@ def test_smollm2_requests_equal_alone(smollm2):
         engine.add_request(p, max_new_tokens=5, stop_token_ids=[])
     check_alone(model, prompts, engine.run(), [dict(max_new_tokens=5, stop_token_ids=[])] * 3)
     assert engine.metrics()["prefix_cache_hit_rate"] > 0
+
+
+# ---------------------------------------------------------------- chunked prefill (chapter 16)
+@pytest.mark.parametrize("budget,num_blocks,sample", [(3, None, False), (5, None, True), (8, 10, False),
+                                                      (16, 8, True), (64, None, False)])
+def test_chunked_prefill_keeps_every_request_equal_to_generating_it_alone(tiny, budget, num_blocks, sample):
+    """max_num_batched_tokens: a step runs the decodes, then prompt chunks in the space left. Requests
+    arrive while others decode; with 8 or 10 blocks of 4, prompts are preempted half prefilled; the
+    shared system prompt's blocks are prefix hits. No step runs more tokens than the budget, and a
+    prompt longer than the budget takes several steps."""
+    prompts = workload(7, seed=5, system=13)
+    settings = dict(max_new_tokens=7, stop_token_ids=[]) | (dict(do_sample=True, temperature=0.9) if sample else {})
+    engine = Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=3, num_blocks=num_blocks,
+                    max_num_batched_tokens=budget)
+    configs = []
+    for i, p in enumerate(prompts):
+        config = settings | ({"seed": 100 + i} if sample else {})
+        configs.append(config)
+        engine.add_request(p, arrival_s=0.0 if i < 2 else 1e-9 * i, **config)
+    out = engine.run()
+    check_alone(tiny, prompts, out, configs)
+    m = engine.metrics()
+    assert m["max_num_batched_tokens"] == budget and max(m["tokens_per_step"]) <= budget
+    assert all(s["decode_tokens"] <= 3 for s in m["steps"])
+    if budget < 14:  # every prompt is at least 14 tokens: each spreads over several steps
+        assert all(r["first_token_s"] > r["first_scheduled_s"] for r in m["requests"])
+        assert sum(s["prefill_tokens"] > 0 for s in m["steps"]) > len(prompts)
+    if num_blocks is not None:
+        assert m["preemptions"] > 0
+    assert m["prefix_cache_hit_rate"] > 0
+
+
+def test_a_request_cancelled_half_prefilled_gives_its_blocks_back(tiny):
+    engine = Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=2, num_blocks=16, max_num_batched_tokens=4)
+    long, short = torch.arange(1, 30), torch.arange(40, 46)
+    a = engine.add_request(long, max_new_tokens=3, stop_token_ids=[])
+    b = engine.add_request(short, max_new_tokens=3, stop_token_ids=[])
+    engine.step()
+    engine.step()  # 8 of its 29 tokens computed, no token sampled
+    assert engine.requests[a].computed == 8 and not engine.requests[a].output
+    engine.cancel(a)
+    out = engine.run()
+    assert out[a].tolist() == long.tolist() and engine.metrics()["requests"][a]["finish_reason"] == "cancelled"
+    check_alone(tiny, [short], [out[b]], [dict(max_new_tokens=3, stop_token_ids=[])])
+    assert engine.alloc.n_used == 0
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2, 4.0, True, "256"])
+def test_a_step_budget_below_the_batch_is_refused(tiny, bad):
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens=.* is invalid: .* >= max_batch_size=3"):
+        Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=3, max_num_batched_tokens=bad)

@@ -17,6 +17,9 @@ Every `step()` (iteration-level scheduling, as in Orca and vLLM):
   3. runs the admitted prompts as one ragged prefill ([B, T], each row at its own positions) and
      the running sequences as one decode step ([B, 1], each row at its own position), both
      through the same paged cache, and samples each row with its own settings and generator;
+     with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
+     batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
+     space left, a prompt spread over as many steps as it takes (chapter 16);
   4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
 Each request's tokens equal generating it alone: rows never see each other (per-row positions
 and masks), and each row samples from its own generator, seeded by its own `seed`.
@@ -64,7 +67,7 @@ class Engine:
     """
 
     def __init__(self, model, config: GenerationConfig | dict | None = None, *, max_batch_size: int = 8,
-                 num_blocks: int | None = None):
+                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
         self.config = resolve_config(config, {})
         check_rows(self.config, "the serving engine", ENGINE_REFUSED)
         if self.config.cache_chunk_size is None:
@@ -75,7 +78,15 @@ class Engine:
                                        or num_blocks < 1):
             raise ConfigError(f"num_blocks={num_blocks!r} is invalid: use an integer >= 1 (blocks of "
                               f"{self.config.cache_chunk_size} tokens in the pool), or None to size it from memory")
+        if max_num_batched_tokens is not None and (
+                not isinstance(max_num_batched_tokens, int) or isinstance(max_num_batched_tokens, bool)
+                or max_num_batched_tokens < max_batch_size):
+            raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens!r} is invalid: a step runs every "
+                              f"running sequence's next token first, so use an integer >= max_batch_size="
+                              f"{max_batch_size} (e.g. {max(256, max_batch_size)}: the decodes, then prompt chunks "
+                              "in the space left), or None to prefill each admitted prompt whole")
         self.model, self.max_batch_size = model, max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
         # rows at their own positions; here the config meets the model and the machine, before the pool
         self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)
         c, bs = model.config, self.config.cache_chunk_size
@@ -166,7 +177,7 @@ class Engine:
     def _preempt(self, req: Request) -> None:
         """Recompute later: give its blocks back, and queue it first."""
         self.alloc.free_sequence(req.seq)
-        req.seq, req.computed, req.status = None, 0, "waiting"
+        req.seq, req.computed, req.status, req.prefilled = None, 0, "waiting", False
         req.preemptions += 1
         self.preemptions += 1
         req.enter("preempted", self.now())
@@ -178,47 +189,63 @@ class Engine:
         """Schedule, run one prefill and one decode forward, sample -> {request_id: new token ids}.
         With nothing to run (no request has arrived) it returns {} and records no step."""
         began, t = time.perf_counter(), self.now()
-        # 1. the running sequences' next tokens first: preempt the newest while the pool cannot hold them
-        while self.running and self._decode_blocks() > len(self.alloc.free):
+        # 1. the running sequences' next tokens (and the rest of the prompts partly prefilled) first:
+        #    preempt the newest while the pool cannot hold them
+        while self.running and self._reserved_blocks() > len(self.alloc.free):
             self._preempt(self.running[-1])
-        reserved = self._decode_blocks()
-        # 2. admit arrived requests in order while a slot and their blocks are free
-        admitted, committed = [], 0  # committed: blocks the admitted prompts will take in this step's prefill
-        while self.waiting and self.waiting[0].arrival_s <= t:
+        reserved = self._reserved_blocks()
+        decoding = [r for r in self.running if r.prefilled]
+        budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(decoding)
+        # 2. prompt chunks: first the prompts already under way, in admission order ...
+        chunks: list[tuple[Request, list[int]]] = []
+        for req in self.running:
+            if not req.prefilled and (budget is None or budget > 0):
+                chunks.append((req, self._chunk(req, budget)))
+                budget = None if budget is None else budget - len(chunks[-1][1])
+        # ... then arrived requests, in order, while a slot and their blocks are free (and tokens are left)
+        committed = 0  # blocks the admitted prompts will take
+        while self.waiting and self.waiting[0].arrival_s <= t and (budget is None or budget > 0):
             req = self.waiting[0]
             hits = self.alloc.lookup(req.block_keys((len(req.tokens) - 1) // self.block_size, self.block_size))
             fresh = blocks_for(len(req.tokens), self.block_size) - len(hits)
             revived = sum(self.alloc.refs[b] == 0 for b in hits)  # cached blocks no one holds: they leave the free list
-            if not can_admit(fresh + revived, len(self.alloc.free) - committed, reserved,
-                             len(self.running) + len(admitted), self.max_batch_size):
+            if not can_admit(fresh + revived, len(self.alloc.free) - committed, reserved, len(self.running),
+                             self.max_batch_size):
                 break
             self.waiting.pop(0)
             self._admit(req, hits)
-            admitted.append(req)
+            self.running.append(req)
+            chunks.append((req, self._chunk(req, budget)))
+            budget = None if budget is None else budget - len(chunks[-1][1])
             committed += fresh
-        decoding = list(self.running)
         new: dict[int, list[int]] = {}
-        if not admitted and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
+        if not chunks and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
             return new
         with self.forward_step.grad_mode():
-            if admitted:  # 3. one ragged prefill of every admitted prompt (from its first uncached position)
-                self._forward(admitted, [r.tokens[r.computed:] for r in admitted], new)
+            if chunks:  # 3. one ragged prefill of every prompt chunk (from its first uncached position)
+                self._forward([r for r, _ in chunks], [c for _, c in chunks], new)
             if decoding:  # and one decode step of every running sequence
                 self._forward(decoding, [r.tokens[-1:] for r in decoding], new)
-        self.running += admitted
-        for req in admitted + decoding:  # 4. finished requests give their blocks back
-            if req.output[-1] in req.stop or len(req.output) >= req.config.max_new_tokens:
+        for req in [r for r, _ in chunks] + decoding:  # 4. finished requests give their blocks back
+            if req.output and req.prefilled and (req.output[-1] in req.stop
+                                                 or len(req.output) >= req.config.max_new_tokens):
                 self.running.remove(req)
                 self._finish(req, "stop" if req.output[-1] in req.stop else "length")
         self.steps.append({"t_s": t, "step_s": time.perf_counter() - began,
-                           "batch_size": len(admitted) + len(decoding), "kv_usage": self.alloc.n_used / self.num_blocks,
-                           "prefill_tokens": sum(len(r.tokens) - 1 - r.cached for r in admitted) if admitted else 0,
-                           "decode_tokens": len(decoding)})
+                           "batch_size": len(chunks) + len(decoding), "kv_usage": self.alloc.n_used / self.num_blocks,
+                           "prefill_tokens": sum(len(c) for _, c in chunks), "decode_tokens": len(decoding)})
         return new
 
-    def _decode_blocks(self) -> int:
-        """Blocks the running sequences' next tokens take from the pool."""
-        return self.alloc.blocks_needed([(r.seq, r.computed, r.computed + 1) for r in self.running])
+    def _chunk(self, req: Request, budget: int | None) -> list[int]:
+        """The tokens of `req`'s prompt (and output, after a preemption) this step computes: the rest, or
+        the first `budget` of them."""
+        rest = req.tokens[req.computed:]
+        return rest if budget is None else rest[:budget]
+
+    def _reserved_blocks(self) -> int:
+        """Blocks the running sequences' next tokens, and the rest of the prompts under way, take from the pool."""
+        return self.alloc.blocks_needed([(r.seq, r.computed, r.computed + 1 if r.prefilled else len(r.tokens))
+                                         for r in self.running])
 
     def _admit(self, req: Request, hits: list[int]) -> None:
         req.seq = self.alloc.add_sequence()
@@ -234,7 +261,8 @@ class Engine:
         req.enter("prefill", now)
 
     def _forward(self, reqs: list[Request], chunks: list[list[int]], new: dict[int, list[int]]) -> None:
-        """Run each request's `chunk` of tokens at its own positions (left padding) and sample its next token."""
+        """Run each request's `chunk` of tokens at its own positions (left padding) and sample its next
+        token where the chunk reaches the end of its tokens (a prompt's earlier chunks only fill the cache)."""
         B, T, device = len(reqs), max(len(c) for c in chunks), self.model.device
         ids = torch.zeros(B, T, dtype=torch.long)
         pos = torch.full((B, T), -1, dtype=torch.long)
@@ -247,14 +275,16 @@ class Engine:
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):
-            token = greedy[b] if not req.config.do_sample else int(sample(logits[b:b + 1], req.config, req.generator))
             req.computed += len(chunk)
-            req.output.append(token)
-            new.setdefault(req.id, []).append(token)
-            if req.first_token_s is None:
-                req.first_token_s = now
-            if req.phases[-1][0] == "prefill":
-                req.enter("decode", now)
+            if req.computed == len(req.tokens):  # the last chunk: the logits of its last token are the next's
+                token = greedy[b] if not req.config.do_sample else int(sample(logits[b:b + 1], req.config, req.generator))
+                req.output.append(token)
+                req.prefilled = True
+                new.setdefault(req.id, []).append(token)
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                if req.phases[-1][0] == "prefill":
+                    req.enter("decode", now)
             n_full = req.computed // self.block_size  # offer its newly full blocks to the prefix cache
             table = self.alloc.tables[req.seq]
             for j, key in enumerate(req.block_keys(n_full, self.block_size)[req.registered:], req.registered):
@@ -288,10 +318,11 @@ class Engine:
         "ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s": {"p50", "p90", "p99", "mean", "n"};
         "output_tokens_per_s"; "preemptions"; "prefix_cache_hit_rate" (prompt tokens served from cached
         blocks / prompt tokens admitted); "steps": one {"t_s", "step_s", "batch_size", "kv_usage",
-        "prefill_tokens", "decode_tokens"} per step(); "kv_usage" and "batch_size" per step; "requests":
+        "prefill_tokens", "decode_tokens"} per step(); "kv_usage", "batch_size" and "tokens_per_step" (prompt
+        and decode tokens the step ran, at most max_num_batched_tokens) per step; "requests":
         per request its counts, times, finish_reason and phases [phase, start_s, end_s];
-        "num_blocks", "block_size", "max_batch_size"."""
+        "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"."""
         out = engine_metrics(self.requests, self.steps, self.now(), self.preemptions, self.hit_tokens,
                               self.admitted_tokens)
         return {**out, "num_blocks": self.num_blocks, "block_size": self.block_size,
-                "max_batch_size": self.max_batch_size}
+                "max_batch_size": self.max_batch_size, "max_num_batched_tokens": self.max_num_batched_tokens}

@@ -121,6 +121,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     seq: int | None = None  # the allocator's sequence while it holds blocks
     computed: int = 0  # positions whose keys and values sit in the cache
+    prefilled: bool = False  # its prompt (and any output, after a preemption) fully computed: it decodes
     keys: list[int] = field(default_factory=list)  # chain hashes of its full blocks, in order
     registered: int = 0  # its logical blocks already offered to the prefix cache (this admission)
     status: str = "waiting"  # "waiting", "running", "finished"
@@ -178,6 +179,7 @@ def engine_metrics(requests: list[Request], steps: list[dict], now: float, preem
         "prefix_cache_hit_rate": hit_tokens / admitted_tokens if admitted_tokens else 0.0,
         "steps": [dict(s) for s in steps],
         "kv_usage": [s["kv_usage"] for s in steps], "batch_size": [s["batch_size"] for s in steps],
+        "tokens_per_step": [s["prefill_tokens"] + s["decode_tokens"] for s in steps],
         "requests": [{"request_id": r.id, "prompt_tokens": len(r.prompt), "output_tokens": len(r.output),
                       "cached_tokens": r.cached_tokens, "preemptions": r.preemptions, "arrival_s": r.arrival_s,
                       "first_scheduled_s": r.first_scheduled_s, "first_token_s": r.first_token_s,
