@@ -170,9 +170,12 @@ def bf16_dot_products() -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-# Bytes of one fp32 tile of a quantized matrix (quantized_linear): about a core's L2 (1 MB on
-# Zen 4, 2 MB on Sapphire Rapids), so that the GEMM reads the tile from there.
-TILE_BYTES = 1024 * 1024
+# Bytes of one fp32 tile of a quantized matrix (quantized_linear): inside the L3 of this course's
+# CPUs (32 MB on Zen 4, 105 MB here), and few tiles per matrix (SmolLM2: 5 a layer), because each
+# tile is one more pair of parallel regions, and a busy neighbour makes every region wait for a
+# time slice (chapter 8). Measured on 512-row products, 1 thread: 1 MB tiles (in a core's L2) ran
+# about 10% faster on a quiet machine, and several times slower next to a busy process.
+TILE_BYTES = 4 * 1024 * 1024
 
 
 def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
@@ -189,15 +192,19 @@ def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
 def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:
     """x [..., k] @ w.T with both rounded to bf16 and fp32 sums, through oneDNN (which runs bf16 dot
     products: AVX512-BF16's vdpbf16ps, or AMX tiles) -> [..., n] fp32, rounded to bf16 by the GEMM:
-    a prompt's products under prefill_precision="bfloat16" (chapter 16). w is fp32, bf16 or int8 /
-    int4 codes, turned into bf16 a tile of rows at a time. None where it does not apply (the rules of
-    `linear`; codes need the C kernel built)."""
+    a prompt's products under prefill_precision="bfloat16" (chapter 16). w is fp32 or bf16 (rounded
+    whole), or int8 / int4 codes (turned into bf16 a tile of rows at a time). None where it does not
+    apply (the rules of `linear`; codes need the C kernel built)."""
     quantized = isinstance(w, QuantizedWeight)
     if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == w.shape[1]
             and w.dtype in (torch.float32, torch.bfloat16) and (quantized or w.dim() == 2)
             and _takes(x, w.codes if quantized else w, built=quantized)):
         return None
-    return _tiled(x, w, torch.bfloat16)
+    if quantized:
+        return _tiled(x, w, torch.bfloat16)
+    # a dense matrix: rounded to bf16 in one pass (2 bytes a weight, freed after the product)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).bfloat16(), w.bfloat16(), None, "none", [], "")
+    return y.float().view(*x.shape[:-1], w.shape[0])
 
 
 def _tiled(x: Tensor, w: Tensor | QuantizedWeight, dtype: torch.dtype) -> Tensor:
