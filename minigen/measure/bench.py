@@ -306,6 +306,7 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
     for name, t in timed.items():
         e = engines[name]
         rows[name] = {"ttft_s": t["ttft_s"], "total_s": t["total_s"], "decode_tokens_per_s": t["decode_tokens_per_s"],
+                      "prefill_tokens_per_s": result["prompt_len"] / t["ttft_s"],  # prompt tokens / TTFT
                       "run_peak_added_bytes": t["run_peak_added_bytes"], "weight_bytes": e.weight_bytes,
                       "kv_cache_bytes": t["kv_cache_bytes"],
                       "peak_memory_bytes": e.weight_bytes + t["run_peak_added_bytes"],
@@ -387,10 +388,11 @@ def print_report(result: dict) -> None:
     if result.get("weight_bits"):
         print(f"minigen's weights: int{result['weight_bits']} (linear layers; the output head int8), "
               f"packed: the roofline counts the packed bytes")
-    print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'peak MiB':>10}{'KV MiB':>9}{'MB/step':>9}"
-          f"{'of roofline':>13}")
+    print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'prefill tok/s':>15}{'peak MiB':>10}{'KV MiB':>9}"
+          f"{'MB/step':>9}{'of roofline':>13}")
     for name, r in result["engines"].items():
-        print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}"
+        prefill = r.get("prefill_tokens_per_s", result["prompt_len"] / r["ttft_s"])  # a result saved before the column
+        print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}{prefill:>15.0f}"
               f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['kv_cache_bytes'] / 2**20:>9.2f}"
               f"{r.get('bytes_per_token', result['bytes_per_token']) / 1e6:>9.0f}{r['roofline_fraction']:>12.0%}")
     probes = hw.get("memory_read_gb_s_probes")  # absent from a saved result that holds one reading
@@ -414,6 +416,13 @@ def print_report(result: dict) -> None:
               f"{sp['mean_acceptance_length']:.2f} tokens per target forward (alpha {sp['alpha']:.2f}); "
               f"minigen / minigen plain decode: {sp['speedup_vs_plain']:.2f}x (same run), "
               f"the speed model predicts {sp['predicted_speedup']:.2f}x")
+    engines = result["engines"]
+    if "minigen" in engines:  # prefill: prompt tokens over TTFT, each engine beside minigen's, same run
+        others = [name for name in ("minigen float32", "minigen plain", "transformers", "llama.cpp") if name in engines]
+        if others:
+            ratio = {name: engines[name]["ttft_s"] / engines["minigen"]["ttft_s"] for name in others}
+            print(f"prefill of {result['prompt_len']} tokens (prompt tokens / TTFT), minigen / "
+                  + ", ".join(f"{name}: {r:.2f}x" for name, r in ratio.items()) + " (same run)")
     if "speedup" in result:
         print(f"minigen / transformers decode: {result['speedup']:.2f}x; greedy tokens agree: "
               f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'}"
