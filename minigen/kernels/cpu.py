@@ -171,7 +171,7 @@ def bf16_dot_products() -> bool | None:
 
 
 # Bytes of one fp32 tile of a quantized matrix (quantized_linear): inside the L3 of this course's
-# CPUs (32 MB on Zen 4, 105 MB here), and few tiles per matrix (SmolLM2: 5 a layer), because each
+# CPUs (32 MB on the AMD EPYC, 105 MB on the Xeon), and few tiles per matrix (SmolLM2: 5 a layer), because each
 # tile is one more pair of parallel regions, and a busy neighbour makes every region wait for a
 # time slice (chapter 8). Measured on 512-row products, 1 thread: 1 MB tiles (in a core's L2) ran
 # about 10% faster on a quiet machine, and several times slower next to a busy process.
