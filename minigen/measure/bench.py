@@ -97,7 +97,7 @@ def check_bench_args(prompt_len: int, new_tokens: int, repeats: int) -> None:
 def exact(config: GenerationConfig) -> bool:
     """True when the config changes speed or memory but never the greedy tokens."""
     lossy = {"quant_bits": None, "window_size": None, "sparse_top_k": None, "sparsity_threshold": 0,
-             "kv_budget": None, "kv_dtype": "float32"}
+             "kv_budget": None, "kv_dtype": "float32", "prefill_precision": "float32"}
     values = config.to_dict()
     return all(values.get(k) in (None, ok) for k, ok in lossy.items())
 
