@@ -164,7 +164,7 @@ def test_every_minigen_name_in_the_map_exists():
     assert len(named) == len(set(named))  # each field in one concept
     assert fields <= set(named), f"fields the map does not place: {sorted(fields - set(named))}"
     engine_args = {n for s in production.SETTINGS for n in s.engine} - {"Engine"}
-    assert engine_args == {"max_batch_size", "num_blocks"}
+    assert engine_args == {"max_batch_size", "num_blocks", "max_num_batched_tokens"}
     assert engine_args <= set(inspect.signature(minigen.Engine).parameters)  # chapter 10's engine
 
 

@@ -19,7 +19,9 @@ from minigen.model import Model, ModelConfig, rope_frequencies
 def dense_attend(q, k, v, mask, fp32_softmax=True):
     """Attention written the obvious way, so FlopCounterMode sees its two matmuls (the fused SDPA
     kernel on CPU is invisible to it): q [B, H, T, Dh], k, v [B, Hkv, S, Dh], mask [T, S] bool
-    or additive float."""
+    or additive float, or attention.Causal."""
+    if isinstance(mask, minigen.attention.Causal):  # a prompt from position 0: the first T slots, lower triangle
+        k, v, mask = k[:, :, :mask.T], v[:, :, :mask.T], torch.ones(mask.T, mask.T, dtype=torch.bool).tril()
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, S, Dh]
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5  # [B, H, T, S]

@@ -88,7 +88,18 @@ NO_VLLM_EQUIVALENT = {
     "sparsity_threshold": "thresholded sparse attention; none",
     "kv_budget": "heavy-hitter (H2O) eviction; none",
     "use_cache": "the naive loop without a cache; every engine caches",
+    "prefill_precision": "a prompt's products in another format than the decode step's; vLLM runs both in the "
+                         "model's --dtype and quantization",
 }
+
+
+def _switched_on(config: GenerationConfig, key: str) -> bool:
+    """Whether `config` uses the feature of NO_VLLM_EQUIVALENT's `key` (set away from its default)."""
+    if key == "use_cache":
+        return not config.use_cache
+    if key == "prefill_precision":
+        return config.prefill_precision != "float32"
+    return getattr(config, key) is not None
 
 
 def vllm_engine_args(config: GenerationConfig, *, max_batch_size: int | None = None,
@@ -99,8 +110,7 @@ def vllm_engine_args(config: GenerationConfig, *, max_batch_size: int | None = N
     `config` that vLLM cannot be told to use."""
     if not isinstance(config, GenerationConfig):
         raise ConfigError(f"config must be a GenerationConfig, got {type(config).__name__}")
-    refused = [key for key in NO_VLLM_EQUIVALENT
-               if (getattr(config, key) is not None if key != "use_cache" else not config.use_cache)]
+    refused = [key for key in NO_VLLM_EQUIVALENT if _switched_on(config, key)]
     if refused:
         why = "; ".join(f"{k}={getattr(config, k)!r}: {NO_VLLM_EQUIVALENT[k]}" for k in refused)
         raise ConfigError(f"vLLM has no equivalent of {', '.join(refused)} ({why}). Remove "
