@@ -61,9 +61,10 @@ class Causal:
 def prefix_causal(query_pos: Tensor, key_pos: Tensor) -> bool:
     """True when query_pos [T] is 0..T-1 and key slot s holds position s for s < T, every other
     slot empty or later (-1 or >= T): then `causal_mask` is the lower triangle over the first T
-    slots, `Causal(T)`."""
+    slots, `Causal(T)`. Under torch.compile it answers False: the test reads tensor values, which
+    a graph cannot branch on, and the explicit mask gives the same result."""
     T = query_pos.shape[-1]
-    if not (query_pos.dim() == 1 and key_pos.dim() == 1 and 1 < T <= key_pos.shape[0]):
+    if torch.compiler.is_compiling() or not (query_pos.dim() == 1 and key_pos.dim() == 1 and 1 < T <= key_pos.shape[0]):
         return False
     first = torch.arange(T, device=query_pos.device)
     rest = key_pos[T:]

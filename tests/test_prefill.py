@@ -67,6 +67,16 @@ def test_a_prompt_through_causal_tiles_matches_the_explicit_mask(tiny_llama, mon
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_the_naive_step_compiles_as_one_graph_with_the_explicit_mask(tiny_llama):
+    """prefix_causal reads tensor values: under torch.compile it must not break the graph (chapter 8
+    compiles the naive loop with fullgraph=True), and the compiled step gives eager's logits."""
+    model, seq = tiny_llama[1], torch.tensor([[1, 2, 3, 4, 5]])
+    step = torch.compile(lambda m, s: m(s, torch.arange(s.shape[1]))[:, -1], fullgraph=True, backend="eager")
+    with torch.inference_mode():
+        torch.testing.assert_close(step(model, seq), model(seq, torch.arange(5))[:, -1],
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_attend_with_causal_equals_the_bool_mask_in_16_bits_without_fp32_softmax():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 12, 16, generator=g).bfloat16(), torch.randn(1, 2, 20, 16, generator=g).bfloat16(),
