@@ -62,6 +62,9 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "prefill_precision": (lambda c: c.prefill_precision != "float32",
                           "\"bfloat16\": a prompt's products of more than 16 rows with bf16 inputs and fp32 sums "
                           "(chapter 16); a draft model's prompt and every decode step stay as they are"),
+    "prefill_chunk_size": (lambda c: c.prefill_chunk_size is not None,
+                           "a prompt run this many tokens per forward, each piece reading the pieces before it "
+                           "from the cache: activations scale with the piece, not the prompt (chapter 16)"),
 }
 
 def _switch_off(feature: str) -> str:
@@ -89,12 +92,15 @@ _REFUSED_BESIDE: dict[str, dict[str, str]] = {
         "prefetch_depth": "the naive loop keeps no cache to offload",
         "quant_bits": "the naive loop keeps no cache to quantize",
         "kv_budget": "the naive loop keeps no cache to evict from",
+        "prefill_chunk_size": "the naive loop keeps no cache for a prompt's pieces to meet in",
     },
     "kv_budget": {
         "cache_chunk_size": "heavy hitters evict single tokens while paging frees whole blocks",
         "quant_bits": "heavy-hitter eviction moves tokens between slots, which a quantized group cannot follow",
         "prefetch_depth": "heavy-hitter eviction compacts every layer at once, but the offload tier holds only "
                           "prefetch_depth + 1 layers on the device",
+        "prefill_chunk_size": "heavy hitters would evict between a prompt's pieces, by attention that has not yet "
+                              "seen the rest of the prompt: another cache than the whole prompt's",
     },
     "cuda_graphs": {
         "compile": "cuda_graphs captures the eager step; a compiled step is captured by "
@@ -145,6 +151,12 @@ _APPLIED_BESIDE: dict[str, dict[str, str]] = {
         "kv_budget": "the window masks the tokens heavy hitters keep",
     },
     "quant_bits": {"cache_chunk_size": "full blocks are stored quantized; each row's open block in full precision"},
+    "prefill_chunk_size": {
+        "quant_bits": "each piece of the prompt reads the full groups of the pieces before it quantized, as a "
+                      "decode step does",
+        "prefill_precision": "a piece of 16 tokens or fewer runs its products in fp32, as any short forward",
+        "speculative_method": "the target's prompt and the draft's run in pieces",
+    },
     "sparse": {
         "kv_budget": "heavy hitters score the attention that sparse selection leaves",
         **{other: "sparse selection runs on the keys attention sees"

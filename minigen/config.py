@@ -75,6 +75,9 @@ class GenerationConfig:
     # a prompt's matrix products: "float32", or "bfloat16" (inputs rounded to bf16, fp32 sums: the
     # bf16 dot products of AVX512-BF16 / AMX on a CPU); the decode step keeps its own format
     prefill_precision: str = "float32"
+    # the prompt runs this many tokens per forward, each piece attending to the cached pieces before
+    # it: activations scale with the chunk, not the prompt (transformers' name); None: one forward
+    prefill_chunk_size: int | None = None
     # --- speculative decoding (chapter 15; vLLM's names) ---
     speculative_method: str | None = None  # None: off; "ngram": prompt lookup; "draft": generate(..., draft_model=)
     num_speculative_tokens: int = 4  # k: tokens proposed per step, checked by the target in one forward
@@ -263,6 +266,9 @@ def _check_values(c: GenerationConfig) -> None:
     if c.prefill_precision not in PREFILL_PRECISIONS:
         raise ConfigError(f"prefill_precision={c.prefill_precision!r} is invalid: use \"float32\" (the default) or "
                           "\"bfloat16\" (a prompt's products with bf16 inputs and fp32 sums, chapter 16)")
+    if c.prefill_chunk_size is not None:
+        _check_int("prefill_chunk_size", c.prefill_chunk_size, low=1,
+                   hint="(prompt tokens per forward, e.g. 512), or None to run the prompt in one forward")
     # speculative decoding (chapter 15)
     if c.speculative_method not in SPECULATIVE_METHODS:
         raise ConfigError(f"speculative_method={c.speculative_method!r} is invalid: use None (off), \"ngram\" "

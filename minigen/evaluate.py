@@ -43,9 +43,10 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
           chunk_size: int | None = None, *, observers=(), **overrides) -> Score:
     """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call.
 
-    chunk_size=None feeds the whole text at once, except when the config's cache changes what a
-    later token reads (quant_bits, kv_budget): the tokens of one call are attended as computed,
-    so these caches are then fed one token at a time, as decoding reads them.
+    chunk_size=None feeds the whole text at once (or the config's prefill_chunk_size tokens per
+    call), except when the config's cache changes what a later token reads (quant_bits, kv_budget):
+    the tokens of one call are attended as computed, so these caches are then fed one token at a
+    time, as decoding reads them.
     `observers` see every layer's attention probabilities (attention.AttentionObserver).
     """
     config = resolve_config(config, overrides)
@@ -64,7 +65,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
                                    or chunk_size < 1):  # before `or`: 0 is falsy
         raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
     reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
-    C = chunk_size or (1 if reads_back else T)
+    C = chunk_size or (1 if reads_back else config.prefill_chunk_size or T)
     check_run(config, run_of(model, config, 1, tuple(observers)))  # what the model and machine cannot run
     # fused_decode=True scores what the fused step computes, one token at a time; "auto" keeps the
     # chunked forward, which reads each weight once per chunk rather than once per token

@@ -934,6 +934,24 @@ def _(tiny_model):
     minigen.Engine(tiny_model, max_batch_size=8, max_num_batched_tokens=4)
 
 
+@case("prefill-chunk-size-invalid")
+def _():
+    for bad in (-1, 2.5, True, "512"):  # the row's other values, refused as well
+        with pytest.raises(errors.ConfigError, match=f"prefill_chunk_size={bad!r} is invalid"):
+            GenerationConfig(prefill_chunk_size=bad)
+    GenerationConfig(prefill_chunk_size=0)
+
+
+@case("prefill-chunk-with-heavy-hitters")
+def _():
+    GenerationConfig(prefill_chunk_size=256, kv_budget=64)
+
+
+@case("engine-prefill-chunk-size")
+def _(tiny_model):
+    minigen.Engine(tiny_model, GenerationConfig(prefill_chunk_size=256))
+
+
 @case("prefill-bf16-without-bf16-dot")
 def _(tiny_model, monkeypatch):
     from minigen.kernels import cpu

@@ -80,6 +80,7 @@ FIELDS = {
     "prompt_lookup_min": st.integers(1, 3),  # min > max is refused (test_speculative.py): not drawn here
     "prompt_lookup_max": st.integers(3, 5),
     "prefill_precision": st.sampled_from(["float32", "bfloat16"]),
+    "prefill_chunk_size": maybe(st.sampled_from([1, 3, 8, 16])),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget", "prefill_precision")
@@ -90,7 +91,7 @@ SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_
             "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"],
             "compile": ["compile"], "cuda_graphs": ["cuda_graphs"], "attention_backend": ["attention_backend"],
             "fused_decode": ["fused_decode"], "speculative_method": ["speculative_method"],
-            "prefill_precision": ["prefill_precision"]}
+            "prefill_precision": ["prefill_precision"], "prefill_chunk_size": ["prefill_chunk_size"]}
 # A compile costs seconds; cuda_graphs is refused on a CPU (when it runs); the Triton kernel runs in its interpreter
 # on a CPU (a step of the tiny model: ~0.1 s; a config that runs scores the text through it twice or more: ~7 s),
 # and needs cache_chunk_size, so it is drawn with one.
@@ -173,7 +174,7 @@ def off(config: GenerationConfig, feature: str) -> GenerationConfig:
             "prefetch_depth": ("prefetch_depth",),
             "speculative_method": ("speculative_method", "num_speculative_tokens", "prompt_lookup_min",
                                    "prompt_lookup_max"),
-            "prefill_precision": ("prefill_precision",)}[feature]
+            "prefill_precision": ("prefill_precision",), "prefill_chunk_size": ("prefill_chunk_size",)}[feature]
     return dataclasses.replace(config, **{k: DEFAULTS[k] for k in keys})
 
 
@@ -270,6 +271,12 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, draft, text, fie
         plain = minigen.generate(tiny, rows, off(config, "speculative_method")).tokens
         torch.testing.assert_close(minigen.generate(tiny, rows, speculating, draft_model=draft).tokens, plain,
                                    atol=0, rtol=0)
+    # Running the prompt in pieces changes how many forwards it takes, never the greedy tokens (in fp32:
+    # under prefill_precision='bfloat16' a piece of 16 rows or fewer runs its products in fp32).
+    if "prefill_chunk_size" in on and not config.do_sample and config.prefill_precision == "float32" \
+            and config.kv_dtype in (None, "float32"):
+        torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, off(config, "prefill_chunk_size"),
+                                                                 draft_model=draft).tokens, atol=0, rtol=0)
     # Compiling changes how the step runs, never its tokens.
     if config.compile and not config.do_sample:
         torch.testing.assert_close(both.tokens, minigen.generate(tiny, prompts, config.replace(compile=False)).tokens,
@@ -298,7 +305,7 @@ def test_refused_pairs_name_both_keys_and_a_fix():
               "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
               "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 16},  # needs blocks
               "fused_decode": {"fused_decode": True}, "speculative_method": {"speculative_method": "ngram"},
-              "prefill_precision": {"prefill_precision": "bfloat16"}}
+              "prefill_precision": {"prefill_precision": "bfloat16"}, "prefill_chunk_size": {"prefill_chunk_size": 8}}
     assert set(switch) == set(FEATURES)
     for pair, (why, fix) in REFUSED.items():
         a, b = sorted(pair)

@@ -182,3 +182,76 @@ def test_bench_counts_a_bf16_prompt_as_lossy():
     prompt rounds every product's inputs, so its tokens may differ (SmolLM2, 512 tokens: they did)."""
     from minigen.measure import bench
     assert bench.exact(GenerationConfig()) and not bench.exact(GenerationConfig(prefill_precision="bfloat16"))
+
+
+# ---------------------------------------------------------------- prefill_chunk_size
+CHUNK_CACHES = {"contiguous": {}, "paged": {"cache_chunk_size": 8}, "window": {"window_size": 12, "sink_tokens": 2},
+                "paged window": {"window_size": 12, "cache_chunk_size": 4},
+                "int4 cache": {"quant_bits": 4, "quant_group_size": 4}, "offload": {"prefetch_depth": 1},
+                "sparse": {"sparse_top_k": 8}, "prompt lookup": {"speculative_method": "ngram"}}
+
+
+@pytest.mark.parametrize("kv", list(CHUNK_CACHES))
+def test_a_prompt_in_pieces_gives_the_whole_prompts_tokens(tiny_llama, kv):
+    """Each piece writes its keys, the next reads them: greedy tokens equal one forward's, for every
+    cache the pieces write into, pieces of one token, of a few, and longer than the window."""
+    model = tiny_llama[1]
+    ids = torch.randint(0, 97, (1, 37), generator=torch.Generator().manual_seed(0))
+    base = GenerationConfig(max_new_tokens=8, stop_token_ids=[], **CHUNK_CACHES[kv])
+    whole = minigen.generate(model, ids, base).tokens
+    for C in (1, 5, 16):
+        assert torch.equal(minigen.generate(model, ids, base.replace(prefill_chunk_size=C)).tokens, whole), (kv, C)
+
+
+def test_a_ragged_batch_in_pieces_keeps_each_rows_tokens(tiny_llama):
+    model = tiny_llama[1]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 97, (n,), generator=g) for n in (37, 20, 5)]
+    config = GenerationConfig(max_new_tokens=6, stop_token_ids=[])
+    whole = minigen.generate(model, prompts, config).tokens
+    pieces = minigen.generate(model, prompts, config.replace(prefill_chunk_size=7)).tokens
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces))
+
+
+def test_no_forward_of_a_chunked_prompt_runs_more_than_the_chunk(tiny_llama, monkeypatch):
+    """What the setting is for: the activations of a forward scale with its tokens."""
+    model = tiny_llama[1]
+    widths = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, tokens, *a, **k: widths.append(tokens.shape[1])
+                        or forward(self, tokens, *a, **k))
+    minigen.generate(model, torch.randint(0, 97, (1, 37)), max_new_tokens=3, stop_token_ids=[], prefill_chunk_size=16,
+                     fused_decode=False)
+    assert widths == [16, 16, 5, 1, 1], widths
+    widths.clear()
+    minigen.generate(model, torch.randint(0, 97, (1, 37)), max_new_tokens=3, stop_token_ids=[], fused_decode=False)
+    assert widths == [37, 1, 1], widths
+
+
+def test_prefill_chunk_size_is_refused_where_it_cannot_mean_the_same(tiny_llama):
+    model = tiny_llama[1]
+    with pytest.raises(minigen.ConfigError, match=r"prefill_chunk_size=0 is invalid"):
+        GenerationConfig(prefill_chunk_size=0)
+    with pytest.raises(minigen.ConfigError, match=r"kv_budget=8 and prefill_chunk_size=4.*Fix"):
+        GenerationConfig(prefill_chunk_size=4, kv_budget=8)
+    with pytest.raises(minigen.ConfigError, match=r"use_cache=False and prefill_chunk_size=4"):
+        GenerationConfig(prefill_chunk_size=4, use_cache=False)
+    with pytest.raises(minigen.ConfigError, match=r"max_num_batched_tokens=64\) and prefill_chunk_size=None"):
+        minigen.Engine(model, GenerationConfig(prefill_chunk_size=64))
+    from minigen.production.engines import vllm_engine_args
+    args = vllm_engine_args(GenerationConfig(prefill_chunk_size=512))
+    assert args["enable_chunked_prefill"] is True and args["max_num_batched_tokens"] == 512
+
+
+def test_score_feeds_the_configs_prefill_chunk_size(tiny_llama, monkeypatch):
+    from minigen.evaluate import score
+    model = tiny_llama[1]
+    text = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(2))
+    whole = score(model, text).nll
+    widths = []
+    forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, tokens, *a, **k: widths.append(tokens.shape[1])
+                        or forward(self, tokens, *a, **k))
+    pieces = score(model, text, prefill_chunk_size=8).nll
+    assert widths == [8, 8, 8, 6], widths
+    torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)

@@ -129,6 +129,8 @@ def vllm_engine_args(config: GenerationConfig, *, max_batch_size: int | None = N
         args["compilation_config"] = {"cudagraph_mode": "NONE"}
     else:
         args["enforce_eager"] = True
+    if config.prefill_chunk_size is not None:  # vLLM chunks by a step's token budget: one prompt alone, the same
+        args["enable_chunked_prefill"], args["max_num_batched_tokens"] = True, config.prefill_chunk_size
     if max_batch_size is not None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"max_batch_size={max_batch_size!r} is invalid: use an integer >= 1")

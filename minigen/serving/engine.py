@@ -70,6 +70,10 @@ class Engine:
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
         self.config = resolve_config(config, {})
         check_rows(self.config, "the serving engine", ENGINE_REFUSED)
+        if self.config.prefill_chunk_size is not None:  # generate's setting; the engine chunks by its step budget
+            raise ConfigError(f"prefill_chunk_size={self.config.prefill_chunk_size} is generate's setting: the engine "
+                              "splits prompts by the tokens one step may run. Fix: Engine(..., max_num_batched_tokens="
+                              f"{max(self.config.prefill_chunk_size, max_batch_size)}) and prefill_chunk_size=None")
         if self.config.cache_chunk_size is None:
             self.config = self.config.replace(cache_chunk_size=DEFAULT_BLOCK_SIZE)
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:

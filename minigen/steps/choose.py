@@ -91,11 +91,14 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
     run = run_of(model, config, batch, observers)
     check_run(config, run)
     if not config.use_cache:
-        return NaiveStep()
+        return NaiveStep()  # (prefill_chunk_size needs a cache: the config refuses it here)
     if config.cuda_graphs:
-        return GraphedStep(sample, config, generator)
-    if config.compile:
-        return CompiledStep(model)
-    if config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)):
-        return fused.FusedStep()  # a ragged batch refused True above (RAGGED_REFUSED)
-    return EagerStep()
+        step = GraphedStep(sample, config, generator)
+    elif config.compile:
+        step = CompiledStep(model)
+    elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)):
+        step = fused.FusedStep()  # a ragged batch refused True above (RAGGED_REFUSED)
+    else:
+        step = EagerStep()
+    step.prefill_chunk_size = config.prefill_chunk_size  # every step prefills eagerly, in pieces or whole
+    return step

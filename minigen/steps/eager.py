@@ -40,14 +40,23 @@ class EagerStep:
     name = "eager"
     samples_inside = False  # decode returns logits; the loop samples (GraphedStep samples in its graph)
     compile_s = 0.0
+    prefill_chunk_size: int | None = None  # GenerationConfig.prefill_chunk_size (steps/choose.py sets it)
 
     def grad_mode(self):
         """inference_mode: the fastest eager mode (CompiledStep wants no_grad)."""
         return torch.inference_mode()
 
     def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
-        """input_pos [T], or [B, T] per row (-1: padding) -> the last position's logits [B, V]."""
-        return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
+        """input_pos [T], or [B, T] per row (-1: padding) -> the last position's logits [B, V].
+
+        With prefill_chunk_size C the prompt runs C tokens per forward: each piece writes its keys
+        and values into the cache, and the next piece's queries read them there, so the result is
+        the whole prompt's, while the activations alive at once scale with C instead of T (chapter 16)."""
+        C = self.prefill_chunk_size or input_ids.shape[1]
+        for start in range(0, input_ids.shape[1], C):
+            logits = model(input_ids[:, start:start + C], input_pos[..., start:start + C], cache,
+                           last_only=True, policy=policy)
+        return logits[:, -1]
 
     def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
         return decode_step(model, tokens, input_pos, cache, policy)
