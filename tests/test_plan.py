@@ -154,3 +154,65 @@ def test_the_paged_waste_is_each_rows_last_block(tiny_llama):
     assert list(planner.paged_waste(cfg, {"quant_bits": 8, "quant_key_axis": "token", "quant_group_size": 8},
                                     3, 100)) == [16, 256]
     assert planner.plan(cfg, batch=3, context=100, budget_bytes=2**30).paged
+
+
+# ---------------------------------------------------------------- prefill chunks (chapter 16)
+def _random_model(cfg, n_layers: int = 2, seed: int = 0) -> minigen.Model:
+    """A model of `cfg`'s shapes with n_layers layers and random weights: the activations of one
+    layer are what the estimate counts; two layers keep the test fast."""
+    import dataclasses
+    model = minigen.Model(dataclasses.replace(cfg, n_layers=n_layers))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.ones(p.shape) if p.dim() == 1 else torch.randn(p.shape, generator=g) * 0.02)
+    return model.eval()
+
+
+PEAK_CASES = [(1, 1536, {}), (1, 1536, dict(prefill_chunk_size=256)), (3, 1024, dict(prefill_chunk_size=512)),
+              (2, 1024, dict(window_size=256)), (2, 1024, dict(cache_chunk_size=16, prefill_chunk_size=256)),
+              (2, 1024, dict(quant_bits=8, prefill_chunk_size=256)), (2, 1024, dict(kv_dtype="bfloat16"))]
+
+
+@pytest.mark.parametrize("batch,context,fields", PEAK_CASES,
+                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
+def test_the_planned_kv_and_activations_are_what_a_generation_allocates(smollm2, batch, context, fields):
+    """The issue's bound: within 10% of the peak bytes of tensors a generation holds at once
+    (planner.peak_tensor_bytes counts every storage torch's ops create). SmolLM2's shapes, 2 layers."""
+    model = _random_model(smollm2[0].config)
+    new = 4
+    config = GenerationConfig(max_new_tokens=new, stop_token_ids=[], **fields)
+    ids = torch.randint(0, 1000, (batch, context - new), generator=torch.Generator().manual_seed(1))
+    peak, _ = planner.peak_tensor_bytes(lambda: minigen.generate(model, ids, config))
+    planned = (planner.kv_cache_bytes(model.config, config, batch, context, prompt_len=context - new)
+               + planner.activation_bytes(model.config, batch, context, config=config))
+    assert abs(planned - peak) <= 0.10 * peak, (planned, peak)
+
+
+def test_the_peak_counter_sees_what_is_held_and_forgets_what_is_freed():
+    def hold():
+        a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes, freed on return
+        b = torch.empty(250, dtype=torch.float64)  # 2,000 bytes, returned
+        return b
+    peak, kept = planner.peak_tensor_bytes(hold)
+    assert peak == 6000 and kept.nbytes == 2000
+
+
+def test_a_prefill_chunk_makes_the_issues_request_fit(smollm2):
+    """Batch 4 x 8,192 tokens in 1 GiB: every option with the whole prompt misses (its activations
+    alone are ~1 GiB); with a chunk, the planner fits one at no expected quality loss."""
+    cfg = smollm2[0].config
+    p = planner.plan(cfg, batch=4, context=8192, budget_bytes=2**30)
+    assert p.fits and p.expected_loss_pct == 0.0 and p.config.get("prefill_chunk_size") in planner.PREFILL_CHUNKS
+    whole = [planner.weights_bytes(cfg) + kv + planner.activation_bytes(cfg, 4, 8192, config=GenerationConfig(**f))
+             for f, kv, *_ in planner.options(cfg, 4, 8192)]
+    assert min(whole) > 2**30
+    # the chunk is the largest that fits: the next larger one would not
+    chunk = p.config["prefill_chunk_size"]
+    larger = [c for c in planner.PREFILL_CHUNKS if c > chunk]
+    if larger:
+        bigger = GenerationConfig(**{**p.config, "prefill_chunk_size": min(larger)})
+        assert (p.weights_bytes + planner.kv_cache_bytes(cfg, bigger, 4, 8192)
+                + planner.activation_bytes(cfg, 4, 8192, config=bigger)) > 2**30
+    # and where the whole prompt fits, nothing is chunked
+    assert "prefill_chunk_size" not in planner.plan(cfg, batch=1, context=2048, budget_bytes=2**31).config

@@ -7,7 +7,11 @@ The KV bytes of a setting are exact, not a formula to keep in step with the cach
 builds the cache the config selects on PyTorch's "meta" device (shapes, no memory), and its
 `nbytes` is what `generate` reports in `stats.kv_cache_bytes` (a paged cache adds the buffer it
 gathers blocks into, counted here). The weights are counted the same way, on a meta `Model`.
-The activations are an estimate: the largest tensors alive in one layer of the prefill.
+The activations are counted from the tensors one layer of the prefill holds at its peak (the
+MLP's), for the rows one forward runs: the whole prompt, or `prefill_chunk_size` of them. Where the
+whole prompt's activations do not fit, the planner offers the largest prompt chunk that does
+(PREFILL_CHUNKS). `peak_tensor_bytes` measures what a generation really allocates, to hold the
+estimate against (tests/test_plan.py: within 10%).
 
 The quality loss of each setting is the chapters' measurement on SmolLM2 (perplexity change):
 QUALITY_LOSS cites where each number comes from. Settings that combine add their losses (an
@@ -16,12 +20,17 @@ approximation: they were measured one at a time).
 
 from __future__ import annotations
 
+import gc
 import math
 import os
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..caches.make import make_cache
 from ..config import GenerationConfig
@@ -41,6 +50,7 @@ QUALITY_LOSS = {
 }
 KV_STORAGE = [{}, {"kv_dtype": "bfloat16"}, {"kv_dtype": "float16"}, {"quant_bits": 8}, {"quant_bits": 4}]
 PAGED_CHUNKS = (16, 256)  # vLLM's default block size, and the article's cache_chunk_size
+PREFILL_CHUNKS = (2048, 1024, 512, 256)  # prompt chunks the planner offers, the largest that fits first
 WINDOWS = [None, 256, 128, 64]
 
 
@@ -88,12 +98,14 @@ def _meta_model(cfg: ModelConfig, dtype: str | torch.dtype) -> SimpleNamespace:
 
 
 def _gather_blocks(config: GenerationConfig, batch: int, context: int, prompt_len: int) -> int:
-    """Blocks in a paged cache's gather buffer at the end of a generation: the prefill's blocks, then
-    grown by doubling whenever a decode step's rows hold more (blocks outside a window are freed)."""
+    """Blocks in a paged cache's gather buffer at the end of a generation: the prefill's blocks (chunk
+    by chunk with prefill_chunk_size), then grown by doubling whenever a step's rows hold more
+    (blocks outside a window are freed)."""
     bs, window, sinks = config.cache_chunk_size, config.window_size, config.sink_tokens
-    size = 0
-    # the prefill writes [0, prompt_len); decode step i writes position prompt_len + i, up to context - 2
-    for start, end in [(0, prompt_len)] + [(p, p + 1) for p in range(prompt_len, context - 1)]:
+    size, C = 0, config.prefill_chunk_size or prompt_len
+    # the prefill writes [0, prompt_len), C at a time; decode step i writes position prompt_len + i, up to context - 2
+    pieces = [(s, min(s + C, prompt_len)) for s in range(0, prompt_len, C)]
+    for start, end in pieces + [(p, p + 1) for p in range(prompt_len, context - 1)]:
         freed = 0
         if window is not None:  # block j is freed when all of it is past the sinks and out of the window:
             # j * bs >= sinks and start - (j * bs + bs - 1) >= window (attention.in_window)
@@ -104,22 +116,35 @@ def _gather_blocks(config: GenerationConfig, batch: int, context: int, prompt_le
     return size
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, context: int, compute: str | torch.dtype = "float32") -> int:
-    """An estimate of the largest activations alive at once: one layer of a prefill of `context`
-    tokens (generate prefills the prompt in one pass). Per token: the residual and the normed input,
-    q/k/v, and the MLP's gate, up, silu(gate) and their product; the causal mask [T, S], fp32 and
-    bool, shared by the rows; the last position's logits. CPU SDPA does not materialize the
-    [B, H, T, S] scores. Checked once on SmolLM2 at 3,000 tokens, batch 1 (2-core CPU): a
-    generation added 275 MiB of peak memory, 132 MiB of it the cache; this estimates 138 MiB."""
-    T, e = context, _dtype(compute).itemsize
-    per_token = 2 * cfg.dim + (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 4 * cfg.hidden_dim
-    return batch * T * per_token * e + T * T * (4 + 1) + batch * cfg.vocab_size * 4
+def activation_bytes(cfg: ModelConfig, batch: int, context: int, compute: str | torch.dtype = "float32",
+                     config: GenerationConfig | None = None) -> int:
+    """The largest activations alive at once: one layer of the prefill, for the rows one forward
+    runs (the whole prompt of `context` tokens, or config.prefill_chunk_size of them).
+
+    Per row, at the layer's peak, the MLP: the residual coming in and the one after attention, the
+    normed input, gate|up (one product), silu(gate) and its product with up; attention's peak (the
+    residuals, q/k/v and the rotations) where it is larger. Per position: the rotary tables and the
+    angles they come from (fp32). A mask [rows, S] (bool, and the additive one in the compute
+    dtype) only where attention needs one: a chunk after the first, a window or sparse selection.
+    A prompt that starts at position 0 runs SDPA's causal tiles without a mask, and CPU SDPA never
+    materializes the [B, H, T, S] scores. Plus the last position's logits. (Sparse selection's
+    scores are not counted: the planner does not offer it.)"""
+    config = config or GenerationConfig()
+    rows, e = min(config.prefill_chunk_size or context, context), _dtype(compute).itemsize
+    D, Dh, qk = cfg.dim, cfg.head_dim, (cfg.n_heads + cfg.n_kv_heads) * cfg.head_dim
+    mlp = 3 * D + 4 * cfg.hidden_dim
+    attention = 2 * D + (qk + cfg.n_kv_heads * cfg.head_dim) + 3 * qk  # residual, normed, qkv, rotation's temporaries
+    rope = 3 * (Dh // 2) * 4 + 2 * Dh * e  # angles, cos, sin (fp32); the two tables
+    policy = config.window_size is not None or config.sparse  # its mask stays bool
+    mask = rows * context * (1 + (0 if policy else e)) if rows < context or policy else 0
+    return batch * rows * max(mlp, attention) * e + rows * rope + mask + batch * cfg.vocab_size * 4
 
 
 @dataclass
 class Option:
     config: dict  # the GenerationConfig fields this option sets
     kv_cache_bytes: int
+    activation_bytes: int  # one forward's: the whole prompt, or a chunk of it (prefill_chunk_size)
     total_bytes: int  # weights + KV cache + activations
     fits: bool
     expected_loss_pct: float  # perplexity change the chapters measured for these settings
@@ -132,7 +157,7 @@ class Plan:
     config: dict  # the chosen option's GenerationConfig fields ({}: the defaults)
     kv_cache_bytes: int
     weights_bytes: int
-    activation_bytes: int
+    activation_bytes: int  # the chosen option's
     total_bytes: int
     budget_bytes: int
     expected_loss_pct: float
@@ -149,11 +174,16 @@ class Plan:
 
 
 def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype = "float32",
-            cache_chunk_size: int | None = None) -> list[tuple[dict, int, float, list[str]]]:
-    """(config fields, KV bytes, expected loss %, sources) for every storage x window setting.
+            cache_chunk_size: int | None = None, room: int | None = None,
+            compute: str | torch.dtype = "float32") -> list[tuple[dict, int, int, float, list[str]]]:
+    """(config fields, KV bytes, activation bytes, expected loss %, sources) for every storage x
+    window setting, each with the prompt whole, or else in the largest of PREFILL_CHUNKS whose KV
+    and activations fit in `room` bytes (the smallest chunk when none does; None: always whole).
 
     A quantized cache keeps every token (the window is only a mask: config.py's APPLIED table), so
-    quantization is not paired with a window; a window no shorter than the context changes nothing."""
+    quantization is not paired with a window; a window no shorter than the context changes nothing.
+    A chunked prompt gives the same tokens (chapter 16), so chunking costs no quality, only some
+    prefill speed: the whole prompt is offered wherever it fits."""
     out = []
     for storage in KV_STORAGE:
         for window in WINDOWS:
@@ -167,8 +197,14 @@ def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype
             keys = [k if k == "kv_dtype" else f"{k}={v}" for k, v in fields.items()
                     if k not in ("cache_chunk_size", "quant_group_size")]
             loss = sum(QUALITY_LOSS[k][0] for k in keys)
-            kv = kv_cache_bytes(cfg, GenerationConfig(**fields), batch, context, dtype)
-            out.append((fields, kv, loss, [QUALITY_LOSS[k][1] for k in keys]))
+            for chunk in (None, *(c for c in PREFILL_CHUNKS if c < context)):
+                config = GenerationConfig(**fields, prefill_chunk_size=chunk)
+                kv = kv_cache_bytes(cfg, config, batch, context, dtype)
+                acts = activation_bytes(cfg, batch, context, compute, config)
+                if room is None or kv + acts <= room:
+                    break
+            chunked = dict(fields, prefill_chunk_size=chunk) if chunk else fields
+            out.append((chunked, kv, acts, loss, [QUALITY_LOSS[k][1] for k in keys]))
     return out
 
 
@@ -185,11 +221,13 @@ def plan(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch:
         raise ConfigError(f"context={context} is past the model's context of {cfg.max_seq_len} tokens: "
                           f"plan for at most {cfg.max_seq_len}")
     weights = weights_bytes(cfg, dtype)
-    acts = activation_bytes(cfg, batch, context, compute)
-    rows = [Option(fields, kv, weights + kv + acts, weights + kv + acts <= budget_bytes, loss, src)
-            for fields, kv, loss, src in options(cfg, batch, context, dtype, cache_chunk_size)]
+    rows = [Option(fields, kv, acts, weights + kv + acts, weights + kv + acts <= budget_bytes, loss, src)
+            for fields, kv, acts, loss, src in options(cfg, batch, context, dtype, cache_chunk_size,
+                                                       budget_bytes - weights, compute)]
     rows.sort(key=lambda o: (not o.fits, o.expected_loss_pct if o.fits else o.total_bytes, o.total_bytes))
-    smallest = min(o.total_bytes for o in rows)
+    # the least memory any option needs: each with the smallest prompt chunk (no room for a larger one)
+    smallest = weights + min(kv + acts for _, kv, acts, _, _ in options(cfg, batch, context, dtype, cache_chunk_size,
+                                                                         -1, compute))
     if budget_bytes < weights:
         raise ConfigError(f"budget_bytes={budget_bytes:,} is below the model's weights alone ({weights:,} bytes "
                           f"in {_dtype(dtype)}): no cache setting can fit. The smallest budget that could work "
@@ -197,7 +235,7 @@ def plan(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch:
                           "weights in bfloat16 or with weight_bits=8/4")
     best = rows[0]
     return Plan(fits=best.fits, config=best.config, kv_cache_bytes=best.kv_cache_bytes, weights_bytes=weights,
-                activation_bytes=acts, total_bytes=best.total_bytes, budget_bytes=budget_bytes,
+                activation_bytes=best.activation_bytes, total_bytes=best.total_bytes, budget_bytes=budget_bytes,
                 expected_loss_pct=best.expected_loss_pct, smallest_budget=smallest, options=rows,
                 paged=paged_waste(cfg, best.config, batch, context, dtype))
 
@@ -238,6 +276,43 @@ def oom_remedies(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m"
     }
 
 
+class _LiveTensors(TorchDispatchMode):
+    """Counts the bytes of the tensor storages that torch ops create while it is on, and their peak:
+    the CPU's analogue of torch.cuda.max_memory_allocated. A storage counts from the op that made
+    it until it is freed; what a kernel allocates inside itself (scratch) is not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key, n = storage.data_ptr(), storage.nbytes()
+                if n and key not in self.seen:
+                    self.seen.add(key)
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, n)
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.seen.discard(key)
+
+
+def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """(the peak bytes of tensors `fn` allocated and held at once, fn's result): what a generation
+    really allocates, cache included, to hold activation_bytes + kv_cache_bytes against."""
+    gc.collect()
+    with _LiveTensors() as live:
+        result = fn()
+    return live.peak, result
+
+
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -254,10 +329,10 @@ def format_plan(p: Plan) -> str:
             f"~{p.activation_bytes / mib:,.1f} MiB = {p.total_bytes / mib:,.1f} MiB of "
             f"{p.budget_bytes / mib:,.1f} MiB; "
             f"expected perplexity +{p.expected_loss_pct:.2f}%")
-    lines = [head, "", f"{'fits':<5} {'loss %':>7} {'KV MiB':>10} {'total MiB':>10}  config"]
+    lines = [head, "", f"{'fits':<5} {'loss %':>7} {'KV MiB':>10} {'acts MiB':>9} {'total MiB':>10}  config"]
     for o in p.options:
         lines.append(f"{'yes' if o.fits else 'no':<5} {o.expected_loss_pct:7.2f} {o.kv_cache_bytes / mib:10.1f} "
-                     f"{o.total_bytes / mib:10.1f}  {o.config or '{} (full precision)'}")
+                     f"{o.activation_bytes / mib:9.1f} {o.total_bytes / mib:10.1f}  {o.config or '{} (full precision)'}")
     for bs, paged in p.paged.items():
         lines.append(f"paged (cache_chunk_size={bs}): KV {paged['kv_cache_bytes'] / mib:,.1f} MiB, of which "
                      f"{paged['waste_bytes'] / mib:,.2f} MiB empty slots in the rows' last blocks")

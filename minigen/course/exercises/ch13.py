@@ -26,12 +26,12 @@ SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_he
                       hidden_dim=1536, max_seq_len=8192)
 BATCH, CONTEXT = 8, 8192
 MIB = 2**20
-BUDGETS = {  # label -> budget in bytes: each picks another answer
+BUDGETS = {  # label -> budget in bytes: each picks another answer (the prompt in chunks where it must be)
     "6 GiB (everything fits)": 6 * 2**30,
-    "3.5 GiB": int(3.5 * 2**30),
-    "3 GiB": 3 * 2**30,
-    "2,970 MiB": 2970 * MIB,
-    "2,900 MiB (nothing fits)": 2900 * MIB,
+    "1.6 GiB": int(1.6 * 2**30),
+    "1.2 GiB": int(1.2 * 2**30),
+    "620 MiB": 620 * MIB,
+    "590 MiB (nothing fits)": 590 * MIB,
 }
 
 
