@@ -163,24 +163,37 @@ def attend_blocks(q: Tensor, view: BlockView, window_size: int | None = None, si
     """One query per row, q [B, H, Dh], over the positions a paged cache's `view` holds, read in
     place -> [B, H, Dh]: the plain torch reference of the fused kernel (kernels/triton_attention.py).
 
-    Row b's query sits at position view.seq_lens[b] - 1 and sees every earlier position (with a
-    window: only the sinks and the window); position p lives in block view.block_table[b, p // bs]
-    at slot p % bs, or, from view.recent_start[b] on, in the full-precision recent buffers."""
+    Row b's query sits at position view.seq_lens[b] - 1: a prompt of one token (attend_prompt_blocks)."""
+    return attend_prompt_blocks(q[:, :, None], view, (view.seq_lens - 1)[:, None], window_size, sink_tokens)[:, :, 0]
+
+
+def attend_prompt_blocks(q: Tensor, view: BlockView, query_pos: Tensor, window_size: int | None = None,
+                         sink_tokens: int = 0) -> Tensor:
+    """T queries per row, q [B, H, T, Dh] at query_pos [B, T] (-1: padding), over the positions a
+    paged cache's `view` holds -> [B, H, T, Dh]: the torch reference of kernels/triton_prefill.py.
+
+    Position p of row b lives in block view.block_table[b, p // bs] at slot p % bs (-1: freed, outside
+    the window), or, from view.recent_start[b] on, in the full-precision recent buffers. Each query sees
+    the held positions up to its own (with a window: the sinks and the window), as `window_mask` says;
+    a padding query attends everything, so that its discarded output stays finite."""
     keys_all = dequantize(view.k) if isinstance(view.k, QuantizedTensor) else view.k  # [N, bs, Hkv, Dh]
     values_all = dequantize(view.v) if isinstance(view.v, QuantizedTensor) else view.v
+    query_pos = query_pos.expand(q.shape[0], q.shape[2])
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for b in range(q.shape[0]):
         n, recent, bs = int(view.seq_lens[b]), int(view.recent_start[b]), view.block_size
-        pos = torch.arange(n, device=q.device)
-        if window_size is not None:
-            pos = pos[in_window(pos, torch.tensor(n - 1, device=q.device), window_size, sink_tokens)]
-        old, new = pos[pos < recent], pos[pos >= recent] - recent
+        old = torch.arange(min(n, recent), device=q.device)
+        old = old[view.block_table[b, old // bs] >= 0]  # positions in held blocks
+        new = torch.arange(recent, n, device=q.device)
         blocks = view.block_table[b, old // bs]
-        k = torch.cat([keys_all[blocks, old % bs], view.recent_k[b, new] if len(new) else keys_all[:0, 0]])
-        v = torch.cat([values_all[blocks, old % bs], view.recent_v[b, new] if len(new) else values_all[:0, 0]])
+        k = torch.cat([keys_all[blocks, old % bs], view.recent_k[b, new - recent] if len(new) else keys_all[:0, 0]])
+        v = torch.cat([values_all[blocks, old % bs], view.recent_v[b, new - recent] if len(new) else values_all[:0, 0]])
+        key_pos = torch.cat([old, new])  # [S] the position of each gathered key
+        mask = (causal_mask(query_pos[b], key_pos) if window_size is None
+                else window_mask(query_pos[b], key_pos, window_size, sink_tokens))  # [T, S]
+        mask = mask | (query_pos[b] < 0)[:, None]
         k, v = rearrange(k, "s h d -> 1 h s d").to(q.dtype), rearrange(v, "s h d -> 1 h s d").to(q.dtype)
-        out[b] = attend(q[b, None, :, None], k, v, torch.ones(1, k.shape[2], dtype=torch.bool,
-                                                             device=q.device))[0, :, 0]
+        out[b] = attend(q[b, None], k, v, mask)[0]
     return out
 
 
@@ -207,7 +220,7 @@ class AttentionPolicy:
     sparsity_threshold: float | None = None  # keep keys scoring >= this x the head's max, in [0, 1]
     sparse_signed: bool = False  # rank keys by q.k (attention probability) instead of the article's |q.k|
     observers: tuple[AttentionObserver, ...] = ()  # called with every layer's probabilities
-    backend: str = "torch"  # "triton": decode steps read the paged blocks in place (triton_attention.py)
+    backend: str = "torch"  # "triton": prompts and decode steps read the paged blocks in place (kernels/triton_*.py)
 
     @classmethod
     def from_config(cls, config, observers: tuple[AttentionObserver, ...] = ()) -> "AttentionPolicy | None":
@@ -224,7 +237,8 @@ class AttentionPolicy:
 
     @property
     def reads_blocks(self) -> bool:
-        """A decode step reads the paged cache's blocks in place (attention_backend='triton')."""
+        """Attention reads the paged cache's blocks in place (attention_backend='triton'): a decode
+        step through triton_attention.py, a prompt (T > 1) through triton_prefill.py."""
         return self.backend == "triton"
 
     def mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:

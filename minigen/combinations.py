@@ -45,7 +45,8 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
 FEATURES: dict[str, tuple[Rule, str]] = {
     "use_cache=False": (lambda c: not c.use_cache, "the naive loop: no cache, recompute everything"),
     "attention_backend": (lambda c: c.attention_backend == "triton",
-                          "set to \"triton\": the fused decode-attention kernel over paged blocks (chapter 9)"),
+                          "set to \"triton\": fused attention kernels that read the paged blocks in place, for "
+                          "decode steps and prompts (chapter 9)"),
     "cache_chunk_size": (lambda c: c.cache_chunk_size is not None, "paged blocks (chapter 3)"),
     "prefetch_depth": (lambda c: c.prefetch_depth is not None, "an offload tier with prefetch (chapter 3)"),
     "quant_bits": (lambda c: c.quant_bits is not None, "group-wise quantized codes (chapter 4)"),
@@ -131,8 +132,9 @@ _REFUSED_BESIDE: dict[str, dict[str, str]] = {
         "compile": "the compiled step has one shape, one token; verification runs k + 1",
         "cuda_graphs": "no captured verify step exists: the captured step decodes one token",
     },
-    # The Triton kernel reads paged blocks (full precision or 8/4-bit codes) through the block
-    # tables, one query token per row, with the window and sinks as masks from positions.
+    # The Triton kernels read paged blocks (full precision or 8/4-bit codes) through the block
+    # tables, one query token per row (decode) or a prompt's tokens (FlashAttention), with the
+    # window and sinks as masks from positions.
     "attention_backend": {
         "use_cache=False": "the naive loop keeps no cache for the kernel to read",
         "prefetch_depth": "the kernel reads blocks resident on the device; the offload tier moves them",
@@ -163,7 +165,7 @@ _APPLIED_BESIDE: dict[str, dict[str, str]] = {
            for other in ("use_cache=False", "cache_chunk_size", "quant_bits", "window_size")},
     },
     "attention_backend": {
-        "cache_chunk_size": "decode steps read the blocks through the tables in place; a prompt goes through torch",
+        "cache_chunk_size": "decode steps and prompts read the blocks through the tables in place",
         "quant_bits": "8- and 4-bit codes are dequantized as they are loaded; the open block is read from its own "
                       "full-precision buffer",
         "window_size": "the kernel masks the window and sinks from positions",
@@ -174,8 +176,8 @@ _APPLIED_BESIDE: dict[str, dict[str, str]] = {
         "cache_chunk_size": "a rewind gives the blocks past the accepted tokens back to the pool",
         "window_size": "the ring keeps num_speculative_tokens spare slots, so a rewind never loses a slot the "
                        "window still needs",
-        "attention_backend": "verification runs k + 1 tokens through torch, as a prompt; a step with no proposal "
-                             "through the kernel",
+        "attention_backend": "verification runs k + 1 tokens through the prompt kernel; a step with no proposal "
+                             "through the decode kernel",
         "fused_decode": "at batch 1 the fused step verifies k + 1 tokens in one C call",
     },
 }

@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import AttentionPolicy, Causal, attend, attend_blocks, causal_mask, prefix_causal
+from .attention import (AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, causal_mask,
+                        prefix_causal)
 from .caches.contract import BlockView
 from .numerics.precision import Precision, prompt_dtype
 from .numerics.weight_quant import QuantizedWeight
@@ -173,6 +174,12 @@ class TorchOps:
         """One query per row q [B, H, Dh] over the blocks a paged cache holds, read in place -> [B, H, Dh]."""
         return attend_blocks(q, view, window_size, sink_tokens)
 
+    def attend_prompt_blocks(self, q: Tensor, view: BlockView, query_pos: Tensor, window_size: int | None,
+                             sink_tokens: int) -> Tensor:
+        """T queries per row, q [B, H, T, Dh] at query_pos [B, T], over the blocks a paged cache holds,
+        read in place -> [B, H, T, Dh]."""
+        return attend_prompt_blocks(q, view, query_pos, window_size, sink_tokens)
+
 
 # ---------------------------------------------------------------- attention and MLP
 class Attention(nn.Module):
@@ -198,9 +205,14 @@ class Attention(nn.Module):
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
-        if T == 1 and cache is not None and policy is not None and policy.reads_blocks:  # in place
+        if cache is not None and policy is not None and policy.reads_blocks:  # attention reads the blocks in place
             view = cache.update_blocks(self.layer, k, v)  # a paged cache (the config refuses any other)
-            out = ops.attend_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens)[:, :, None]
+            if T == 1:  # a decode step: one query per row, at its last position
+                out = ops.attend_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens)[:, :, None]
+            else:  # a prompt, a piece of one, or a verify step: the row's last T positions (rows share
+                # one position vector here: the config refuses per-row positions with this backend)
+                query_pos = view.seq_lens[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
+                out = ops.attend_prompt_blocks(q, view, query_pos, policy.window_size, policy.sink_tokens)
             return self._project(out, ops)
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)

@@ -1,7 +1,7 @@
 """The one GPU acceptance script: run it on a CUDA machine, get one JSON file (and a figure) naming
 the hardware, under figures/gpu/.
 
-    python scripts/gpu_check.py [--only decode offload kernel] [--out figures/gpu]
+    python scripts/gpu_check.py [--only decode offload kernel prefill] [--out figures/gpu]
     python scripts/gpu_check.py --smoke     # the same code on tiny shapes on the CPU (CI runs this)
 
 No network: the models are Llama-family models with the real shapes of SmolLM2-135M, Llama-3.2-1B
@@ -35,6 +35,7 @@ from minigen.caches.contract import BlockView
 from minigen.numerics.precision import Precision  # noqa: E402
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize  # noqa: E402
 from minigen.kernels.triton_attention import decode_attention  # noqa: E402
+from minigen.kernels.triton_prefill import prefill_attention  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -274,7 +275,73 @@ def check_kernel(device: str, smoke: bool) -> dict:
     return results
 
 
-CHECKS = {"decode": check_decode, "offload": check_offload, "kernel": check_kernel}
+def _sdpa_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """SDPA over contiguous keys with is_causal=True, chosen once: torch's flash kernel on a GPU (the
+    grouped-query heads expanded first where that kernel refuses enable_gqa) -> (a function that
+    runs it and returns [B, H, T, Dh], the path taken)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if q.device.type != "cuda":
+        return lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), "sdpa"
+
+    def flash(k, v, gqa):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    try:
+        flash(k, v, True)
+        return lambda: flash(k, v, True), "flash, enable_gqa"
+    except RuntimeError:  # no flash kernel for grouped-query heads in this torch
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        return lambda: flash(k, v, False), "flash, heads expanded"
+
+
+def check_prefill(device: str, smoke: bool) -> dict:
+    """One Llama-3.1-8B-shaped attention layer running a prompt of 1k, 4k and 16k tokens from position 0:
+    the Triton FlashAttention kernel (triton_prefill.py) reading its keys from scattered paged blocks
+    (bf16, and 4-bit codes), against SDPA's flash kernel with is_causal=True on contiguous bf16 keys.
+    Time, TFLOP/s on the causal half of the scores, and the largest difference from SDPA's output.
+    At 4k, a few tile sizes (queries x heads rows, keys) say which default to keep."""
+    H, Hkv, Dh = (4, 2, 16) if smoke else (32, 8, 128)
+    bs, group_size = 16, 16
+    prompts = (48, 96) if smoke else (1024, 4096, 16384)
+    reps = 2 if smoke else 10
+    g = torch.Generator(device=device).manual_seed(0)
+    results = {"layer": {"n_heads": H, "n_kv_heads": Hkv, "head_dim": Dh}, "block_size": bs, "runs": {}}
+    for T in prompts:
+        n = T // bs
+        k, v = (torch.randn(n, bs, Hkv, Dh, generator=g, device=device).to(torch.bfloat16) for _ in range(2))
+        table = torch.randperm(n, generator=g, device=device)[None]  # [1, n]: blocks scattered in the pool
+        lens = torch.full((1,), T, device=device)
+        q = torch.randn(1, H, T, Dh, generator=g, device=device).to(torch.bfloat16)
+        pos = torch.arange(T, device=device)[None]
+        # The same keys, contiguous in position order, for SDPA: [1, Hkv, T, Dh]
+        order = table[0]
+        k_flat, v_flat = (x[order].reshape(T, Hkv, Dh).transpose(0, 1)[None].contiguous() for x in (k, v))
+        sdpa, path = _sdpa_causal(q, k_flat, v_flat)
+        sdpa_out, sdpa_ms = sdpa(), _median_ms(sdpa, device, reps)
+        flops = 4 * H * Dh * T * (T + 1) / 2  # q.k and p.v over the causal half, 2 FLOPs a multiply-add
+        results["runs"][f"sdpa_{T}"] = {"prompt": T, "path": path, "ms": sdpa_ms, "tflop_s": flops / sdpa_ms / 1e9}
+        tiles = [(None, None)] + ([(16, 64), (32, 32), (16, 32)] if T == 4096 else [])  # (queries, keys) per tile
+        for fmt, bits in (("bf16", None), ("int4", 4)):
+            kq, vq = (k, v) if bits is None else (quantize(k, bits, group_size, -3), quantize(v, bits, group_size, -1))
+            view = BlockView(kq, vq, table, bs, lens, lens)
+            for block_m, block_n in (tiles if bits is None else tiles[:1]):
+                run = lambda: prefill_attention(q, view, pos, block_m=block_m, block_n=block_n)  # noqa: E731
+                ms = _median_ms(run, device, reps)
+                # int4: compared with SDPA over the dequantized keys, so the difference is the kernel's alone
+                ref = sdpa_out if bits is None else _sdpa_causal(q, *(
+                    dequantize(x).to(q.dtype)[order].reshape(T, Hkv, Dh).transpose(0, 1)[None] for x in (kq, vq)))[0]()
+                diff = (run().float() - ref.float()).abs().max().item()
+                name = f"{fmt}_{T}" + (f"_m{block_m}_n{block_n}" if block_m else "")
+                results["runs"][name] = {"prompt": T, "format": fmt, "block_m": block_m, "block_n": block_n,
+                                         "ms": ms, "tflop_s": flops / ms / 1e9, "vs_sdpa": sdpa_ms / ms,
+                                         "max_abs_diff_vs_sdpa": diff, "close_to_sdpa": diff < 2e-2}
+    return results
+
+
+CHECKS = {"decode": check_decode, "offload": check_offload, "kernel": check_kernel, "prefill": check_prefill}
 
 
 def plot(report: dict, path: Path) -> None:

@@ -15,6 +15,8 @@ accepts it and otherwise to the reference:
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
+    attend_prompt_blocks
+                       a prompt's T queries: Triton's FlashAttention over the blocks  gather + attend
 
 Each kernel function in cpu.py returns None where it does not apply (not on the CPU, autograd,
 torch.compile or a dispatch mode that must see the op, the kernels switched off: build.enabled),
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from ..numerics.precision import prompt_dtype
 from ..numerics.weight_quant import QuantizedWeight
-from . import cpu, triton_attention
+from . import cpu, triton_attention, triton_prefill
 
 
 class KernelOps:
@@ -73,6 +75,10 @@ class KernelOps:
 
     def attend_blocks(self, q: Tensor, view, window_size: int | None, sink_tokens: int) -> Tensor:
         return triton_attention.decode_attention(q, view, window_size, sink_tokens)
+
+    def attend_prompt_blocks(self, q: Tensor, view, query_pos: Tensor, window_size: int | None,
+                             sink_tokens: int) -> Tensor:
+        return triton_prefill.prefill_attention(q, view, query_pos, window_size, sink_tokens)
 
 
 def install(model) -> None:

@@ -29,6 +29,10 @@ fp32 online softmax (running max m, sum l, weighted values acc) over tiles of BL
 and writes acc / l with its log-sum-exp; `decode_attention` merges the P partial results. The
 window and sinks are masks from positions, as in attention.py; a masked load reads no bytes.
 
+A prompt's queries (T > 1) read the same layout through `load_tile` and `pool_parts`, imported by
+triton_prefill.py (FlashAttention over the blocks, its tiles of queries skipping the causal upper
+triangle).
+
 Without CUDA the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set below before Triton
 is imported, for this whole process): numpy runs each program in turn, in fp32. It proves the
 kernel correct, and says nothing about its speed (scripts/gpu_check.py measures that on a GPU).
@@ -71,8 +75,8 @@ def _offsets(block, slot, head, channel, bs, Hkv, Dh, PER_SLOT: tl.constexpr, PE
 
 
 @jit
-def _load(ptr, scales_ptr, zeros_ptr, block, slot, head, channel, mask, bs, Hkv, Dh,
-          BITS: tl.constexpr, GROUP: tl.constexpr, ALONG_SLOTS: tl.constexpr):
+def load_tile(ptr, scales_ptr, zeros_ptr, block, slot, head, channel, mask, bs, Hkv, Dh,
+              BITS: tl.constexpr, GROUP: tl.constexpr, ALONG_SLOTS: tl.constexpr):
     """[BLOCK_N, D_PAD] fp32 values of block [BLOCK_N, 1], slot [BLOCK_N, 1], channel [1, D_PAD]: as
     stored (BITS=0), or unpacked and dequantized, zeros + codes * scales (quant.dequantize)."""
     if BITS == 0:  # constexpr branches: the compiler keeps only the one taken (one return, at the end)
@@ -126,8 +130,8 @@ def _decode_attention_kernel(
         pool_mask, recent_mask = in_pool[:, None] & (d[None, :] < Dh), in_recent[:, None] & (d[None, :] < Dh)
         recent = ((row * R + (pos - recent_start)[:, None]) * Hkv + kv_head) * Dh + d[None, :]
         # [BLOCK_N, D_PAD]: each position from the pool or from the recent buffer (the other load is masked)
-        k = _load(k_ptr, k_scales_ptr, k_zeros_ptr, block[:, None], (pos % bs)[:, None], kv_head, d[None, :],
-                  pool_mask, bs, Hkv, Dh, K_BITS, GROUP, K_ALONG_SLOTS)
+        k = load_tile(k_ptr, k_scales_ptr, k_zeros_ptr, block[:, None], (pos % bs)[:, None], kv_head, d[None, :],
+                      pool_mask, bs, Hkv, Dh, K_BITS, GROUP, K_ALONG_SLOTS)
         k += tl.load(recent_k_ptr + recent, mask=recent_mask, other=0.0).to(tl.float32)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, BLOCK_N], fp32 products
         scores = tl.where((in_pool | in_recent)[None, :], scores, float("-inf"))
@@ -135,8 +139,8 @@ def _decode_attention_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: every term is 0, not NaN
         alpha = tl.exp(m - m_safe)  # rescales what was summed under the old max
         p = tl.exp(scores - m_safe[:, None])  # [G_PAD, BLOCK_N]
-        v = _load(v_ptr, v_scales_ptr, v_zeros_ptr, block[:, None], (pos % bs)[:, None], kv_head, d[None, :],
-                  pool_mask, bs, Hkv, Dh, V_BITS, GROUP, False)
+        v = load_tile(v_ptr, v_scales_ptr, v_zeros_ptr, block[:, None], (pos % bs)[:, None], kv_head, d[None, :],
+                      pool_mask, bs, Hkv, Dh, V_BITS, GROUP, False)
         v += tl.load(recent_v_ptr + recent, mask=recent_mask, other=0.0).to(tl.float32)
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -149,7 +153,7 @@ def _decode_attention_kernel(
              mask=g < G)
 
 
-def _parts(x) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
+def pool_parts(x) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
     """(codes, scales, zeros, bits, group size, packed along slots) of a pool; bits 0: full precision."""
     if isinstance(x, QuantizedTensor):
         if x.bits not in (8, 4):
@@ -178,8 +182,8 @@ def decode_attention(q: Tensor, view: BlockView, window_size: int | None = None,
         raise ConfigError("attention_backend='triton' needs the triton package, which ships for Linux only: "
                           "pip install triton, or use attention_backend='torch'")
     B, H, Dh = q.shape
-    k_codes, k_scales, k_zeros, k_bits, k_group, k_along_slots = _parts(view.k)
-    v_codes, v_scales, v_zeros, v_bits, v_group, _ = _parts(view.v)
+    k_codes, k_scales, k_zeros, k_bits, k_group, k_along_slots = pool_parts(view.k)
+    v_codes, v_scales, v_zeros, v_bits, v_group, _ = pool_parts(view.v)
     Hkv = k_codes.shape[2]  # every pool layout keeps [N, slots, Hkv, channels]
     assert H % Hkv == 0 and view.block_table.shape[0] == B, (q.shape, k_codes.shape, view.block_table.shape)
     max_len = int(view.seq_lens.max())  # one host sync: the grid's size

@@ -46,7 +46,7 @@ CATEGORIES = {
     "attention": [(model, "attend"), (model, "causal_mask"), (attention.AttentionPolicy, "attend"),
                   (attention.AttentionPolicy, "mask")]
                  + [(ops, name) for ops in (model.TorchOps, dispatch.KernelOps)
-                    for name in ("decode_attention", "attend_blocks")],
+                    for name in ("decode_attention", "attend_blocks", "attend_prompt_blocks")],
     "norms": [(model.RMSNorm, "forward"), (model.LayerNorm, "forward")],
     "RoPE": [(model, "apply_rope")],
     "cache update": [(cls, name) for cls in (contiguous.KVCache, paged.PagedKVCache, quantized.QuantizedKVCache,
