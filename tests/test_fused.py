@@ -22,6 +22,7 @@ from minigen.entropy import EntropyRecorder
 from minigen.errors import CacheFullError
 from minigen.steps.eager import EagerStep, decode_step, prefill
 from minigen.caches.contiguous import KVCache
+from minigen.caches.make import make_cache
 from minigen.evaluate import score
 
 
@@ -397,3 +398,38 @@ def _prefilled(model, prompt, max_len):
     with torch.inference_mode():
         prefill(model, prompt, cache)
     return cache
+
+
+# ---------------------------------------------------------------- short prompts in one C call (chapter 16)
+def test_a_short_prompt_prefills_in_one_c_call_with_the_eager_logits(smollm2, english_text_ids, monkeypatch):
+    """A prompt of 2..16 tokens (or pieces of that size) is a verify chunk from position 0: one C
+    call, the eager prefill's logits within 1e-5, and the same greedy tokens as transformers' (the
+    test above) and the eager step's, for every weight format the step reads."""
+    model, _ = smollm2
+    calls = []
+    real = fused.FusedStep.verify
+    monkeypatch.setattr(fused.FusedStep, "verify", lambda self, m, t, *a, **k: calls.append(t.shape[1])
+                        or real(self, m, t, *a, **k))
+    for T, chunk in ((16, None), (5, None), (37, 8)):
+        ids = english_text_ids[None, :T]
+        with torch.inference_mode():
+            eager_cache, fused_cache = (make_cache(model, GenerationConfig(), 1, 64) for _ in range(2))
+            want = EagerStep().prefill(model, ids, torch.arange(T), eager_cache)
+            step = fused.FusedStep()
+            step.prefill_chunk_size = chunk
+            calls.clear()
+            got = step.prefill(model, ids, torch.arange(T), fused_cache)
+        assert calls == ([T] if chunk is None else [8, 8, 8, 8, 5]), calls
+        assert relative(want, got) < 1e-5
+        torch.testing.assert_close(fused_cache.k[..., :T, :], eager_cache.k[..., :T, :], atol=1e-4, rtol=1e-4)
+    ids = english_text_ids[None, :12]
+    config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])
+    calls.clear()
+    out = minigen.generate(model, ids, config)
+    assert out.stats.step == "fused" and calls[:1] == [12], (out.stats.step, calls)
+    assert torch.equal(out.tokens, minigen.generate(model, ids, config.replace(fused_decode=False)).tokens)
+    # 17 tokens and more: torch's GEMMs (EagerStep.prefill); a batch of rows: the same
+    calls.clear()
+    minigen.generate(model, english_text_ids[None, :17], config.replace(max_new_tokens=1))
+    minigen.generate(model, english_text_ids[None, :8].repeat(2, 1), config.replace(max_new_tokens=1))
+    assert calls == [], calls

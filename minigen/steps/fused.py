@@ -23,7 +23,10 @@ a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v bias
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
 int8 or int4 at batch 1, fp32 for a batch of up to 16 rows in lockstep (not a ragged batch); the
 contiguous cache (chapter 2) in fp32 or bf16; no window, sparse selection, observers or compile.
-The prompt runs through torch as before; a decode token runs in C from its embedding row to its
+A prompt of up to 16 tokens of one sequence is a verify chunk at positions 0..T-1: in one C call
+too, where a short prompt's products, bound by reading the weights like a decode step, read each
+weight once for every row and never widen int8 / int4 codes into an fp32 tile (chapter 16). A
+longer prompt runs through torch's GEMMs. A decode token runs in C from its embedding row to its
 logits (the final norm and the output head included: after the layers, torch's first small
 operations run with cold caches, ~0.2 ms a norm).
 
@@ -122,8 +125,9 @@ class _Plan:
 
 
 class FusedStep(EagerStep):
-    """fused_decode: the prompt through torch (EagerStep.prefill), each decode token in one C call, and
-    speculative decoding's verify of one sequence's chunk in one C call too. The C descriptions of the
+    """fused_decode: each decode token in one C call, and speculative decoding's verify of one
+    sequence's chunk, and a short prompt (or a prompt's pieces of up to 16 tokens), in one C call
+    too; a longer prompt through torch (EagerStep.prefill). The C descriptions of the
     (model, cache) pair are built at the first call and held here, by the step the caller owns, never
     on the cache."""
     name = "fused"
@@ -131,6 +135,18 @@ class FusedStep(EagerStep):
     def __init__(self):
         self.plan: _Plan | None = None
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
+
+    def prefill(self, model: Model, input_ids: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+        """EagerStep.prefill's contract. One sequence whose prompt (or each piece of it, with
+        prefill_chunk_size) has 2..FUSED_MAX_ROWS tokens runs `verify`'s C call per piece: the logits
+        of its last token [1, V]. Anything else runs EagerStep.prefill (torch's GEMMs)."""
+        T = input_ids.shape[1]
+        C = min(self.prefill_chunk_size or T, T)
+        if not (input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
+            return super().prefill(model, input_ids, input_pos, cache, policy)
+        for start in range(0, T, C):  # a last piece of one token runs verify's torch fallback
+            logits = self.verify(model, input_ids[:, start:start + C], input_pos[start:start + C], cache)
+        return logits[:, -1]
 
     def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
         """eager.decode_step's contract, fused: a token for each row [B, 1], every row at the one
