@@ -187,7 +187,7 @@ def test_bench_counts_a_bf16_prompt_as_lossy():
 # ---------------------------------------------------------------- prefill_chunk_size
 CHUNK_CACHES = {"contiguous": {}, "paged": {"cache_chunk_size": 8}, "window": {"window_size": 12, "sink_tokens": 2},
                 "paged window": {"window_size": 12, "cache_chunk_size": 4},
-                "int4 cache": {"quant_bits": 4, "quant_group_size": 4}, "offload": {"prefetch_depth": 1},
+                "offload": {"prefetch_depth": 1},
                 "sparse": {"sparse_top_k": 8}, "prompt lookup": {"speculative_method": "ngram"}}
 
 
