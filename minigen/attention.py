@@ -71,6 +71,13 @@ def prefix_causal(query_pos: Tensor, key_pos: Tensor) -> bool:
     return bool(torch.equal(query_pos, first) and torch.equal(key_pos[:T], first) and ((rest < 0) | (rest >= T)).all())
 
 
+def seen_slots(mask: Tensor) -> int:
+    """1 + the last key slot that some query of mask [T, S] (bool) sees, at least 1: the slots after
+    it hold nothing any query attends to (empty, or later positions). One host sync."""
+    seen = mask.any(dim=0).nonzero()
+    return int(seen[-1]) + 1 if seen.numel() else 1
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softmax: bool = True) -> Tensor:
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped-query heads.
 
@@ -78,7 +85,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softma
     float (added to the scores: 0 or -inf) -> [B, H, T, Dh]. SDPA keeps its scores and
     probabilities in fp32 whatever q's dtype; fp32_softmax=False with 16-bit q instead runs each
     step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 7 measures).
-    mask may also be `Causal(T)`: the first T slots, lower triangle, without building the mask.
+    mask may also be `Causal(T)`: the first T slots, lower triangle, without building the mask; or
+    narrower than k (Model.forward trims the slots no query sees): the first mask.shape[-1] slots.
     """
     if isinstance(mask, Causal):
         k, v = k[:, :, :mask.T], v[:, :, :mask.T]
@@ -86,6 +94,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softma
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         pos = torch.arange(mask.T, device=q.device)
         mask = causal_mask(pos, pos)
+    if mask.shape[-1] < k.shape[2]:  # the slots after the last one any query sees are left out
+        k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
     if fp32_softmax or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     scores = attention_scores(q, k)  # [B, H, T, S] in q's dtype

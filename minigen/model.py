@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import (AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, causal_mask,
-                        prefix_causal)
+                        prefix_causal, seen_slots)
 from .caches.contract import BlockView
 from .numerics.precision import Precision, prompt_dtype
 from .numerics.weight_quant import QuantizedWeight
@@ -349,6 +349,10 @@ class Model(nn.Module):
             mask = Causal(input_pos.shape[0])
         else:  # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
             mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
+            if policy is None and input_pos.dim() == 1 and input_pos.shape[0] > 1 and not torch.compiler.is_compiling():
+                # a later piece of a prompt, or a verify chunk: the slots after the last one any query
+                # sees add only masked scores, which SDPA would compute anyway; attend up to it
+                mask = mask[:, :seen_slots(mask)]
             if input_pos.dim() == 2:  # a padding query attends everything: its output is discarded, but finite
                 mask = mask | (input_pos < 0)[:, None, :, None]
             if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer

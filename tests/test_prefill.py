@@ -255,3 +255,28 @@ def test_score_feeds_the_configs_prefill_chunk_size(tiny_llama, monkeypatch):
     pieces = score(model, text, prefill_chunk_size=8).nll
     assert widths == [8, 8, 8, 6], widths
     torch.testing.assert_close(pieces, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_a_later_piece_attends_only_up_to_the_last_slot_it_sees(tiny_llama, monkeypatch):
+    """A piece at positions 10..17 of a 64-slot cache: SDPA gets 18 key slots, not 64 (the others are
+    empty and masked, but SDPA would score them), and the logits are those of the whole mask."""
+    from minigen.caches.make import make_cache
+    model = tiny_llama[1]
+    ids = torch.randint(0, 97, (1, 18), generator=torch.Generator().manual_seed(3))
+    widths = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, k, v, **kw: widths.append(k.shape[2])
+                        or sdpa(q, k, v, **kw))
+
+    def piece():
+        cache = make_cache(model, GenerationConfig(), 1, 64)
+        with torch.inference_mode():
+            model(ids[:, :10], torch.arange(10), cache)
+            widths.clear()
+            return model(ids[:, 10:], torch.arange(10, 18), cache)
+    trimmed = piece()
+    assert set(widths) == {18}, widths
+    monkeypatch.setattr("minigen.model.seen_slots", lambda mask: mask.shape[-1])
+    whole = piece()
+    assert set(widths) == {64}, widths
+    torch.testing.assert_close(trimmed, whole, atol=1e-5, rtol=1e-5)
