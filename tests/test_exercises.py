@@ -383,3 +383,37 @@ def test_ch15_accept_checker_takes_the_solution_and_refuses_wrong_rules():
         with pytest.raises(ExerciseFailed, match="calls minigen's own accept_sampled"):
             ch15.check_accept_sampled(calls)
     assert speculative.accept_sampled is accept_sampled and sys.getprofile() is None  # the checker put them back
+
+
+# ---------------------------------------------------------------- chapter 16
+def test_ch16_visible_tiles_checker_takes_the_solution_and_names_the_usual_mistakes():
+    import math
+    from minigen.course.exercises import ch16
+    assert ch16.check_visible_tiles(ch16.solution_visible_tiles)
+    # the rule pair by pair and the Triton kernel's own count agree (what the checker holds answers to)
+    assert ch16.kernel_visits(5, 16, 20, 4) == [len(ch16.expected_tiles(16 * i, 16 * i + 15, 16, 20, 4))
+                                                for i in range(5)]
+
+    def no_skipping(first, last, bn, window, sinks):  # every tile up to the diagonal, window or not
+        return list(range(last // bn + 1))
+
+    def last_querys_window(first, last, bn, window, sinks):
+        if window is None:
+            return list(range(last // bn + 1))
+        far = max(last - window + 1, 0) // bn
+        return sorted(set(range(math.ceil(min(sinks, last + 1) / bn))) | set(range(far, last // bn + 1)))
+
+    def forgets_sinks(first, last, bn, window, sinks):
+        return list(range(0 if window is None else max(first - window + 1, 0) // bn, last // bn + 1))
+
+    def past_the_diagonal(first, last, bn, window, sinks):
+        return list(range(last // bn + 2))
+
+    for wrong, hint in ((no_skipping, "wholly outside every query's window"),
+                        (last_querys_window, "the first query's window"),
+                        (forgets_sinks, "sinks stay visible"), (past_the_diagonal, "causality"),
+                        (lambda *args: None, "returned None")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch16.check_visible_tiles(wrong)
+    with pytest.raises(ExerciseFailed, match="calls this module's worked solution"):
+        ch16.check_visible_tiles(lambda *args: ch16.solution_visible_tiles(*args))
