@@ -70,7 +70,8 @@ class GenerationConfig:
     # (steps/choose.py says where), True demands it (refused where it cannot run), False forbids it
     fused_decode: bool | str = "auto"
     # --- the fused kernel (chapter 9) ---
-    attention_backend: str = "torch"  # attention over a paged cache: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
+    # attention over a paged cache: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
+    attention_backend: str = "torch"
     # --- prefill (chapter 16) ---
     # a prompt's matrix products: "float32", or "bfloat16" (inputs rounded to bf16, fp32 sums: the
     # bf16 dot products of AVX512-BF16 / AMX on a CPU); the decode step keeps its own format

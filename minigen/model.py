@@ -192,8 +192,8 @@ class Attention(nn.Module):
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim), requires_grad=False)
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
 
-    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: Tensor, cache, ops: TorchOps,
-                policy: AttentionPolicy | None = None, fp32_softmax: bool = True) -> Tensor:
+    def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: "Tensor | Causal | None", cache,
+                ops: TorchOps, policy: AttentionPolicy | None = None, fp32_softmax: bool = True) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         qkv = ops.linear(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
@@ -345,7 +345,9 @@ class Model(nn.Module):
         # step (cache.py), once for all layers.
         key_pos = cache.prepare(input_pos) if cache is not None else input_pos  # [S] or [B, S]
         plain = policy is None or (policy.window_size is None and not policy.sparse and not policy.observers)
-        if plain and prefix_causal(input_pos, key_pos):  # a prompt from position 0: SDPA's own causal tiles
+        if cache is not None and policy is not None and policy.reads_blocks:
+            mask = None  # the Triton kernels mask from positions as they read the blocks: no [T, S] mask
+        elif plain and prefix_causal(input_pos, key_pos):  # a prompt from position 0: SDPA's own causal tiles
             mask = Causal(input_pos.shape[0])
         else:  # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
             mask = causal_mask(input_pos, key_pos) if policy is None else policy.mask(input_pos, key_pos)
