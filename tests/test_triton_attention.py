@@ -26,10 +26,11 @@ from hypothesis import strategies as st
 
 import minigen
 from conftest import tiny_hf
+from test_triton_prefill import make_view as prompt_view
 from minigen.attention import attend_blocks
 from minigen.kernels import triton_attention
 from minigen.caches.contract import BlockView
-from minigen.numerics.quant import QuantizedTensor, dequantize, quantize
+from minigen.numerics.quant import QuantizedTensor, dequantize
 from minigen.kernels.triton_attention import BLOCK_N, decode_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,27 +41,10 @@ ATOL = 2e-5  # fp32 sums of O(1) terms in another order (tiles, splits): measure
 def make_view(lens: list[int], Hkv: int, Dh: int, bs: int, bits: int | None = None, group_size: int = 16,
               key_axis: int = -3, recent: bool = False, window: int | None = None, sinks: int = 0,
               dtype: torch.dtype = torch.float32, seed: int = 0) -> BlockView:
-    """A pool with each row's blocks scattered at random; every block a row may not read is NaN."""
-    g = torch.Generator().manual_seed(seed)
-    B, n = len(lens), max(math.ceil(L / bs) for L in lens)
-    N = B * n + 3  # a few blocks no row holds
-    k, v = torch.randn(2, N, bs, Hkv, Dh, generator=g).to(dtype)
-    table = torch.randperm(N, generator=g)[:B * n].view(B, n)
-    recent_start = torch.tensor([(L - 1) // bs * bs if recent else L for L in lens])  # the open block
-    for b, L in enumerate(lens):
-        for j in range(n):
-            first, last = j * bs, j * bs + bs - 1
-            visible = first < recent_start[b] and (window is None or first < sinks or L - 1 - last < window)
-            if not visible:  # past the row, in its recent buffer, or wholly outside its window
-                table[b, j] = -1
-    readable = torch.zeros(N, dtype=torch.bool)
-    readable[table[table >= 0]] = True
-    k[~readable], v[~readable] = float("nan"), float("nan")
-    if bits is not None:
-        k, v = quantize(k, bits, group_size, key_axis), quantize(v, bits, group_size, -1)
-    R = int(max(L - s for L, s in zip(lens, recent_start.tolist())))
-    recent_k, recent_v = torch.randn(2, B, R, Hkv, Dh, generator=g).to(dtype) if recent else (None, None)
-    return BlockView(k, v, table, bs, torch.tensor(lens), recent_start, recent_k, recent_v)
+    """A pool with each row's blocks scattered at random; every block a row may not read is NaN: the
+    prompt tests' view (test_triton_prefill.make_view) with one query per row, at its last position."""
+    return prompt_view(lens, [L - 1 for L in lens], Hkv, Dh, bs, bits, group_size, key_axis, recent, window, sinks,
+                       dtype, seed)
 
 
 def reference(q: torch.Tensor, view: BlockView, window: int | None = None, sinks: int = 0) -> torch.Tensor:
