@@ -1,5 +1,6 @@
 """Chunked prefill in minigen.Engine on SmolLM2: long prompts arrive while short requests decode.
-The measurement behind issue 24's chunked-prefill table (chapter 16 draws it from the same function).
+The measurement behind issue 24's chunked-prefill table; chapter 16 runs the same function
+(minigen.measure.serve_bench.mixed_prefill).
 
     python scripts/chunked_prefill.py [--budgets 0 256 128 64] [--long 512] [--threads 2] [--json FILE]
 
@@ -23,30 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 import minigen  # noqa: E402
-from minigen import GenerationConfig  # noqa: E402
-
-
-def run(model, text_ids, budget, short=4, new=48, n_long=2, long=512, gap_s=0.5) -> dict:
-    engine = minigen.Engine(model, GenerationConfig(stop_token_ids=[]), max_batch_size=short + n_long,
-                            max_num_batched_tokens=budget or None)
-    for i in range(short):
-        engine.add_request(text_ids[1000 + 40 * i:1032 + 40 * i], max_new_tokens=new, arrival_s=0.0)
-    for j in range(n_long):
-        engine.add_request(text_ids[j * long:(j + 1) * long], max_new_tokens=4, arrival_s=gap_s * (j + 1))
-    engine.run()
-    m = engine.metrics()
-    gaps = []  # the short requests' times between tokens
-    for r in m["requests"][:short]:
-        gaps.append((r["finish_s"] - r["first_token_s"]) / max(1, r["output_tokens"] - 1))
-    tpot = torch.tensor([r for r in gaps])
-    steps = [s for s in m["steps"]]
-    decode_steps = [s["step_s"] for s in steps if s["decode_tokens"] > 0]
-    d = torch.tensor(decode_steps)
-    return {"budget": budget or None, "tpot_mean_s": float(tpot.mean()),
-            "decode_step_p50_s": float(d.quantile(0.5)), "decode_step_p99_s": float(d.quantile(0.99)),
-            "decode_step_max_s": float(d.max()),
-            "long_ttft_s": [r["first_token_s"] - r["arrival_s"] for r in m["requests"][short:]],
-            "max_step_tokens": max(m["tokens_per_step"]), "steps": len(steps)}
+from minigen.measure.serve_bench import mixed_prefill  # noqa: E402
 
 
 def main() -> None:
@@ -63,14 +41,14 @@ def main() -> None:
     model, tokenizer = minigen.load("smollm2-135m")
     text = (Path(minigen.__file__).parent / "data" / "english.txt").read_text(encoding="utf-8")
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    run(model, ids, 64, short=1, new=2, n_long=1, long=64)  # warm-up
+    mixed_prefill(model, ids, 64, short=1, new=2, n_long=1, long=64)  # warm-up
     rows = []
     print("| max_num_batched_tokens | steps that decode: p50 ms | p99 ms | max ms | short requests: TPOT mean ms | "
           "long prompts: TTFT s | largest step (tokens) |")
     print("|---|---|---|---|---|---|---|")
     for b in args.budgets:
-        r = run(model, ids, b, args.short, args.new, args.n_long, args.long)
-        rows.append(r)
+        r = mixed_prefill(model, ids, b or None, short=args.short, new=args.new, n_long=args.n_long, long=args.long)
+        rows.append({k: v for k, v in r.items() if k not in ('tokens', 'metrics')})
         print(f"| {r['budget'] or 'None (whole prompts)'} | {1e3 * r['decode_step_p50_s']:.0f} | "
               f"{1e3 * r['decode_step_p99_s']:.0f} | {1e3 * r['decode_step_max_s']:.0f} | {1e3 * r['tpot_mean_s']:.0f} | "
               f"{', '.join(f'{t:.2f}' for t in r['long_ttft_s'])} | {r['max_step_tokens']} |", flush=True)

@@ -75,6 +75,13 @@ def test_cpu_ceiling_is_measured():
     assert torch.get_num_threads() >= 1
 
 
+def test_format_peaks_measures_each_format_this_torch_multiplies():
+    peaks = rl.format_peaks(threads=1, n=128, repeats=2)
+    assert "float32" in peaks and set(peaks) <= {"float32", "bfloat16", "int8"}
+    assert all(math.isfinite(r) and r > 0.01 for r in peaks.values()), peaks  # multiply-adds per ns
+    assert torch.get_num_threads() >= 1
+
+
 def test_roofline_points_cover_prefill_and_decode_at_each_batch():
     points = rl.roofline_points()
     assert len(points) == 3 * 3 * 2

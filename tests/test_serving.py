@@ -232,3 +232,17 @@ def test_transformers_continuous_batching_adapter_is_exact():
         alone = hf.generate(torch.tensor([r.prompt_ids]), max_new_tokens=r.max_new_tokens, do_sample=False)[0]
         assert torch.equal(engine.outputs[rid], alone), f"request {rid}"
     assert m["ttft_s"]["n"] == 4 and math.isnan(m["queue_time_s"]["p50"])  # its scheduling times are not exposed
+
+
+def test_mixed_prefill_keeps_each_requests_tokens_and_the_budget(tiny_llama):
+    """Chapter 16's workload on a tiny model: a budget changes when prompt tokens run, never which
+    tokens come out, and no step runs more tokens than the budget."""
+    from minigen.measure.serve_bench import mixed_prefill
+    _, model = tiny_llama
+    ids = torch.randint(1, model.config.vocab_size, (1200,), generator=torch.Generator().manual_seed(0))
+    whole = mixed_prefill(model, ids, None, short=2, new=6, n_long=1, long=40, gap_s=0.0)
+    chunked = mixed_prefill(model, ids, 8, short=2, new=6, n_long=1, long=40, gap_s=0.0)
+    assert whole["max_step_tokens"] >= 40 and chunked["max_step_tokens"] <= 8
+    assert whole["tokens"].keys() == chunked["tokens"].keys()
+    assert all(torch.equal(whole["tokens"][i], chunked["tokens"][i]) for i in whole["tokens"])
+    assert len(chunked["long_ttft_s"]) == 1 and chunked["decode_step_p99_s"] >= chunked["decode_step_p50_s"] > 0

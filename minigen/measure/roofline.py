@@ -170,6 +170,38 @@ def matmul_flops(n: int = 2048, threads: int = 2, repeats: int = 5) -> float:
     return 2 * n**3 / best
 
 
+def format_peaks(threads: int = 2, n: int = 1024, repeats: int = 5) -> dict[str, float]:
+    """Multiply-adds per nanosecond of an [n, n] @ [n, n] product in each number format, on `threads`
+    threads, best of `repeats` (chapter 16): fp32 and bf16 through oneDNN's GEMM (the product a
+    prompt runs: bf16 inputs meet in vdpbf16ps or AMX tiles, with fp32 sums), int8 x int8 with int32
+    sums through torch._int_mm (VNNI's vpdpbusd or AMX). A format this torch cannot multiply is left out."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    qa, qb = (torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8) for _ in range(2))
+    products = {"float32": lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""),
+                "bfloat16": lambda: torch.ops.mkldnn._linear_pointwise(a16, b16, None, "none", [], ""),
+                "int8": lambda: torch._int_mm(qa, qb.t())}
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    peaks = {}
+    try:
+        for name, product in products.items():
+            try:
+                product()  # warm-up: the library picks its kernel, pages are touched
+            except (RuntimeError, AttributeError):  # no oneDNN, or no int8 GEMM in this torch
+                continue
+            best = float("inf")
+            for _ in range(repeats):
+                began = time.perf_counter()
+                product()
+                best = min(best, time.perf_counter() - began)
+            peaks[name] = n**3 / best / 1e9
+    finally:
+        torch.set_num_threads(before)
+    return peaks
+
+
 def cpu_ceiling(threads: int = 2, n: int = 2048) -> Ceiling:
     """This CPU's roofline, measured now on `threads` threads: an fp32 matmul's FLOP/s and a streaming
     read's bytes/s (machine.memory_read_bandwidth)."""

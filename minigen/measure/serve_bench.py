@@ -252,3 +252,34 @@ def format_serve_bench(result: dict) -> str:
         lines.append(f"{pair}: output tok/s {r['output_tokens_per_s']:.2f}x; TTFT p50 {r['ttft_p50']:.2f}x, "
                      f"p99 {r['ttft_p99']:.2f}x (TTFT ratios < 1: the first engine answers sooner)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- chunked prefill (chapter 16)
+def mixed_prefill(model, text_ids: torch.Tensor, budget: int | None, *, short: int = 4, new: int = 48,
+                  n_long: int = 2, long: int = 512, gap_s: float = 0.5) -> dict:
+    """Long prompts arrive while short requests decode, on a fresh Engine with
+    max_num_batched_tokens=budget (None: every prompt in one step): the workload of chapter 16 and
+    scripts/chunked_prefill.py. `short` requests (32-token prompts from text_ids, `new` greedy tokens
+    each, no stop token) start together; `n_long` requests of `long` prompt tokens arrive `gap_s`
+    apart while they decode, each wanting 4 tokens.
+
+    -> {"budget", "decode_step_p50_s" / "_p99_s" / "_max_s" (the steps that decode: a decoding
+    request waits one of them per token, so these are its times between tokens), "tpot_mean_s" (the
+    short requests' mean), "long_ttft_s" (each long request's, from its arrival), "max_step_tokens",
+    "tokens" ({request id: its tokens}), "metrics" (engine.metrics())}."""
+    engine = Engine(model, GenerationConfig(stop_token_ids=[]), max_batch_size=short + n_long,
+                    max_num_batched_tokens=budget)
+    for i in range(short):
+        engine.add_request(text_ids[1000 + 40 * i:1032 + 40 * i], max_new_tokens=new, arrival_s=0.0)
+    for j in range(n_long):
+        engine.add_request(text_ids[j * long:(j + 1) * long], max_new_tokens=4, arrival_s=gap_s * (j + 1))
+    tokens = engine.run()
+    m = engine.metrics()
+    done = m["requests"]
+    tpot = [(r["finish_s"] - r["first_token_s"]) / max(1, r["output_tokens"] - 1) for r in done[:short]]
+    steps = torch.tensor([s["step_s"] for s in m["steps"] if s["decode_tokens"] > 0])
+    return {"budget": budget, "tpot_mean_s": sum(tpot) / len(tpot),
+            "decode_step_p50_s": float(steps.quantile(0.5)), "decode_step_p99_s": float(steps.quantile(0.99)),
+            "decode_step_max_s": float(steps.max()),
+            "long_ttft_s": [r["first_token_s"] - r["arrival_s"] for r in done[short:]],
+            "max_step_tokens": max(m["tokens_per_step"]), "tokens": tokens, "metrics": m}
