@@ -230,6 +230,27 @@ def test_chunked_prefill_keeps_every_request_equal_to_generating_it_alone(tiny, 
     assert m["prefix_cache_hit_rate"] > 0
 
 
+def test_no_forward_pads_its_prompt_chunks_past_the_budget(tiny, monkeypatch):
+    """A forward left-pads its chunks to the longest: a 7-token chunk beside a 1-token one would be
+    14 rows under a budget of 8. The engine runs them apart, so the budget bounds the activations."""
+    engine = Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=3, max_num_batched_tokens=8)
+    shapes = []
+    prefill = engine.forward_step.prefill
+
+    def recorded(model, ids, *args, **kw):
+        shapes.append(tuple(ids.shape))
+        return prefill(model, ids, *args, **kw)
+
+    monkeypatch.setattr(engine.forward_step, "prefill", recorded)
+    prompts = [torch.arange(1, 12), torch.arange(20, 27), torch.arange(30, 33)]
+    for p in prompts:
+        engine.add_request(p, max_new_tokens=3, stop_token_ids=[], arrival_s=0.0)
+    out = engine.run()
+    check_alone(tiny, prompts, [out[i] for i in range(3)], [dict(max_new_tokens=3, stop_token_ids=[])] * 3)
+    assert shapes and all(B * T <= 8 for B, T in shapes), shapes
+    assert any(B > 1 for B, T in shapes), shapes  # chunks that fit together still share a forward
+
+
 def test_a_request_cancelled_half_prefilled_gives_its_blocks_back(tiny):
     engine = Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=2, num_blocks=16, max_num_batched_tokens=4)
     long, short = torch.arange(1, 30), torch.arange(40, 46)

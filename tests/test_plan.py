@@ -189,6 +189,32 @@ def test_the_planned_kv_and_activations_are_what_a_generation_allocates(smollm2,
     assert abs(planned - peak) <= 0.10 * peak, (planned, peak)
 
 
+@pytest.mark.parametrize("requests,prompt,budget", [(1, 1020, None), (2, 508, None), (1, 1020, 256), (2, 508, 128),
+                                                    (4, 252, 64)])
+def test_the_planned_engine_bytes_are_what_the_engine_allocates(smollm2, requests, prompt, budget):
+    """engine_bytes against the peak bytes of tensors an Engine holds (its pool, gather buffers and the
+    largest forward), within 10%: whole prompts arriving together, and prompts chunked by a budget.
+    SmolLM2's shapes, 2 layers."""
+    model = _random_model(smollm2[0].config)
+    new = 4
+    ids = [torch.randint(0, 1000, (prompt,), generator=torch.Generator().manual_seed(i)) for i in range(requests)]
+
+    def serve():
+        engine = minigen.Engine(model, GenerationConfig(stop_token_ids=[]), max_batch_size=requests,
+                                max_num_batched_tokens=budget)
+        for x in ids:
+            engine.add_request(x, max_new_tokens=new, arrival_s=0.0)
+        engine.run()
+        return engine
+
+    peak, engine = planner.peak_tensor_bytes(serve)
+    kv, activations = planner.engine_bytes(model.config, GenerationConfig(), requests, prompt + new, budget,
+                                           num_blocks=engine.num_blocks)
+    assert abs(kv + activations - peak) <= 0.10 * peak, (kv, activations, peak)
+    if budget is not None:  # the budget bounds the activations: the whole prompts' are larger
+        assert activations < planner.engine_bytes(model.config, GenerationConfig(), requests, prompt + new)[1]
+
+
 def test_the_peak_counter_sees_what_is_held_and_forgets_what_is_freed():
     def hold():
         a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes, freed on return

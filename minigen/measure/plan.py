@@ -140,6 +140,41 @@ def activation_bytes(cfg: ModelConfig, batch: int, context: int, compute: str | 
     return batch * rows * max(mlp, attention) * e + rows * rope + mask + batch * cfg.vocab_size * 4
 
 
+def engine_bytes(cfg: ModelConfig, config: GenerationConfig, max_batch_size: int, context: int,
+                 max_num_batched_tokens: int | None = None, num_blocks: int | None = None,
+                 dtype: str | torch.dtype = "float32") -> tuple[int, int]:
+    """(KV bytes, activation bytes) of a serving Engine(model, config, max_batch_size=...,
+    num_blocks=..., max_num_batched_tokens=...) whose sequences reach `context` positions.
+
+    KV: the pool, allocated whole when the engine starts (num_blocks blocks; None: max_batch_size
+    sequences of `context`), and the buffer attention gathers a forward's rows into (each row's
+    blocks, up to `context`). Activations: the largest forward a step runs. The engine runs its rows
+    at their own positions, so every forward builds a mask [B, 1, T, S]. Without a budget, a step
+    prefills every admitted prompt in one forward, left-padded to the longest: up to max_batch_size
+    whole prompts. With a budget, each forward's padded rows stay within it (Engine._groups): at most
+    max_num_batched_tokens rows. The decode forward runs max_batch_size rows of one token."""
+    bs = config.cache_chunk_size or 16  # the engine's default block size (serving/engine.py)
+    e = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else _dtype(dtype).itemsize
+    block = bs * cfg.n_kv_heads * cfg.head_dim * e  # keys, or values, of one block of one layer
+    per_row = math.ceil(context / bs)
+    pool = 2 * cfg.n_layers * block * (num_blocks if num_blocks is not None else max_batch_size * per_row)
+    gathered = 2 * block * max_batch_size * per_row  # the decode forward gathers every row's blocks
+    if max_num_batched_tokens is None:
+        batch, rows = max_batch_size, context
+    else:
+        batch, rows = 1, min(max_num_batched_tokens, context)
+    mask = 1 + _dtype(dtype).itemsize  # bytes per entry: the bool mask and the additive one
+
+    def forward(batch: int, rows: int) -> int:  # generate's count, with the engine's [B, 1, T, S] mask
+        shared = rows * context * mask if rows < context else 0  # the [T, S] mask activation_bytes counts
+        chunk = GenerationConfig(prefill_chunk_size=rows)
+        return activation_bytes(cfg, batch, context, dtype, chunk) - shared + batch * rows * context * mask
+
+    whole = max_num_batched_tokens is None
+    prefill = forward(max_batch_size, context) if whole else forward(1, min(max_num_batched_tokens, context))
+    return pool + gathered, max(prefill, forward(max_batch_size, 1))
+
+
 @dataclass
 class Option:
     config: dict  # the GenerationConfig fields this option sets

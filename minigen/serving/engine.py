@@ -19,7 +19,9 @@ Every `step()` (iteration-level scheduling, as in Orca and vLLM):
      through the same paged cache, and samples each row with its own settings and generator;
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
-     space left, a prompt spread over as many steps as it takes (chapter 16);
+     space left, a prompt spread over as many steps as it takes (chapter 16); the chunks then run
+     in as many forwards as keep each forward's padded rows within the budget (`_groups`), so the
+     budget bounds a step's activations too (measure/plan.py: engine_bytes);
   4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
 Each request's tokens equal generating it alone: rows never see each other (per-row positions
 and masks), and each row samples from its own generator, seeded by its own `seed`.
@@ -226,8 +228,9 @@ class Engine:
         if not chunks and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
             return new
         with self.forward_step.grad_mode():
-            if chunks:  # 3. one ragged prefill of every prompt chunk (from its first uncached position)
-                self._forward([r for r, _ in chunks], [c for _, c in chunks], new)
+            # 3. ragged prefills of the prompt chunks, each from its first uncached position
+            for group in self._groups(chunks):
+                self._forward([r for r, _ in group], [c for _, c in group], new)
             if decoding:  # and one decode step of every running sequence
                 self._forward(decoding, [r.tokens[-1:] for r in decoding], new)
         for req in [r for r, _ in chunks] + decoding:  # 4. finished requests give their blocks back
@@ -239,6 +242,22 @@ class Engine:
                            "batch_size": len(chunks) + len(decoding), "kv_usage": self.alloc.n_used / self.num_blocks,
                            "prefill_tokens": sum(len(c) for _, c in chunks), "decode_tokens": len(decoding)})
         return new
+
+    def _groups(self, chunks: list[tuple[Request, list[int]]]) -> list[list[tuple[Request, list[int]]]]:
+        """The forwards that run this step's prompt chunks. A forward left-pads its chunks to the longest,
+        so with max_num_batched_tokens every forward keeps its padded rows (chunks x longest) within the
+        budget: a long chunk and a short one run apart, never as two long rows. Without a budget every
+        chunk runs in one forward."""
+        if self.max_num_batched_tokens is None:
+            return [chunks] if chunks else []
+        groups: list[list[tuple[Request, list[int]]]] = []
+        for chunk in sorted(chunks, key=lambda rc: -len(rc[1])):  # the longest first: it sets its group's width
+            group = groups[-1] if groups else None
+            if group is not None and (len(group) + 1) * len(group[0][1]) <= self.max_num_batched_tokens:
+                group.append(chunk)
+            else:
+                groups.append([chunk])
+        return groups
 
     def _chunk(self, req: Request, budget: int | None) -> list[int]:
         """The tokens of `req`'s prompt (and output, after a preemption) this step computes: the rest, or
