@@ -263,7 +263,9 @@ for kernel, types, constexprs in (
                                               sm_scale="fp32"), dict(BLOCK=16, D=64)),
         (ts.paged_int4_attention_kernel, dict(q_ptr=f32, k_codes="*u8", k_scales=f32, k_zeros=f32, v_codes="*u8",
                                               v_scales=f32, v_zeros=f32, table_ptr="*i64", out_ptr=f32,
-                                              sm_scale="fp32"), dict(G=16, BLOCK=16, D=64))):
+                                              sm_scale="fp32"), dict(G=16, BLOCK=16, D=64)),
+        (ts.flash_attention_kernel, dict(q_ptr=f32, k_ptr=f32, v_ptr=f32, out_ptr=f32, visits_ptr="*i32",
+                                         sm_scale="fp32"), dict(CAUSAL=True, BLOCK_M=64, BLOCK_N=64, D=64))):
     compile_for_hopper(kernel, types, constexprs)
 print("compiled")
 '''
@@ -283,3 +285,20 @@ def test_the_kernels_compile_for_a_hopper_gpu(tmp_path):
     run = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("T,causal,block_m,block_n", [(50, True, 16, 16), (50, False, 16, 32), (64, True, 32, 16),
+                                                      (37, True, 16, 32)])
+def test_the_step_kernel_of_a_prompt_is_flash_attention(T, causal, block_m, block_n):
+    """triton_steps.flash_attention (chapter 16's first step): SDPA's output, and with causal=True each
+    tile of queries loads only the key tiles up to its last query (about half of them)."""
+    import torch.nn.functional as F
+
+    from minigen.kernels import triton_steps as ts
+    g = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(2, T, 24, generator=g) for _ in range(3))
+    out, visits = ts.flash_attention(q, k, v, causal, block_m, block_n)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal), atol=1e-5, rtol=1e-5)
+    M, N = math.ceil(T / block_m), math.ceil(T / block_n)
+    want = [math.ceil(min((i + 1) * block_m, T) / block_n) if causal else N for i in range(M)]
+    assert visits.tolist() == [want, want], visits

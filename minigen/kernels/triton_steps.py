@@ -13,9 +13,12 @@ and returns what the torch one-liner in its docstring returns. In order:
     head_attention        one query per head over a contiguous cache [H, S, Dh]
     paged_head_attention  the same through a block table into a pool [N, bs, H, Dh]
     paged_int4_attention  the same over 4-bit codes, dequantized as they load
+    flash_attention       a prompt (chapter 16): tiles of queries against tiles of keys, the
+                          online softmax on tiles, key tiles past the diagonal never loaded
 
 The last step, split-K with grouped-query heads, windows and 8-bit codes, is the package's kernel:
-triton_attention.decode_attention. On a machine without CUDA every launch runs in Triton's
+triton_attention.decode_attention; for a prompt, with the paged blocks, grouped-query heads,
+windows and sinks, triton_prefill.prefill_attention. On a machine without CUDA every launch runs in Triton's
 interpreter (triton_attention sets TRITON_INTERPRET=1 before Triton is imported).
 """
 
@@ -220,3 +223,58 @@ def paged_int4_attention(q: Tensor, k, v, block_table: Tensor, S: int, block: in
                                       block_table, out, S, H, Dh, bs, 1 / math.sqrt(Dh), G=k.group_size,
                                       BLOCK=block, D=triton.next_power_of_2(Dh))
     return out
+
+
+# ---------------------------------------------------------------- 7. a prompt: tiles of queries (chapter 16)
+@jit
+def flash_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, visits_ptr, T, Dh, sm_scale, CAUSAL: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):
+    i, h = tl.program_id(0), tl.program_id(1)  # queries i * BLOCK_M .. i * BLOCK_M + BLOCK_M - 1 of head h
+    M = tl.num_programs(0)
+    rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D)  # channels, padded to a power of 2
+    base = h * T * Dh
+    q = tl.load(q_ptr + base + rows[:, None] * Dh + d[None, :], mask=(rows < T)[:, None] & (d < Dh)[None, :],
+                other=0.0).to(tl.float32)  # [BLOCK_M, D]
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # per query: the running max,
+    l = tl.zeros([BLOCK_M], tl.float32)  # the running sum of exponentials,
+    acc = tl.zeros([BLOCK_M, D], tl.float32)  # and the running weighted sum of values
+    if CAUSAL:
+        end = tl.minimum((i + 1) * BLOCK_M, T)  # no query of this tile sees a key after its last query
+    else:
+        end = T
+    loaded = 0
+    for start in range(0, end, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = (cols < T)[:, None] & (d < Dh)[None, :]
+        k = tl.load(k_ptr + base + cols[:, None] * Dh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * sm_scale  # [BLOCK_M, BLOCK_N]: one tile of the score matrix, never more
+        seen = (cols < T)[None, :]
+        if CAUSAL:
+            seen = seen & (cols[None, :] <= rows[:, None])
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # the first tile holds key 0, which every query sees: finite
+        alpha, p = tl.exp(m - m_new), tl.exp(s - m_new[:, None])
+        v = tl.load(v_ptr + base + cols[:, None] * Dh + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m = m_new
+        loaded += 1
+    tl.store(out_ptr + base + rows[:, None] * Dh + d[None, :], acc / l[:, None],
+             mask=(rows < T)[:, None] & (d < Dh)[None, :])
+    tl.store(visits_ptr + h * M + i + tl.arange(0, 1), loaded + tl.zeros([1], tl.int32))
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = True, block_m: int = TILE,
+                    block_n: int = TILE) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(Dh) (+ the causal mask)) v for q, k, v [H, T, Dh] -> ([H, T, Dh] fp32, the key
+    tiles each program loaded [H, M]): one program per tile of block_m queries of one head, walking tiles
+    of block_n keys with an online softmax (FlashAttention's forward). Tiles are at least 16 (tl.dot)."""
+    H, T, Dh = q.shape
+    M = triton.cdiv(T, block_m)
+    out = torch.empty(H, T, Dh, dtype=torch.float32, device=q.device)
+    visits = torch.zeros(H, M, dtype=torch.int32, device=q.device)
+    flash_attention_kernel[(M, H)](q.contiguous(), k.contiguous(), v.contiguous(), out, visits, T, Dh,
+                                   1 / math.sqrt(Dh), CAUSAL=causal, BLOCK_M=block_m, BLOCK_N=block_n,
+                                   D=max(16, triton.next_power_of_2(Dh)))
+    return out, visits
