@@ -22,10 +22,12 @@ Xiao et al. 2023, and llama.cpp's Q8_0 dot products):
   few channels would take the row's whole int8 range and round the others to a handful of
   levels. SmoothQuant divides channel k by s[k] = sqrt(max|x_k| / max|w_k|) and multiplies the
   weights' column k by it: the product is unchanged, and the range moves into the weights, whose
-  scales are per output channel. max|x_k| is calibrated once per model on fixed token ids
-  (CALIBRATION_TOKENS, drawn from a seeded generator: no text, and none that is later scored).
-  The inputs of wo and w_down have no such channels, and smoothing them with factors from a
-  short calibration cost quality on SmolLM2 (scripts/prefill_speeds.py measures the scheme).
+  scales are per output channel. max|x_k| is calibrated once per model, on English text: the
+  last CALIBRATION_CHARS characters of data/english.txt, through the tokenizer `minigen.load`
+  returned with the model (for SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py
+  scores, and the 512 the tests score); a model loaded without one calibrates on seeded random
+  ids, which measured worse on SmolLM2 (their maxima are not text's). The inputs of wo and w_down
+  have no such channels, and smoothing them with factors from a short calibration cost quality.
 - The output head keeps fp32: a prefill needs the last row's logits only (one row, the decode
   step's kernel), and the logits are the most sensitive product (chapter 14). A product without
   an int8 copy runs as it would under "float32".
@@ -37,6 +39,7 @@ is kernels/cpu.py's `int8_linear` (oneDNN's int8 GEMM), chosen per call by kerne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -47,7 +50,8 @@ from .weight_quant import QuantizedWeight
 
 QMAX = 127  # symmetric codes in [-127, 127]: -128 unused, so that -q is a code too
 SMOOTHING_ALPHA = 0.5  # s[k] = max|x_k|^alpha / max|w_k|^(1 - alpha): SmoothQuant's default
-CALIBRATION_TOKENS = 256  # token ids of the forward that measures max|x_k| (more than 16: a prompt's)
+CALIBRATION_CHARS = 800  # of data/english.txt, its end: SmolLM2 makes 209 tokens of them
+CALIBRATION_TOKENS = 256  # seeded random ids where the model came without a tokenizer
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,16 @@ class Int8Weight:
 # the int8 copy of each weight that has one, keyed by the weight tensor itself: a model's copies
 # live as long as its weights, and a weight without one (the head) is not a key
 _COPIES = WeakIdKeyDictionary()
+_CALIBRATION = WeakIdKeyDictionary()  # model -> a function that gives its calibration ids (calibrate_on)
+
+
+def calibrate_on(model, tokenizer) -> None:
+    """Calibrate `model`'s smoothing, when it is first needed, on the end of data/english.txt through
+    `tokenizer` (minigen.load calls this; nothing is tokenized until an int8 prompt runs)."""
+    def ids() -> Tensor:
+        text = (Path(__file__).resolve().parent.parent / "data" / "english.txt").read_text(encoding="utf-8")
+        return tokenizer(text[-CALIBRATION_CHARS:], return_tensors="pt").input_ids[0]
+    _CALIBRATION[model] = ids
 
 
 def copy_of(w) -> Int8Weight | None:
@@ -122,12 +136,15 @@ def _dense(w) -> Tensor:
     return w.dequantize().float() if isinstance(w, QuantizedWeight) else w.float()
 
 
-def prepare(model) -> None:
+def prepare(model, token_ids: Tensor | None = None) -> None:
     """Make the int8 copy of every block's products (once per model; a later call returns at once).
 
-    A forward of CALIBRATION_TOKENS seeded random ids in fp32 records max|x_k| of the inputs of wqkv
-    and w_gate_up (the RMSNorm outputs); the smoothing factors follow from it and the weights. A
-    weight loaded as codes (weight_bits=8 or 4) is dequantized once here, not per call."""
+    A forward of `token_ids` [T] (default: the text of `calibrate_on`, else CALIBRATION_TOKENS seeded
+    random ids) in fp32 records
+    max|x_k| of the inputs of wqkv and w_gate_up (the norms' outputs); the smoothing factors follow
+    from it and the weights. Text like the prompts to come calibrates better than random ids (call
+    this before the first int8 prompt). A weight loaded as codes (weight_bits=8 or 4) is
+    dequantized once here, not per call."""
     if all(_COPIES.get(w) is not None for w in _products(model)):
         return
     if not onednn_int8():
@@ -148,9 +165,13 @@ def prepare(model) -> None:
                 amax[id(w)] = torch.maximum(amax[id(w)], m) if id(w) in amax else m
             return reference.linear(x, w, out_dtype)
 
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, CALIBRATION_TOKENS), generator=g)
-    T = min(CALIBRATION_TOKENS, model.config.max_seq_len)
+    if token_ids is None and model in _CALIBRATION:
+        token_ids = _CALIBRATION[model]()
+    if token_ids is None:
+        g = torch.Generator().manual_seed(0)
+        token_ids = torch.randint(0, model.config.vocab_size, (CALIBRATION_TOKENS,), generator=g)
+    ids = token_ids.reshape(1, -1)
+    T = min(ids.shape[1], model.config.max_seq_len)
     model.ops = Record()
     try:
         with torch.inference_mode(), prompt_products("float32"):
