@@ -309,12 +309,10 @@ RUN_RULES: tuple[RunRule, ...] = (
      lambda c, r: "prefill_precision='bfloat16' needs bf16 dot products, and this CPU has none (no avx512_bf16 or "
      "amx_bf16 on x86, no bf16 on ARM): its bf16 products would run slower than fp32. Use "
      "prefill_precision='float32'"),
-    ("prefill_precision", ("device",), lambda c, r: c.prefill_precision == "int8" and r.device != "cpu",
-     lambda c, r: f"prefill_precision='int8' runs oneDNN's int8 GEMM, on a CPU, and the model is on {r.device}: "
-     "use prefill_precision='bfloat16' (native there) or 'float32'"),
-    ("prefill_precision", ("onednn_int8",), lambda c, r: c.prefill_precision == "int8" and not r.onednn_int8,
-     lambda c, r: "prefill_precision='int8' needs oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise), which "
-     "this torch build lacks: use prefill_precision='bfloat16' or 'float32'"),
+    ("prefill_precision", ("device",), lambda c, r: c.prefill_precision == "int8" and r.device != "cpu", lambda c, r:
+     f"prefill_precision='int8' runs on a CPU, and the model is on {r.device}: use prefill_precision='bfloat16'"),
+    ("prefill_precision", ("onednn_int8",), lambda c, r: c.prefill_precision == "int8" and not r.onednn_int8, lambda c, r:
+     "prefill_precision='int8' needs torch.ops.onednn.qlinear_pointwise, which this torch lacks: use 'float32'"),
     ("prefill_precision", ("int8_dot",), lambda c, r: c.prefill_precision == "int8" and not r.int8_dot,
      lambda c, r: "prefill_precision='int8' needs int8 dot products, and this CPU has none (no avx512_vnni, avx_vnni "
      "or amx_int8): its int8 products would run no faster than fp32. Use prefill_precision='float32' (or "

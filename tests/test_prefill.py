@@ -217,7 +217,8 @@ def test_int8_products_are_the_fake_quantized_product():
         assert ((y[0] - ref[0]).abs() <= bound).all()
         # the codes: C's quantize_rows_s8 gives torch's bits, and the scheme is within its rounding of x @ w.T
         qx, a = w8a8.quantize_rows(x, w8.inv_smooth)
-        assert qx.abs().max() == w8a8.QMAX and torch.equal(w8.codes().abs().amax(1), torch.full((n,), 127, dtype=torch.int8))
+        assert torch.equal(qx.abs().amax(1), torch.full((rows,), 127, dtype=torch.int8))  # each row spans its range
+        assert torch.equal(w8.codes().abs().amax(1), torch.full((n,), 127, dtype=torch.int8))
         lib = kernel_build.library()
         if lib is not None:
             q2, a2 = torch.empty_like(qx), torch.empty_like(a)

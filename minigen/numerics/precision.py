@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import ConfigError
+from . import w8a8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -86,7 +87,6 @@ def prompt_products(name: str = "float32", model=None):
     if name not in PROMPT_DTYPES:
         raise ConfigError(f"prefill_precision={name!r} is invalid: use {', '.join(map(repr, PROMPT_DTYPES))}")
     if name == "int8":
-        from . import w8a8  # its calibration forward runs inside prompt_products("float32")
         if model is None:
             raise ConfigError("prompt_products('int8') needs the model, whose weights it quantizes once")
         w8a8.prepare(model)

@@ -150,9 +150,8 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
     if not onednn_int8():
         raise ConfigError("prefill_precision='int8' needs oneDNN's int8 linear (torch.ops.onednn), which this "
                           "torch build lacks: use prefill_precision='bfloat16' or 'float32'")
-    from .precision import prompt_products  # precision.py imports this module
     amax = {}
-    smoothed = {id(w) for block in model.blocks for w in _norm_fed(block)}
+    smoothed = {id(w) for w in _norm_fed(model)}
     reference = model.ops
 
     class Record:  # the model's ops, recording max|x_k| of the smoothed products' inputs
@@ -173,8 +172,8 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
     ids = token_ids.reshape(1, -1)
     T = min(ids.shape[1], model.config.max_seq_len)
     model.ops = Record()
-    try:
-        with torch.inference_mode(), prompt_products("float32"):
+    try:  # in the caller's prompt format: prompt_products calls this before it switches to int8
+        with torch.inference_mode():
             model(ids[:, :T].to(model.device), torch.arange(T, device=model.device))
     finally:
         model.ops = reference
@@ -192,14 +191,16 @@ def nbytes(model) -> int:
     return sum(c.nbytes for w in _products(model) if (c := _COPIES.get(w)) is not None)
 
 
-def _norm_fed(block) -> list:
-    """The products of a block whose input is a norm's output: the ones smoothing helps."""
-    from ..model import GatedMLP
-    return [block.attn.wqkv, block.mlp.w_gate_up if isinstance(block.mlp, GatedMLP) else block.mlp.w_fc]
+def _mlp(block, arch: str) -> tuple:
+    """A block's MLP weights, (input side, output side): model.GatedMLP's for llama, GeluMLP's for gpt2."""
+    return (block.mlp.w_gate_up, block.mlp.w_down) if arch == "llama" else (block.mlp.w_fc, block.mlp.w_proj)
+
+
+def _norm_fed(model) -> list:
+    """The products whose input is a norm's output: the ones smoothing helps."""
+    return [w for b in model.blocks for w in (b.attn.wqkv, _mlp(b, model.config.arch)[0])]
 
 
 def _products(model) -> list:
     """Every block's weights that a prompt multiplies (the head is not among them)."""
-    from ..model import GatedMLP  # model.py imports this module
-    return [w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo) + (
-        (b.mlp.w_gate_up, b.mlp.w_down) if isinstance(b.mlp, GatedMLP) else (b.mlp.w_fc, b.mlp.w_proj))]
+    return [w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo, *_mlp(b, model.config.arch))]
