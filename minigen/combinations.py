@@ -61,8 +61,9 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "speculative_method": (lambda c: c.speculative_method is not None,
                            "\"ngram\" or \"draft\": propose k tokens, verify them in one forward (chapter 15)"),
     "prefill_precision": (lambda c: c.prefill_precision != "float32",
-                          "\"bfloat16\": a prompt's products of more than 16 rows with bf16 inputs and fp32 sums "
-                          "(chapter 16); a draft model's prompt and every decode step stay as they are"),
+                          "\"bfloat16\" or \"int8\": a prompt's products of more than 16 rows with bf16 inputs and "
+                          "fp32 sums, or int8 weights and activations (a scale per token) and int32 sums (chapter "
+                          "16); a draft model's prompt and every decode step stay as they are"),
     "prefill_chunk_size": (lambda c: c.prefill_chunk_size is not None,
                            "a prompt run this many tokens per forward, each piece reading the pieces before it "
                            "from the cache: activations scale with the piece, not the prompt (chapter 16)"),
@@ -234,6 +235,8 @@ class Run:
     triton: str | None = None  # "missing", "interpreted" or "compiled" (kernels/triton_attention.py)
     cuda: bool | None = None  # torch.cuda.is_available()
     bf16_dot: bool | None = None  # a CPU with bf16 dot products (AVX512-BF16 or AMX-BF16; ARM's BF16); None: unknown
+    int8_dot: bool | None = None  # an x86 CPU with int8 dot products (AVX512-VNNI, AVX-VNNI or AMX-INT8); None: unknown
+    onednn_int8: bool | None = None  # torch has oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise)
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
@@ -306,6 +309,14 @@ RUN_RULES: tuple[RunRule, ...] = (
      lambda c, r: "prefill_precision='bfloat16' needs bf16 dot products, and this CPU has none (no avx512_bf16 or "
      "amx_bf16 on x86, no bf16 on ARM): its bf16 products would run slower than fp32. Use "
      "prefill_precision='float32'"),
+    ("prefill_precision", ("device",), lambda c, r: c.prefill_precision == "int8" and r.device != "cpu", lambda c, r:
+     f"prefill_precision='int8' runs on a CPU, and the model is on {r.device}: use prefill_precision='bfloat16'"),
+    ("prefill_precision", ("onednn_int8",), lambda c, r: c.prefill_precision == "int8" and not r.onednn_int8, lambda c, r:
+     "prefill_precision='int8' needs torch.ops.onednn.qlinear_pointwise, which this torch lacks: use 'float32'"),
+    ("prefill_precision", ("int8_dot",), lambda c, r: c.prefill_precision == "int8" and not r.int8_dot,
+     lambda c, r: "prefill_precision='int8' needs int8 dot products, and this CPU has none (no avx512_vnni, avx_vnni "
+     "or amx_int8): its int8 products would run no faster than fp32. Use prefill_precision='float32' (or "
+     "'bfloat16' where the CPU has bf16 dot products)"),
     ("attention_backend", ("triton",), lambda c, r: r.triton == "missing", lambda c, r:
      "attention_backend='triton' needs the triton package, which ships for Linux only: pip install triton, "
      "or use attention_backend='torch'"),

@@ -28,7 +28,7 @@ from .numerics.precision import DTYPES
 
 KV_DTYPES = tuple(DTYPES)  # the one mapping of dtype names (numerics/precision.py)
 ATTENTION_BACKENDS = ("torch", "triton")
-PREFILL_PRECISIONS = ("float32", "bfloat16")
+PREFILL_PRECISIONS = ("float32", "bfloat16", "int8")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
@@ -73,8 +73,9 @@ class GenerationConfig:
     # attention over a paged cache: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
     attention_backend: str = "torch"
     # --- prefill (chapter 16) ---
-    # a prompt's matrix products: "float32", or "bfloat16" (inputs rounded to bf16, fp32 sums: the
-    # bf16 dot products of AVX512-BF16 / AMX on a CPU); the decode step keeps its own format
+    # a prompt's matrix products: "float32", "bfloat16" (inputs rounded to bf16, fp32 sums: the bf16
+    # dot products of AVX512-BF16 / AMX on a CPU) or "int8" (int8 codes of weights and activations,
+    # int32 sums: AVX512-VNNI / AMX-INT8; numerics/w8a8.py); the decode step keeps its own format
     prefill_precision: str = "float32"
     # the prompt runs this many tokens per forward, each piece attending to the cached pieces before
     # it: activations scale with the chunk, not the prompt (transformers' name); None: one forward
@@ -265,8 +266,9 @@ def _check_values(c: GenerationConfig) -> None:
         raise ConfigError(f"attention_backend={c.attention_backend!r} is invalid: use \"torch\" (gather the blocks, "
                           "then torch's attention) or \"triton\" (the fused kernel of triton_attention.py)")
     if c.prefill_precision not in PREFILL_PRECISIONS:
-        raise ConfigError(f"prefill_precision={c.prefill_precision!r} is invalid: use \"float32\" (the default) or "
-                          "\"bfloat16\" (a prompt's products with bf16 inputs and fp32 sums, chapter 16)")
+        raise ConfigError(f"prefill_precision={c.prefill_precision!r} is invalid: use \"float32\" (the default), "
+                          "\"bfloat16\" (a prompt's products with bf16 inputs and fp32 sums) or \"int8\" (int8 "
+                          "weights and activations, a scale per token and per output channel), chapter 16")
     if c.prefill_chunk_size is not None:
         _check_int("prefill_chunk_size", c.prefill_chunk_size, low=1,
                    hint="(prompt tokens per forward, e.g. 512), or None to run the prompt in one forward")

@@ -75,7 +75,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     logits = []
     # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
-    with torch.inference_mode(), prompt_products(config.prefill_precision):
+    with torch.inference_mode(), prompt_products(config.prefill_precision, model):
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
             policy = make_policy(config, None, observers)
             logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])

@@ -135,7 +135,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        with prompt_products(config.prefill_precision):  # the prompt's products in their own format (chapter 16)
+        with prompt_products(config.prefill_precision, model):  # the prompt's products in their own format (chapter 16)
             logits = step.prefill(model, input_ids, input_pos, cache, policy)
         if after_prefill is not None:
             logits = after_prefill(logits)

@@ -22,6 +22,7 @@ from .errors import ConfigError, ModelLoadError
 from .kernels import dispatch
 from .model import Model, ModelConfig
 from .paths import cache_dir, locked, unwritable_dir
+from .numerics import w8a8
 from .numerics.precision import Precision, dtype_of
 from .numerics.weight_quant import check_weight_bits, quantize_weights
 
@@ -400,4 +401,6 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | s
     model = build_model(read_config(folder), read_safetensors(folder), dtype, device)
     if weight_bits is not None:
         quantize_weights(model, weight_bits)
-    return model, load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
+    w8a8.calibrate_on(model, tokenizer)  # prefill_precision="int8" calibrates on English text (w8a8.py)
+    return model, tokenizer

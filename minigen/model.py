@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from .attention import (AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, causal_mask,
                         prefix_causal, seen_slots)
 from .caches.contract import BlockView
+from .numerics import w8a8
 from .numerics.precision import Precision, prompt_dtype
 from .numerics.weight_quant import QuantizedWeight
 
@@ -154,9 +155,12 @@ class TorchOps:
         fp32 activations against 16-bit weights sum in fp32 (chapter 7); int8/int4 weights are
         dequantized for the product (chapter 14)."""
         out_dtype = out_dtype or x.dtype
+        fmt = prompt_dtype(x.numel() // x.shape[-1])  # prefill_precision (chapter 16)
+        if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # a block's weight: its int8 copy
+            return w8a8.reference_linear(x, w8).to(out_dtype)
         if isinstance(w, QuantizedWeight):
             w = w.dequantize()
-        if prompt_dtype(x.numel() // x.shape[-1]) == torch.bfloat16:  # prefill_precision (chapter 16)
+        if fmt == torch.bfloat16:
             return F.linear(x.bfloat16(), w.bfloat16()).to(out_dtype)
         if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
             x, w = x.float(), w.float()  # fp32 sums and result

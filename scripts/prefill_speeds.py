@@ -7,10 +7,11 @@ measurement behind issue 24's prefill table.
 
 Every (engine, length) runs the same real-English prompt with max_new_tokens=1, the engines taking
 turns within each round; the median of the rounds counts. Engines: minigen fp32 weights with
-prefill_precision "float32" and "bfloat16", minigen int8 and int4 weights (groups of 32) in both,
+prefill_precision "float32", "bfloat16" and "int8", minigen int8 and int4 weights (groups of 32) in each,
 and transformers fp32 (its own generate, one new token). Quality: teacher forcing over --quality
 tokens of the text (evaluate.score, one forward, so every row's products run in the prompt's
-format, the head's too): perplexity and top-1 agreement against fp32.
+format, the head's too, except under "int8", whose head stays fp32): perplexity and top-1 agreement
+against fp32. The int8 format's copies of the weights are made before the timings (w8a8.prepare).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
 from minigen.evaluate import score  # noqa: E402
+from minigen.numerics import w8a8  # noqa: E402
+
+FORMATS = ("float32", "bfloat16", "int8")
 
 
 def main() -> None:
@@ -46,7 +50,7 @@ def main() -> None:
               "int4": minigen.load("smollm2-135m", weight_bits=4)[0]}
     text = (Path(minigen.__file__).parent / "data" / "english.txt").read_text(encoding="utf-8")
     ids = tokenizer(text, return_tensors="pt").input_ids[0]
-    runs = {f"minigen {w} weights, {p} prompt": (m, p) for w, m in models.items() for p in ("float32", "bfloat16")}
+    runs = {f"minigen {w} weights, {p} prompt": (m, p) for w, m in models.items() for p in FORMATS}
     hf = None
     if not args.no_transformers:
         from transformers import AutoModelForCausalLM
@@ -66,6 +70,10 @@ def main() -> None:
         return time.perf_counter() - start
 
     names = list(runs) + (["transformers"] if hf is not None else [])
+    for m in models.values():  # once per model, outside the timings: the int8 copies of the blocks' weights
+        w8a8.prepare(m)
+        print(f"int8 copies: {w8a8.nbytes(m) / 2**20:.0f} MiB beside {sum(t.nbytes for t in [*m.parameters(), *m.buffers()]) / 2**20:.0f} "
+              "MiB of weights", flush=True)
     for name in names:
         once(name, 32)  # warm-up
     table = {}
@@ -89,7 +97,7 @@ def main() -> None:
         print(f"\n| weights | prompt format | perplexity over {len(q)} tokens | vs fp32 weights, fp32 prompt | "
               "top-1 agreement |\n|---|---|---|---|---|")
         for w, m in models.items():
-            for p in ("float32", "bfloat16"):
+            for p in FORMATS:
                 s = ref[w] if p == "float32" else score(m, q, prefill_precision=p)
                 quality[f"{w} {p}"] = (s.perplexity, float((s.top1 == ref["fp32"].top1).float().mean()))
                 print(f"| {w} | {p} | {s.perplexity:.3f} | {s.perplexity / ref['fp32'].perplexity - 1:+.2%} | "

@@ -959,6 +959,13 @@ def _(tiny_model, monkeypatch):
     minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), prefill_precision="bfloat16")
 
 
+@case("prefill-int8-without-int8-dot")
+def _(tiny_model, monkeypatch):
+    from minigen.kernels import cpu
+    monkeypatch.setattr(cpu, "int8_dot_products", lambda: False)
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), prefill_precision="int8")
+
+
 # ---------------------------------------------------------------- every row, run
 @pytest.mark.parametrize("row", [pytest.param(r, id=r["id"], marks=CASES[r["id"]][1] if r["id"] in CASES else ())
                                  for r in ROWS])

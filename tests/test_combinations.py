@@ -79,7 +79,7 @@ FIELDS = {
     "num_speculative_tokens": st.integers(1, 8),
     "prompt_lookup_min": st.integers(1, 3),  # min > max is refused (test_speculative.py): not drawn here
     "prompt_lookup_max": st.integers(3, 5),
-    "prefill_precision": st.sampled_from(["float32", "bfloat16"]),
+    "prefill_precision": st.sampled_from(["float32", "bfloat16", "int8"]),
     "prefill_chunk_size": maybe(st.sampled_from([1, 3, 8, 16])),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
@@ -122,7 +122,7 @@ def configs(draw):
         elif feature in RARE:
             fields[feature] = True
         elif feature == "prefill_precision":
-            fields[feature] = "bfloat16"
+            fields[feature] = rnd.choice(["bfloat16", "int8"])
         elif feature == "sparse":
             fields["sparse_top_k"] = draw(FIELDS["sparse_top_k"])
             fields["sparsity_threshold"] = draw(FIELDS["sparsity_threshold"] if fields["sparse_top_k"] is None
@@ -200,7 +200,7 @@ def bites(config: GenerationConfig, feature: str) -> bool | None:
             return c.cache_chunk_size <= TEXT_LEN // 2 or None
         residual = c.quant_residual or c.quant_group_size
         return residual + c.quant_group_size <= TEXT_LEN // 2 or None
-    if feature == "prefill_precision":  # bf16 products where a forward has more than 16 rows: run_nll feeds
+    if feature == "prefill_precision":  # bf16 or int8 products where a forward has more than 16 rows: run_nll feeds
         return not c.use_cache  # the naive loop the whole text, a cache one token at a time
     raise ValueError(feature)
 

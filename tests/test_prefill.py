@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import minigen
 from minigen import GenerationConfig, attention
 from minigen.attention import Causal, prefix_causal
+from minigen.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -182,6 +183,117 @@ def test_bench_counts_a_bf16_prompt_as_lossy():
     prompt rounds every product's inputs, so its tokens may differ (SmolLM2, 512 tokens: they did)."""
     from minigen.measure import bench
     assert bench.exact(GenerationConfig()) and not bench.exact(GenerationConfig(prefill_precision="bfloat16"))
+    assert not bench.exact(GenerationConfig(prefill_precision="int8"))
+
+
+# ---------------------------------------------------------------- prefill_precision="int8"
+from minigen.numerics import w8a8  # noqa: E402
+
+needs_int8 = pytest.mark.skipif(not (cpu_kernel.int8_dot_products() and w8a8.onednn_int8()),
+                                reason="this CPU has no int8 dot products, or torch no oneDNN int8 linear")
+
+
+def _outlier_rows(rows, k, seed):
+    """Rows [rows, k] with two channels 30x larger than the rest, as an RMSNorm's output has."""
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    x[:, [3, 17]] *= 30
+    return x
+
+
+@needs_int8
+def test_int8_products_are_the_fake_quantized_product():
+    """int8_linear (C codes, oneDNN's int32 sums) against w8a8.reference_linear (codes back to floats,
+    an fp32 GEMM): the codes are the same bits, the int32 sums exact, so they differ only by the fp32
+    rounding of the reference's sums and of the two scales (a few 2^-24 relative of sum |x w|)."""
+    n, k, rows = 700, 576, 40
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(n, k, generator=g), _outlier_rows(rows, k, 1)
+    for smooth in (None, torch.rand(k, generator=g) + 0.5):
+        w8 = w8a8.quantize_weight(w, smooth)
+        ref = w8a8.reference_linear(x[None], w8)
+        y = cpu_kernel.int8_linear(x[None], w8)
+        assert y is not None and y.shape == (1, rows, n)
+        bound = 1e-5 * (x.abs() @ w.abs().T)
+        assert ((y[0] - ref[0]).abs() <= bound).all()
+        # the codes: C's quantize_rows_s8 gives torch's bits, and the scheme is within its rounding of x @ w.T
+        qx, a = w8a8.quantize_rows(x, w8.inv_smooth)
+        assert torch.equal(qx.abs().amax(1), torch.full((rows,), 127, dtype=torch.int8))  # each row spans its range
+        assert torch.equal(w8.codes().abs().amax(1), torch.full((n,), 127, dtype=torch.int8))
+        lib = kernel_build.library()
+        if lib is not None:
+            q2, a2 = torch.empty_like(qx), torch.empty_like(a)
+            inv = w8.inv_smooth
+            lib.quantize_rows_s8(x.data_ptr(), None if inv is None else inv.data_ptr(), q2.data_ptr(), a2.data_ptr(),
+                                 rows, k)
+            assert torch.equal(q2, qx) and torch.equal(a2, a)
+        # each code is within half a step of its value: the error of a product is at most
+        # sum_k (|x| b/2 + |w| a/2 + a b/4), a bound derived from the two roundings
+        xs = x if smooth is None else x / smooth
+        ws = w if smooth is None else w * smooth
+        err_bound = (xs.abs() @ (w8.scales[:, None] / 2).expand(n, k).T + a / 2 * ws.abs().sum(1)
+                     + a * w8.scales * k / 4)
+        assert ((ref[0] - x @ w.T).abs() <= err_bound * 1.001 + 1e-4).all()
+
+
+@needs_int8
+def test_int8_rows_never_influence_each_other():
+    """A row's scale is its own: a row's products are the same bits alone and beside a row 1000x larger."""
+    k, n = 576, 300
+    w8 = w8a8.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(2)), None)
+    x = _outlier_rows(20, k, 3)
+    other = 1000 * _outlier_rows(20, k, 4)
+    alone = cpu_kernel.int8_linear(x, w8)
+    together = cpu_kernel.int8_linear(torch.cat([x, other]), w8)
+    assert torch.equal(together[:20], alone)
+
+
+@needs_int8
+def test_int8_prefill_is_the_reference_and_near_fp32(tiny_llama):
+    """A tiny model's 40-token prompt: the kernels give the reference's logits (tolerance: the fp32
+    rounding of sums, as above); fp32's within int8's rounding on a random model; and a prompt's
+    row gives the same logits alone and in a batch beside a very different prompt."""
+    model = tiny_llama[1]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=g)
+    with torch.inference_mode():
+        fp32 = model(ids, torch.arange(40))
+        with prompt_products("int8", model):
+            fast = model(ids, torch.arange(40))
+            with kernel_build.enabled(False):
+                ref = model(ids, torch.arange(40))
+            other = torch.full((1, 40), 5)  # one token repeated: activations unlike the random prompt's
+            batch = model(torch.cat([ids, other]), torch.arange(40))
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+    # int8 moved the logits, a little (k = 32 here: each code carries a large share of a sum)
+    spread = fp32.std().item()
+    assert (fast - fp32).abs().mean() < 0.05 * spread and (fast - fp32).abs().max() < 0.5 * spread, spread
+    assert not torch.equal(fast, fp32)
+    torch.testing.assert_close(batch[:1], fast, atol=1e-5, rtol=1e-5)  # fp32 attention may block by batch
+    out = minigen.generate(model, ids, max_new_tokens=8, stop_token_ids=[])
+    int8 = minigen.generate(model, ids, max_new_tokens=8, stop_token_ids=[], prefill_precision="int8")
+    assert torch.equal(int8.tokens, out.tokens)  # greedy tokens: the first one from the int8 prompt
+
+
+@pytest.mark.skipif(not w8a8.onednn_int8(), reason="torch has no oneDNN int8 linear (refused first, for that)")
+def test_int8_prefill_is_refused_without_int8_dot_products(tiny_llama, monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "int8_dot_products", lambda: False)
+    with pytest.raises(ConfigError, match="needs int8 dot products, and this CPU has none"):
+        minigen.generate(tiny_llama[1], torch.tensor([[1, 2, 3]]), prefill_precision="int8")
+    with pytest.raises(ConfigError, match="needs the model"):
+        with prompt_products("int8"):
+            pass
+
+
+@needs_int8
+def test_int8_copies_are_made_once_and_the_head_has_none(tiny_llama):
+    model = tiny_llama[1]
+    w8a8.prepare(model)
+    first = w8a8.copy_of(model.blocks[0].attn.wqkv)
+    w8a8.prepare(model)
+    assert w8a8.copy_of(model.blocks[0].attn.wqkv) is first and first.inv_smooth is not None
+    assert w8a8.copy_of(model.blocks[0].attn.wo).inv_smooth is None  # only the norms' outputs are smoothed
+    assert w8a8.copy_of(model.head) is None  # the head stays fp32
+    assert w8a8.nbytes(model) >= sum(p.numel() for p in w8a8._products(model))  # a byte a weight, and scales
 
 
 # ---------------------------------------------------------------- prefill_chunk_size

@@ -161,6 +161,8 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.rms_norm_rows.restype = None
         lib.dequant_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, mins, out, n, k, G
         lib.dequant_rows.restype = None
+        lib.quantize_rows_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # x, inv_smooth, codes, scales, M, k
+        lib.quantize_rows_s8.restype = None
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}/: {complaint}")
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics import w8a8
+from ..numerics.w8a8 import Int8Weight
 from ..numerics.weight_quant import QuantizedWeight
 from . import build
 
@@ -206,6 +208,41 @@ def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:
     # a dense matrix: rounded to bf16 in one pass (2 bytes a weight, freed after the product)
     y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]).bfloat16(), w.bfloat16(), None, "none", [], "")
     return y.float().view(*x.shape[:-1], w.shape[0])
+
+
+def int8_dot_products() -> bool | None:
+    """Whether this x86 CPU multiplies int8 numbers into int32 sums natively (AVX512-VNNI, AVX-VNNI or
+    AMX-INT8), read from /proc/cpuinfo; None where it cannot tell (not Linux). Without them oneDNN's
+    int8 GEMM widens the codes with several instructions per product and gains nothing over fp32."""
+    try:
+        info = open("/proc/cpuinfo").read()
+    except OSError:
+        return None
+    flags = {f for line in info.splitlines() if line.startswith("flags") for f in line.split()}
+    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def int8_linear(x: Tensor, w8: Int8Weight) -> Tensor | None:
+    """x [..., k] @ w.T under prefill_precision="int8" -> [..., n] fp32: x's rows as int8 codes with a
+    scale each (quantize_rows_s8 in C, else w8a8.quantize_rows: the same codes), oneDNN's int8 GEMM
+    (int32 sums, times the weights' scale per output channel), then times each row's scale. The
+    result is w8a8.reference_linear's up to the fp32 rounding of the sums. None where it does not
+    apply (the rules of `linear`)."""
+    k = x.shape[-1]
+    if not (_ONEDNN and x.dtype == torch.float32 and _takes(x, built=False)):
+        return None
+    x2 = x.reshape(-1, k).contiguous()
+    lib = build.library() if build.is_enabled() else None
+    if lib is not None:
+        q, a = torch.empty(x2.shape, dtype=torch.int8), torch.empty(x2.shape[0], 1)
+        inv = w8.inv_smooth
+        lib.quantize_rows_s8(x2.data_ptr(), None if inv is None else inv.data_ptr(), q.data_ptr(), a.data_ptr(),
+                             x2.shape[0], k)
+    else:
+        q, a = w8a8.quantize_rows(x2, w8.inv_smooth)
+    y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, w8.packed, w8.scales, w8.zero_points, None, 1.0, 0,
+                                           torch.float32, "none", [], "")
+    return y.mul_(a).view(*x.shape[:-1], -1)
 
 
 def _tiled(x: Tensor, w: Tensor | QuantizedWeight, dtype: torch.dtype) -> Tensor:

@@ -12,6 +12,8 @@ accepts it and otherwise to the reference:
                        int8 / int4 rows: fp32 a tile at a time, oneDNN's GEMM
                        a prompt's 17+ rows under prefill_precision="bfloat16":        F.linear in bf16
                        bf16 tiles of any weight format, oneDNN's bf16 GEMM
+                       a prompt's 17+ rows under prefill_precision="int8", a block's   w8a8's
+                       weight: the rows as int8 codes (C), oneDNN's int8 GEMM          reference
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics import w8a8
 from ..numerics.precision import prompt_dtype
 from ..numerics.weight_quant import QuantizedWeight
 from . import cpu, triton_attention, triton_prefill
@@ -43,8 +46,12 @@ class KernelOps:
     def linear(self, x: Tensor, w, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [..., in] @ w [out, in].T -> [..., out] in out_dtype (default x's), as the reference."""
         out_dtype = out_dtype or x.dtype
-        if prompt_dtype(x.numel() // x.shape[-1]) == torch.bfloat16:  # prefill_precision="bfloat16"
+        fmt = prompt_dtype(x.numel() // x.shape[-1])
+        if fmt == torch.bfloat16:  # prefill_precision="bfloat16"
             y = cpu.bf16_linear(x.float(), w)  # bf16 dot products, the weights a tile at a time
+            return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
+        if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # prefill_precision="int8"
+            y = cpu.int8_linear(x.float(), w8)  # int8 dot products against the weights' int8 copy
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         if x.numel() == x.shape[-1]:  # one row (a decode step at batch 1): stream the weights once
             y = cpu.matvec(x.float(), w)

@@ -347,7 +347,8 @@ def print_report(result: dict) -> None:
     if "precision" in result:
         prefill = result.get("config", {}).get("prefill_precision", "float32")
         print(f"minigen's precision: {result['precision']}; a prompt's products "
-              + ("in fp32" if prefill == "float32" else f"with {prefill} inputs and fp32 sums (prefill_precision)")
+              + {"float32": "in fp32", "int8": "with int8 inputs and int32 sums (prefill_precision)"}.get(
+                  prefill, f"with {prefill} inputs and fp32 sums (prefill_precision)")
               + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
                  if result.get("compile_s") else ""))
     steps = {name: r["step"] for name, r in result["engines"].items() if r.get("step")}

@@ -196,7 +196,7 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     with step.grad_mode():
         cache = make_cache(model_, run, input_ids.shape[0], T + total)
         policy = make_policy(run, cache)
-        with prompt_products(run.prefill_precision):  # the prompt's products in their format (chapter 16)
+        with prompt_products(run.prefill_precision, model_):  # the prompt's products in their format (chapter 16)
             logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
         pos = T
 

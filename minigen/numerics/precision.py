@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import ConfigError
+from . import w8a8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,14 +74,23 @@ class Precision:
 # `prompt_dtype` for the format of each product. Up to SHORT_PROMPT_ROWS rows stay fp32: the C
 # several-row kernel reads the weights once, so a short prompt is bound by memory like a decode step.
 SHORT_PROMPT_ROWS = 16
+PROMPT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 _PROMPT_DTYPE = contextvars.ContextVar("prompt_dtype", default=torch.float32)
 
 
 @contextlib.contextmanager
-def prompt_products(name: str = "float32"):
+def prompt_products(name: str = "float32", model=None):
     """Within: products of more than SHORT_PROMPT_ROWS rows take bf16 inputs when name is
-    "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM); "float32" changes nothing."""
-    token = _PROMPT_DTYPE.set(dtype_of(name, "prefill_precision"))
+    "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM), int8 codes when it is "int8"
+    (int32 sums; numerics/w8a8.py, whose copies of `model`'s weights are made here the first time);
+    "float32" changes nothing."""
+    if name not in PROMPT_DTYPES:
+        raise ConfigError(f"prefill_precision={name!r} is invalid: use {', '.join(map(repr, PROMPT_DTYPES))}")
+    if name == "int8":
+        if model is None:
+            raise ConfigError("prompt_products('int8') needs the model, whose weights it quantizes once")
+        w8a8.prepare(model)
+    token = _PROMPT_DTYPE.set(PROMPT_DTYPES[name])
     try:
         yield
     finally:
@@ -88,6 +98,6 @@ def prompt_products(name: str = "float32"):
 
 
 def prompt_dtype(rows: int) -> torch.dtype:
-    """The input format of a product of `rows` rows: bf16 inside prompt_products("bfloat16") past
-    SHORT_PROMPT_ROWS rows, else fp32."""
+    """The input format of a product of `rows` rows: inside prompt_products("bfloat16") or ("int8"),
+    torch.bfloat16 or torch.int8 past SHORT_PROMPT_ROWS rows; else torch.float32."""
     return _PROMPT_DTYPE.get() if rows > SHORT_PROMPT_ROWS else torch.float32

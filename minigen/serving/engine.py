@@ -293,7 +293,7 @@ class Engine:
             ids[b, T - len(chunk):] = torch.tensor(chunk)
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
-        with prompt_products(self.config.prefill_precision):  # the prompts' products in their format (chapter 16)
+        with prompt_products(self.config.prefill_precision, self.model):  # the prompts' products in their format (chapter 16)
             logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()

@@ -22,6 +22,7 @@ from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_w
 from ..config import GenerationConfig
 from ..kernels import build as kernel_build
 from ..kernels import cpu, triton_attention
+from ..numerics import w8a8
 from . import fused, speculative
 from .eager import EagerStep, NaiveStep
 from .graphs import CompiledStep, GraphedStep
@@ -43,6 +44,8 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
         run = dataclasses.replace(run, cuda=torch.cuda.is_available())
     if config.prefill_precision == "bfloat16" and run.device == "cpu":
         run = dataclasses.replace(run, bf16_dot=cpu.bf16_dot_products())
+    if config.prefill_precision == "int8" and run.device == "cpu":
+        run = dataclasses.replace(run, onednn_int8=w8a8.onednn_int8(), int8_dot=cpu.int8_dot_products())
     if config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"):
         run = dataclasses.replace(run, c_kernel_ok=kernel_build.available(), c_kernel=kernel_build.status())
     return run

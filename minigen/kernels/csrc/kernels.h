@@ -25,6 +25,8 @@
  *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
  *   decode.c       a whole decode step in C (decode_layers), and a chunk of one sequence (verify_layers).
  *   dequant.c      int8 / int4 codes to fp32 a tile of rows at a time, for a prompt's GEMM (dequant_rows).
+ *   quantize.c     a prompt's activations as int8 codes with a scale per row, for oneDNN's int8 GEMM
+ *                  (quantize_rows_s8, prefill_precision="int8").
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
  * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
  * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
