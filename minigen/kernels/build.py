@@ -161,6 +161,9 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.rms_norm_rows.restype = None
         lib.dequant_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, mins, out, n, k, G
         lib.dequant_rows.restype = None
+        # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
+        lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        lib.gemm_q.restype = ctypes.c_int
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}/: {complaint}")
 

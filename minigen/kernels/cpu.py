@@ -181,13 +181,22 @@ TILE_BYTES = 4 * 1024 * 1024
 
 def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     """x [..., k] @ w.T for int8 / int4 weights and several fp32 rows (a prompt, a batch) -> [..., n]
-    fp32: the codes become fp32 a tile of rows at a time (dequant_rows, the same bits as
-    w.dequantize()), each tile multiplied by oneDNN's GEMM while it is in cache. The whole matrix is
-    never dequantized. None where it does not apply (the rules of `linear`, and the C kernel built)."""
-    if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == w.shape[1] and w.dtype == torch.float32
+    fp32, in one C call (csrc/gemm_q.c): each thread widens a panel of rows of codes into its cache
+    (the bits of w.dequantize()) and multiplies every row of x by it there, in a register-blocked
+    loop. No fp32 copy of the matrix, or of a tile of it, is written to memory. fp32 sums in another
+    order than oneDNN's: ~1e-6 relative. None where it does not apply (the rules of `_takes`, and
+    the C kernel built)."""
+    if not (x.dtype == torch.float32 and x.shape[-1] == w.shape[1] and w.dtype == torch.float32
             and _takes(x, w.codes)):
         return None
-    return _tiled(x, w, torch.float32)
+    n, k = w.shape
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n)
+    mins = None if w.mins is None else w.mins.data_ptr()
+    if build.loaded().gemm_q(w.codes.data_ptr(), w.scales.data_ptr(), mins, x2.data_ptr(), y.data_ptr(),
+                             x2.shape[0], n, k, w.group_size, torch.get_num_threads()) != 0:
+        raise _no_memory(4 * k * (x2.shape[0] + 31 + 12 * torch.get_num_threads()))  # x packed, a panel a thread
+    return y.view(*x.shape[:-1], n)
 
 
 def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:

@@ -1,0 +1,170 @@
+/* A prompt's products with int8 / int4 weights in one C call (kernels/cpu.py: quantized_linear):
+ * y [M, n] = x [M, k] @ W [n, k]^T, W as codes, fp32 sums.
+ *
+ * A prompt multiplies every weight by each of its M rows, so the work is arithmetic, and a CPU's
+ * arithmetic is fastest in a register-blocked GEMM: a tile of outputs sits in registers while k
+ * runs, and each value loaded feeds several multiply-adds. Here the codes never leave the cache as
+ * fp32: each thread widens NR rows of W (a panel, 27 KB for k = 576) into its own buffer, then runs
+ * every row of x against that panel. Each weight is widened once per call, as dequantize() computes
+ * it (dequant.c), and meets all M rows while it is in L1 or L2; no matrix or tile of fp32 weights
+ * is written to memory, and no library repacks it (the tiles of dequant_rows + oneDNN did both:
+ * 64-token prompts 1.4x slower than fp32 weights).
+ *
+ * The micro-kernel holds NR x 2 vectors of sums: NR weight rows against XB = 2 vectors of rows of x
+ * (32 rows with AVX-512). For each k it loads two vectors of x (x is packed once per call so that
+ * rows r..r+31 of column p are contiguous) and broadcasts each of the NR weights, 2 multiply-adds a
+ * broadcast: 2 + NR loads for 2 NR multiply-adds, which the two FMA units, not the loads, limit.
+ * With AVX-512, NR = 12 (24 sums + 2 of x + a broadcast: 27 of 32 registers); 12 divides SmolLM2's
+ * widths (576, 960, 3,072). The 8-wide build (AVX2, NEON) holds 6 x 2 of 16 registers.
+ *
+ * Each output is one chain of fused multiply-adds in the order of k, by one thread, whatever the
+ * thread count; not oneDNN's order, so results agree with the fp32 product to ~1e-6 relative.
+ */
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "kernels.h"
+
+#ifdef __AVX512F__
+#define VW 16  /* lanes of a vector */
+#define NR 12  /* weight rows of a panel */
+#else
+#define VW 8
+#define NR 6
+#endif
+#define XB (2 * VW)  /* rows of x a block: two vectors */
+#define PB 16        /* a panel's weights come in runs of 16 (widen_row_q8/q4) */
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+/* an unaligned load of one vector; read through memcpy, GCC (told to prefer 256-bit vectors, see
+ * build.py) splits a 64-byte one in two and joins them through the stack */
+typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
+static inline vf load_vf(const float *p) { return *(const vf_unaligned *)p; }
+
+/* A panel of NR rows of W, fp32: for each run of PB columns, row 0's PB weights, then row 1's, ...
+ * (panel[(p / PB) * NR * PB + c * PB + p % PB] is W[c, p]), what widen_row writes 16 at a time
+ * with no transpose, and the micro-kernel reads with one pointer and constant offsets. */
+static void widen_panel(const Mat *m, int64_t first, int64_t nr, float *panel) {
+    for (int64_t c = 0; c < nr; c++) {
+        if (m->mins) widen_row_q4(m, first + c, panel + c * PB, NR * PB);
+        else widen_row_q8(m, first + c, panel + c * PB, NR * PB);
+    }
+    for (int64_t c = nr; c < NR; c++)  /* the last panel of an n that NR does not divide: zeros */
+        for (int64_t j = 0; j < m->k; j += PB) memset(panel + j * NR + c * PB, 0, PB * sizeof(float));
+}
+
+/* The NR x (nv VW) sums of one panel against a block of x (xb: k columns of XB rows), nv a constant
+ * once inlined: 2, or 1 for a last block of at most VW rows. */
+static inline __attribute__((always_inline)) void tile(const float *panel, const float *xb, int64_t k, const int nv,
+                                                        vf acc[NR][2]) {
+    for (int c = 0; c < NR; c++) acc[c][0] = acc[c][1] = (vf){0};
+    for (int64_t j = 0; j < k; j += PB) {
+        const float *w = panel + j * NR, *x = xb + j * XB;
+        #pragma GCC unroll 16
+        for (int p = 0; p < PB; p++) {
+            const vf x0 = load_vf(x + p * XB), x1 = nv == 2 ? load_vf(x + p * XB + VW) : x0;
+            #pragma GCC unroll 12
+            for (int c = 0; c < NR; c++) {
+                const float wc = w[c * PB + p];  /* broadcast */
+                acc[c][0] += x0 * wc;
+                if (nv == 2) acc[c][1] += x1 * wc;
+            }
+        }
+    }
+}
+
+/* Panel i: rows i NR .. of W widened into this thread's buffer, then every block of x against it. */
+static void panel_rows(const Mat *m, float *y, int64_t i) {
+#ifdef _OPENMP
+    float *panel = m->work + (int64_t)omp_get_thread_num() * NR * m->k;
+#else
+    float *panel = m->work;
+#endif
+    const int64_t first = i * NR, nr = m->n - first < NR ? m->n - first : NR, k = m->k;
+    widen_panel(m, first, nr, panel);
+    vf acc[NR][2];
+    float out[NR][XB];
+    for (int64_t r0 = 0; r0 < m->M; r0 += XB) {
+        const int64_t mr = m->M - r0 < XB ? m->M - r0 : XB;
+        const float *xb = m->x + r0 * k;  /* block r0 / XB of the packed x */
+        if (mr > VW) tile(panel, xb, k, 2, acc);
+        else tile(panel, xb, k, 1, acc);
+        memcpy(out, acc, sizeof out);  /* out[c][r]: row r0 + r of x against row first + c of W */
+        for (int64_t r = 0; r < mr; r++)
+            for (int64_t c = 0; c < nr; c++) y[(r0 + r) * m->n + first + c] = out[c][r];
+    }
+}
+
+#ifdef __AVX512F__
+/* r[i] (16 floats each) -> r[j] = (r[0][j], r[1][j], ... r[15][j]): pairs of rows interleaved, then
+ * quads within each 128-bit lane, then the lanes gathered (64 shuffles for 256 numbers) */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* lane L of r[i + c]: column 4 L + c of rows i..i+3 */
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; c++) {
+        __m512 u = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88), v = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
+        __m512 u2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88), v2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(u, u2, 0x88);       /* column c */
+        t[4 + c] = _mm512_shuffle_f32x4(v, v2, 0x88);   /* column 4 + c */
+        t[8 + c] = _mm512_shuffle_f32x4(u, u2, 0xDD);   /* column 8 + c */
+        t[12 + c] = _mm512_shuffle_f32x4(v, v2, 0xDD);  /* column 12 + c */
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+#endif
+
+/* x [M, k] -> blocks of XB rows, each k columns of XB (rows past M: zeros). With AVX-512, 16 x 16
+ * squares at a time through registers: read row by row and written column by column, one number at
+ * a time, packing cost ~1 ns a number, a tenth of a 512-row product's time on two threads. */
+static void pack_x(const float *x, int64_t M, int64_t k, float *xp) {
+    for (int64_t r0 = 0; r0 < M; r0 += XB) {
+        const int64_t mr = M - r0 < XB ? M - r0 : XB;
+        float *b = xp + r0 * k;
+        const float *xr = x + r0 * k;
+#ifdef __AVX512F__
+        for (int64_t h = 0; h < XB; h += 16)  /* the two halves of the block */
+            for (int64_t p = 0; p < k; p += 16) {
+                __m512 r[16];
+                for (int64_t i = 0; i < 16; i++)
+                    r[i] = h + i < mr ? _mm512_loadu_ps(xr + (h + i) * k + p) : _mm512_setzero_ps();
+                transpose16(r);
+                for (int64_t j = 0; j < 16; j++) _mm512_storeu_ps(b + (p + j) * XB + h, r[j]);
+            }
+#else
+        for (int64_t p = 0; p < k; p++)
+            for (int64_t r = 0; r < XB; r++) b[p * XB + r] = r < mr ? xr[r * k + p] : 0.0f;
+#endif
+    }
+}
+
+/* y [M, n] = x [M, k] @ W^T for int8 codes [n, k] (mins NULL) or int4 codes [n, k / 2], fp16 scales
+ * (and minimums) [n, k / G]; G a multiple of 32 that divides k. Returns 0, or -1 without memory for
+ * x packed and one panel per thread (y is then not written). */
+int gemm_q(const void *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y, int64_t M,
+           int64_t n, int64_t k, int64_t G, int threads) {
+    const int64_t blocks = (M + XB - 1) / XB, nt = threads > 1 ? threads : 1;
+    float *xp = aligned_alloc(64, (size_t)(blocks * XB * k) * sizeof(float));
+    float *panels = aligned_alloc(64, (size_t)(nt * NR * k) * sizeof(float));
+    if (!xp || !panels) {
+        free(xp);
+        free(panels);
+        return -1;
+    }
+    pack_x(x, M, k, xp);
+    Mat m = {.W = codes, .scales = scales, .mins = mins, .x = xp, .k = k, .G = G, .M = M, .n = n, .work = panels};
+    gemv(panel_rows, &m, y, (n + NR - 1) / NR, threads);  /* the threads split the panels */
+    free(xp);
+    free(panels);
+    return 0;
+}
