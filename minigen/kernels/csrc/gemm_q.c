@@ -29,17 +29,21 @@
 
 #ifdef __AVX512F__
 #define VW 16  /* lanes of a vector */
+#ifndef NR
 #define NR 12  /* weight rows of a panel */
+#define NV 2   /* vectors of rows of x a block */
+#endif
 #else
 #define VW 8
 #define NR 6
+#define NV 2
 #endif
-#define XB (2 * VW)  /* rows of x a block: two vectors */
+#define XB (NV * VW)  /* rows of x a block */
 #define PB 16        /* a panel's weights come in runs of 16 (widen_row_q8/q4) */
 
 typedef float vf __attribute__((vector_size(VW * 4)));
-/* an unaligned load of one vector; read through memcpy, GCC (told to prefer 256-bit vectors, see
- * build.py) splits a 64-byte one in two and joins them through the stack */
+/* an unaligned load of one vector, as one instruction: through memcpy, GCC (told to prefer 256-bit
+ * vectors, see build.py) loads a 64-byte vector in two halves and joins them through the stack */
 typedef float vf_unaligned __attribute__((vector_size(VW * 4), aligned(4), may_alias));
 static inline vf load_vf(const float *p) { return *(const vf_unaligned *)p; }
 
@@ -55,45 +59,24 @@ static void widen_panel(const Mat *m, int64_t first, int64_t nr, float *panel) {
         for (int64_t j = 0; j < m->k; j += PB) memset(panel + j * NR + c * PB, 0, PB * sizeof(float));
 }
 
-/* The NR x (nv VW) sums of one panel against a block of x (xb: k columns of XB rows), nv a constant
- * once inlined: 2, or 1 for a last block of at most VW rows. */
+/* The NR x (nv VW) sums of one panel against a block of x (xb: k columns of XB rows), nv <= NV a
+ * constant once inlined: NV, or fewer for a last block of fewer rows. */
 static inline __attribute__((always_inline)) void tile(const float *panel, const float *xb, int64_t k, const int nv,
-                                                        vf acc[NR][2]) {
-    for (int c = 0; c < NR; c++) acc[c][0] = acc[c][1] = (vf){0};
+                                                        vf acc[NR][NV]) {
+    for (int c = 0; c < NR; c++)
+        for (int v = 0; v < NV; v++) acc[c][v] = (vf){0};
     for (int64_t j = 0; j < k; j += PB) {
         const float *w = panel + j * NR, *x = xb + j * XB;
         #pragma GCC unroll 16
         for (int p = 0; p < PB; p++) {
-            const vf x0 = load_vf(x + p * XB), x1 = nv == 2 ? load_vf(x + p * XB + VW) : x0;
+            vf xv[NV];
+            for (int v = 0; v < nv; v++) xv[v] = load_vf(x + p * XB + v * VW);
             #pragma GCC unroll 12
             for (int c = 0; c < NR; c++) {
                 const float wc = w[c * PB + p];  /* broadcast */
-                acc[c][0] += x0 * wc;
-                if (nv == 2) acc[c][1] += x1 * wc;
+                for (int v = 0; v < nv; v++) acc[c][v] += xv[v] * wc;
             }
         }
-    }
-}
-
-/* Panel i: rows i NR .. of W widened into this thread's buffer, then every block of x against it. */
-static void panel_rows(const Mat *m, float *y, int64_t i) {
-#ifdef _OPENMP
-    float *panel = m->work + (int64_t)omp_get_thread_num() * NR * m->k;
-#else
-    float *panel = m->work;
-#endif
-    const int64_t first = i * NR, nr = m->n - first < NR ? m->n - first : NR, k = m->k;
-    widen_panel(m, first, nr, panel);
-    vf acc[NR][2];
-    float out[NR][XB];
-    for (int64_t r0 = 0; r0 < m->M; r0 += XB) {
-        const int64_t mr = m->M - r0 < XB ? m->M - r0 : XB;
-        const float *xb = m->x + r0 * k;  /* block r0 / XB of the packed x */
-        if (mr > VW) tile(panel, xb, k, 2, acc);
-        else tile(panel, xb, k, 1, acc);
-        memcpy(out, acc, sizeof out);  /* out[c][r]: row r0 + r of x against row first + c of W */
-        for (int64_t r = 0; r < mr; r++)
-            for (int64_t c = 0; c < nr; c++) y[(r0 + r) * m->n + first + c] = out[c][r];
     }
 }
 
@@ -123,6 +106,55 @@ static inline void transpose16(__m512 r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 #endif
+
+/* The sums of a tile into y (rows of y `stride` apart): acc[c][v] lane l is row v VW + l of the
+ * block against weight row c, for mr rows and nr columns. With AVX-512 each vector of 16 rows is
+ * transposed in registers into 16 row pieces of NR numbers, one masked store each (stored one
+ * number at a time, a tile's 384 numbers cost ~7% of its multiply-adds at k = 576). */
+static inline void store_tile(vf acc[NR][NV], float *y, int64_t stride, int64_t mr, int64_t nr) {
+#if defined(__AVX512F__) && NR <= 16
+    const __mmask16 cols = (__mmask16)((1u << nr) - 1);
+    for (int64_t v = 0; v * VW < mr; v++) {
+        __m512 r[16];
+        for (int c = 0; c < 16; c++) r[c] = c < NR ? (__m512)acc[c][v] : _mm512_setzero_ps();
+        transpose16(r);  /* r[l]: row v VW + l, its NR columns */
+        for (int64_t l = 0; l < VW && v * VW + l < mr; l++) _mm512_mask_storeu_ps(y + (v * VW + l) * stride, cols, r[l]);
+    }
+#else
+    float out[NR][XB];
+    memcpy(out, acc, sizeof out);  /* out[c][r]: row r of the block against weight row c */
+    for (int64_t r = 0; r < mr; r++)
+        for (int64_t c = 0; c < nr; c++) y[r * stride + c] = out[c][r];
+#endif
+}
+
+/* Panel i: rows i NR .. of W widened into this thread's buffer, then every block of x against it. */
+static void panel_rows(const Mat *m, float *y, int64_t i) {
+#ifdef _OPENMP
+    float *panel = m->work + (int64_t)omp_get_thread_num() * NR * m->k;
+#else
+    float *panel = m->work;
+#endif
+    const int64_t first = i * NR, nr = m->n - first < NR ? m->n - first : NR, k = m->k;
+    widen_panel(m, first, nr, panel);
+    vf acc[NR][NV];
+    for (int64_t r0 = 0; r0 < m->M; r0 += XB) {
+        const int64_t mr = m->M - r0 < XB ? m->M - r0 : XB;
+        const float *xb = m->x + r0 * k;  /* block r0 / XB of the packed x */
+        switch ((mr + VW - 1) / VW) {  /* vectors this block fills */
+#if NV > 3
+            case 4: tile(panel, xb, k, 4, acc); break;
+#endif
+#if NV > 2
+            case 3: tile(panel, xb, k, 3, acc); break;
+#endif
+            case 2: tile(panel, xb, k, 2, acc); break;
+            default: tile(panel, xb, k, 1, acc); break;
+        }
+        store_tile(acc, y + r0 * m->n + first, m->n, mr, nr);
+    }
+}
+
 
 /* x [M, k] -> blocks of XB rows, each k columns of XB (rows past M: zeros). With AVX-512, 16 x 16
  * squares at a time through registers: read row by row and written column by column, one number at
@@ -163,7 +195,9 @@ int gemm_q(const void *codes, const uint16_t *scales, const uint16_t *mins, cons
     }
     pack_x(x, M, k, xp);
     Mat m = {.W = codes, .scales = scales, .mins = mins, .x = xp, .k = k, .G = G, .M = M, .n = n, .work = panels};
-    gemv(panel_rows, &m, y, (n + NR - 1) / NR, threads);  /* the threads split the panels */
+    /* the threads split the panels, two or more each (a panel is hundreds of rows' work: gemv's 16
+     * rows a thread would keep SmolLM2's 576-row matrices on one thread of four) */
+    parallel_rows(panel_rows, &m, y, (n + NR - 1) / NR, threads, 2);
     free(xp);
     free(panels);
     return 0;

@@ -95,6 +95,8 @@ INTERNAL void widen_row_q4(const Mat *m, int64_t i, float *out, int64_t step);
 
 /* parallel.c: y [n] = row(m, y, i) for i < n, on `threads` threads or, backing off, on one */
 INTERNAL void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads);
+/* the same with min_rows a thread (gemv: 16 rows), for row functions that do much more than a row */
+INTERNAL void parallel_rows(row_fn row, const Mat *m, float *y, int64_t n, int threads, int64_t min_rows);
 #ifdef _OPENMP
 /* whether the products' regions are backing off to one thread (a busy neighbour: see the top of
  * parallel.c); attention's parallel loops follow them */
