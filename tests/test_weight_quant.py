@@ -165,9 +165,10 @@ def test_tiles_of_codes_meet_onednn_with_the_dequantized_bits(bits, rows, n, gro
 # Shapes for gemm_q: rows of x a whole block of 32 or not (2, 17, 33, 70), a last panel of fewer than
 # 12 (AVX-512) or 6 (8-wide) rows of W (13, 37, 500), a single row of W (1), n large enough for two
 # threads to split the panels (37 and up: two panels a thread), k a few groups (64, 128) or SmolLM2's
-# 576 and 1,536, groups of 32 and 64.
+# 576 and 1,536 (in three passes of 512 columns), groups of 32 and 64; 300 rows of k = 1,536 are two
+# groups of rows (gemm_q.c: group_rows), which the threads share out.
 GEMM_Q_SHAPES = [(2, 13, 64, 32), (17, 37, 576, 32), (33, 400, 576, 32), (70, 500, 1536, 32), (5, 1, 128, 64),
-                 (40, 24, 1536, 64)]
+                 (40, 24, 1536, 64), (300, 30, 1536, 32)]
 
 
 def gemm_q_cases(seed: int):

@@ -195,7 +195,8 @@ def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     mins = None if w.mins is None else w.mins.data_ptr()
     if build.loaded().gemm_q(w.codes.data_ptr(), w.scales.data_ptr(), mins, x2.data_ptr(), y.data_ptr(),
                              x2.shape[0], n, k, w.group_size, torch.get_num_threads()) != 0:
-        raise _no_memory(4 * k * (x2.shape[0] + 31 + 12 * torch.get_num_threads()))  # x packed, a panel a thread
+        # x packed in blocks of 32 rows; a thread's panel of 12 rows and its blocks' sums
+        raise _no_memory(4 * (k * (x2.shape[0] + 31) + torch.get_num_threads() * (12 * k + 12 * (x2.shape[0] + 31))))
     return y.view(*x.shape[:-1], n)
 
 

@@ -59,13 +59,11 @@ static void widen_panel(const Mat *m, int64_t first, int64_t nr, float *panel) {
         for (int64_t j = 0; j < m->k; j += PB) memset(panel + j * NR + c * PB, 0, PB * sizeof(float));
 }
 
-/* The NR x (nv VW) sums of one panel against a block of x (xb: k columns of XB rows), nv <= NV a
- * constant once inlined: NV, or fewer for a last block of fewer rows. */
-static inline __attribute__((always_inline)) void tile(const float *panel, const float *xb, int64_t k, const int nv,
+/* acc += the NR x (nv VW) products of one panel with a block of x over kc columns (panel and xb at
+ * the first of them), nv <= NV a constant once inlined: NV, or fewer for a last block of fewer rows */
+static inline __attribute__((always_inline)) void tile(const float *panel, const float *xb, int64_t kc, const int nv,
                                                         vf acc[NR][NV]) {
-    for (int c = 0; c < NR; c++)
-        for (int v = 0; v < NV; v++) acc[c][v] = (vf){0};
-    for (int64_t j = 0; j < k; j += PB) {
+    for (int64_t j = 0; j < kc; j += PB) {
         const float *w = panel + j * NR, *x = xb + j * XB;
         #pragma GCC unroll 16
         for (int p = 0; p < PB; p++) {
@@ -128,33 +126,65 @@ static inline void store_tile(vf acc[NR][NV], float *y, int64_t stride, int64_t 
 #endif
 }
 
-/* Panel i: rows i NR .. of W widened into this thread's buffer, then every block of x against it. */
+/* Columns a pass of the micro-kernel: the panel's part, NR x KC fp32, stays in L1 (48 KB on this
+ * course's Xeon, 32 KB on Zen 4) beside the lines of x streaming past. k = 576 (27 KB) is one pass;
+ * k = 1,536 three of 512, each block's sums kept between passes (the same chain of sums: same bits). */
+#define L1_PANEL_BYTES (28 * 1024)
+
+static int64_t pass_columns(int64_t k) {
+    const int64_t passes = (k * NR * (int64_t)sizeof(float) + L1_PANEL_BYTES - 1) / L1_PANEL_BYTES;
+    return ((k + passes - 1) / passes + PB - 1) / PB * PB;  /* a multiple of PB */
+}
+
+/* Rows of x a group: every panel sweeps its group's rows of packed x, which should stay in L2
+ * (1 MB on Zen 4, 2 MB on the Xeon): 512 rows of k = 1,536 are 3 MB, and swept from L3 by each panel
+ * they ran at 70% of the speed of k = 576. So a long prompt's rows go in groups of at most ~1 MB,
+ * of equal size in whole blocks, and the threads share out (group, panel) pairs. */
+#define X_GROUP_BYTES (1024 * 1024)
+
+static int64_t group_rows(int64_t M, int64_t k) {
+    int64_t most = X_GROUP_BYTES / ((int64_t)sizeof(float) * k) / XB * XB;
+    if (most < XB) most = XB;
+    const int64_t groups = (M + most - 1) / most;
+    return ((M + groups - 1) / groups + XB - 1) / XB * XB;
+}
+
+/* Unit i: panel i % panels (rows NR (i % panels) .. of W) widened into this thread's buffer, then
+ * every block of x of group i / panels against it, KC columns a pass. */
 static void panel_rows(const Mat *m, float *y, int64_t i) {
+    const int64_t k = m->k, rows = group_rows(m->M, k), panels = (m->n + NR - 1) / NR;
+    const int64_t first = i % panels * NR, nr = m->n - first < NR ? m->n - first : NR, KC = pass_columns(k);
+    const int64_t start = i / panels * rows, end = start + rows < m->M ? start + rows : m->M;
 #ifdef _OPENMP
-    float *panel = m->work + (int64_t)omp_get_thread_num() * NR * m->k;
+    float *panel = m->work + (int64_t)omp_get_thread_num() * (NR * k + rows * NR);
 #else
     float *panel = m->work;
 #endif
-    const int64_t first = i * NR, nr = m->n - first < NR ? m->n - first : NR, k = m->k;
+    vf *sums = (vf *)(panel + NR * k);  /* the group's blocks' NR x NV sums between passes */
     widen_panel(m, first, nr, panel);
-    vf acc[NR][NV];
-    for (int64_t r0 = 0; r0 < m->M; r0 += XB) {
-        const int64_t mr = m->M - r0 < XB ? m->M - r0 : XB;
-        const float *xb = m->x + r0 * k;  /* block r0 / XB of the packed x */
-        switch ((mr + VW - 1) / VW) {  /* vectors this block fills */
+    for (int64_t j = 0; j < k; j += KC) {
+        const int64_t kc = k - j < KC ? k - j : KC;
+        for (int64_t r0 = start; r0 < end; r0 += XB) {
+            const int64_t mr = end - r0 < XB ? end - r0 : XB;
+            const float *xb = m->x + r0 * k + j * XB;  /* block r0 / XB of the packed x, from column j */
+            vf acc[NR][NV], *saved = sums + (r0 - start) / XB * NR * NV;
+            if (j == 0) memset(acc, 0, sizeof acc);
+            else memcpy(acc, saved, sizeof acc);
+            switch ((mr + VW - 1) / VW) {  /* vectors this block fills */
 #if NV > 3
-            case 4: tile(panel, xb, k, 4, acc); break;
+                case 4: tile(panel + j * NR, xb, kc, 4, acc); break;
 #endif
 #if NV > 2
-            case 3: tile(panel, xb, k, 3, acc); break;
+                case 3: tile(panel + j * NR, xb, kc, 3, acc); break;
 #endif
-            case 2: tile(panel, xb, k, 2, acc); break;
-            default: tile(panel, xb, k, 1, acc); break;
+                case 2: tile(panel + j * NR, xb, kc, 2, acc); break;
+                default: tile(panel + j * NR, xb, kc, 1, acc); break;
+            }
+            if (j + kc < k) memcpy(saved, acc, sizeof acc);
+            else store_tile(acc, y + r0 * m->n + first, m->n, mr, nr);
         }
-        store_tile(acc, y + r0 * m->n + first, m->n, mr, nr);
     }
 }
-
 
 /* x [M, k] -> blocks of XB rows, each k columns of XB (rows past M: zeros). With AVX-512, 16 x 16
  * squares at a time through registers: read row by row and written column by column, one number at
@@ -182,12 +212,12 @@ static void pack_x(const float *x, int64_t M, int64_t k, float *xp) {
 
 /* y [M, n] = x [M, k] @ W^T for int8 codes [n, k] (mins NULL) or int4 codes [n, k / 2], fp16 scales
  * (and minimums) [n, k / G]; G a multiple of 32 that divides k. Returns 0, or -1 without memory for
- * x packed and one panel per thread (y is then not written). */
+ * x packed and, per thread, one panel and its blocks' sums (y is then not written). */
 int gemm_q(const void *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y, int64_t M,
            int64_t n, int64_t k, int64_t G, int threads) {
-    const int64_t blocks = (M + XB - 1) / XB, nt = threads > 1 ? threads : 1;
+    const int64_t blocks = (M + XB - 1) / XB, nt = threads > 1 ? threads : 1, rows = group_rows(M, k);
     float *xp = aligned_alloc(64, (size_t)(blocks * XB * k) * sizeof(float));
-    float *panels = aligned_alloc(64, (size_t)(nt * NR * k) * sizeof(float));
+    float *panels = aligned_alloc(64, (size_t)(nt * (NR * k + rows * NR)) * sizeof(float));
     if (!xp || !panels) {
         free(xp);
         free(panels);
@@ -195,9 +225,10 @@ int gemm_q(const void *codes, const uint16_t *scales, const uint16_t *mins, cons
     }
     pack_x(x, M, k, xp);
     Mat m = {.W = codes, .scales = scales, .mins = mins, .x = xp, .k = k, .G = G, .M = M, .n = n, .work = panels};
-    /* the threads split the panels, two or more each (a panel is hundreds of rows' work: gemv's 16
-     * rows a thread would keep SmolLM2's 576-row matrices on one thread of four) */
-    parallel_rows(panel_rows, &m, y, (n + NR - 1) / NR, threads, 2);
+    /* the threads split the (group, panel) pairs, two or more each (a panel is hundreds of rows' work:
+     * gemv's 16 rows a thread would keep SmolLM2's 576-row matrices on one thread of four) */
+    const int64_t units = (M + rows - 1) / rows * ((n + NR - 1) / NR);  /* (group, panel) pairs */
+    parallel_rows(panel_rows, &m, y, units, threads, 2);
     free(xp);
     free(panels);
     return 0;
