@@ -170,7 +170,7 @@ def bf16_dot_products() -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-# Bytes of one fp32 tile of a quantized matrix (quantized_linear): inside the L3 of this course's
+# Bytes of one fp32 tile of a matrix for bf16_linear (before gemm_q, quantized_linear's too): inside the L3 of this course's
 # CPUs (32 MB on the AMD EPYC, 105 MB on the Xeon), and few tiles per matrix (SmolLM2: 5 a layer),
 # because each tile is one more pair of parallel regions, and next to a busy process every region
 # waits for a time slice (chapter 8). Measured on the Xeon: 1 MB tiles (in a core's L2) ran 512-row

@@ -1,8 +1,9 @@
-/* A prompt's products with int8 / int4 weights, a tile at a time (kernels/cpu.py: quantized_linear).
+/* int8 / int4 codes to fp32, rows at a time: a bf16 prompt's tiles (kernels/cpu.py: bf16_linear, which
+ * rounds them to bf16 for oneDNN's GEMM) and gemm_q.c's panels (an fp32 prompt's products).
  *
  * A prompt of T rows multiplies each weight T times, so its products are bound by arithmetic, and
- * the fastest arithmetic on a CPU is a blocked GEMM over fp32 (oneDNN). So the rows of codes become
- * fp32 a tile at a time, a tile small enough to stay in the core's cache while the GEMM reads it:
+ * the fastest arithmetic on a CPU is a blocked GEMM. So the rows of codes become fp32 a tile or a
+ * panel at a time, small enough to stay in the core's cache while the GEMM reads it:
  * the whole matrix never exists in fp32 (what torch's dequantize() builds, 4 bytes a weight written
  * to memory and read back, per product). Each weight is computed as QuantizedWeight.dequantize
  * computes it, code * scale, then + minimum for int4, each rounded to fp32: the same bits, so a

@@ -4,21 +4,28 @@
  * A prompt multiplies every weight by each of its M rows, so the work is arithmetic, and a CPU's
  * arithmetic is fastest in a register-blocked GEMM: a tile of outputs sits in registers while k
  * runs, and each value loaded feeds several multiply-adds. Here the codes never leave the cache as
- * fp32: each thread widens NR rows of W (a panel, 27 KB for k = 576) into its own buffer, then runs
- * every row of x against that panel. Each weight is widened once per call, as dequantize() computes
- * it (dequant.c), and meets all M rows while it is in L1 or L2; no matrix or tile of fp32 weights
- * is written to memory, and no library repacks it (the tiles of dequant_rows + oneDNN did both:
- * 64-token prompts 1.4x slower than fp32 weights).
+ * fp32: a thread widens NR rows of W (a panel, 27 KB for k = 576) into its own buffer, as
+ * dequantize() computes them (dequant.c), then runs the rows of x against that panel while it is in
+ * L1 or L2. No matrix or tile of fp32 weights is written to memory, and no library repacks one (the
+ * fp32 tiles of dequant_rows, each multiplied by oneDNN, did both: 64-token prompts 1.4x slower than
+ * with fp32 weights).
  *
- * The micro-kernel holds NR x 2 vectors of sums: NR weight rows against XB = 2 vectors of rows of x
- * (32 rows with AVX-512). For each k it loads two vectors of x (x is packed once per call so that
- * rows r..r+31 of column p are contiguous) and broadcasts each of the NR weights, 2 multiply-adds a
- * broadcast: 2 + NR loads for 2 NR multiply-adds, which the two FMA units, not the loads, limit.
- * With AVX-512, NR = 12 (24 sums + 2 of x + a broadcast: 27 of 32 registers); 12 divides SmolLM2's
- * widths (576, 960, 3,072). The 8-wide build (AVX2, NEON) holds 6 x 2 of 16 registers.
+ * The micro-kernel holds NR x NV vectors of sums: NR weight rows against XB = NV vectors of rows of
+ * x (32 rows with AVX-512). For each column of k it loads NV vectors of x (x is packed once per call
+ * so that rows r..r+31 of a column are contiguous) and broadcasts each of the NR weights: NV + NR
+ * loads for NV NR multiply-adds, which the two FMA units, not the loads, limit. With AVX-512,
+ * NR = 12, NV = 2 (24 sums + 2 of x + a broadcast: 27 of 32 registers, the shape BLIS uses on
+ * Skylake-X); 12 divides SmolLM2's widths (576, 960, 3,072). The 8-wide build (AVX2, NEON) holds
+ * 6 x 2 vectors in its 16 registers.
+ *
+ * Caches: the rows of x go in groups of about 1 MB that stay in L2 while each panel sweeps them
+ * (group_rows), and a panel's columns in passes that fit L1 (pass_columns). The threads share out
+ * (group, panel) pairs, one parallel region a call; a short prompt is one group, so each weight is
+ * widened once per call, a 512-token one in two to four.
  *
  * Each output is one chain of fused multiply-adds in the order of k, by one thread, whatever the
- * thread count; not oneDNN's order, so results agree with the fp32 product to ~1e-6 relative.
+ * thread count or grouping; not oneDNN's order, so results agree with fp32 weights' to ~1e-6
+ * relative (tests/test_weight_quant.py bounds the difference).
  */
 #include <stdlib.h>
 #ifdef _OPENMP

@@ -24,7 +24,7 @@
  *                  products' entry points (gemv_f32, gemm_f32, gemv_bf16, gemv_q8, gemv_q4);
  *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
  *   decode.c       a whole decode step in C (decode_layers), and a chunk of one sequence (verify_layers).
- *   dequant.c      int8 / int4 codes to fp32 a tile of rows at a time, for a prompt's GEMM (dequant_rows);
+ *   dequant.c      int8 / int4 codes to fp32 rows at a time: a bf16 prompt's tiles (dequant_rows), gemm_q's panels;
  *   gemm_q.c       a prompt's products with int8 / int4 codes in one call, a panel of rows at a time (gemm_q).
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
  * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
