@@ -96,6 +96,27 @@ def test_the_8_wide_loops_agree_where_the_cpu_has_avx512(monkeypatch, tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(wide, narrow))  # two loops ran: sums in two orders
 
 
+@needs_cc
+@pytest.mark.skipif("avx512f" not in kernel_build.cpu_fingerprint(), reason="the CPU has no AVX-512: one loop to test")
+def test_the_8_wide_panels_agree_where_the_cpu_has_avx512(monkeypatch, tmp_path):
+    """gemm_q built without AVX-512 (panels of 6 rows, blocks of 16 rows of x, no transposes in
+    registers) against the same oracle as the 16-wide build, on 1 and 2 threads."""
+    cases = gemm_q_cases(7)
+    monkeypatch.setenv("MINIGEN_CPU_KERNEL_CFLAGS", "-mno-avx512f")
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_build, "_lib", None)
+    monkeypatch.setattr(kernel_build, "_reason", "not built yet")
+    assert kernel_build.status().startswith("built"), kernel_build.status()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for _, q, x in cases:
+                assert_near_the_dequantized_product(cpu_kernel.quantized_linear(x, q), x, q)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_quantized_model_decodes_and_prefills_through_the_kernels():
     hf = tiny_hf("llama", hidden_size=64)
     model = quantize_weights(minigen.from_hf(hf), bits=4)
@@ -123,20 +144,69 @@ needs_onednn = pytest.mark.skipif(not cpu_kernel._ONEDNN, reason="this torch has
 @given(bits=st.sampled_from([8, 4]), rows=st.integers(2, 80), n=st.integers(1, 300), groups=st.integers(1, 6),
        group_size=st.sampled_from([32, 64, 96]), tile_rows=st.sampled_from([8, 16, 64, 4096]), seed=st.integers(0, 2**16))
 @example(bits=4, rows=17, n=1000, groups=18, group_size=32, tile_rows=64, seed=0)  # SmolLM2's k = 576
-def test_a_prompt_multiplies_the_codes_a_tile_at_a_time_with_the_dequantized_bits(
-        bits, rows, n, groups, group_size, tile_rows, seed):
-    """quantized_linear: each tile of codes becomes fp32 in C (dequant_rows) and meets oneDNN's GEMM;
-    the oracle is the same GEMM on the whole dequantized matrix, which it must match bit for bit,
-    whatever the tile (a tile computes what dequantize() computes, and a column of the GEMM's
-    result does not depend on its neighbours)."""
+def test_tiles_of_codes_meet_onednn_with_the_dequantized_bits(bits, rows, n, groups, group_size, tile_rows, seed):
+    """_tiled (the bf16 prompt's path for codes, and the fp32 one before gemm_q): each tile of codes
+    becomes fp32 in C (dequant_rows) and meets oneDNN's GEMM; the oracle is the same GEMM on the same
+    rows of the dequantized matrix, which it must match bit for bit (a tile computes what dequantize()
+    computes). Not the GEMM of the whole matrix: oneDNN sums a narrow last tile (n = 9, tiles of 8: a
+    tile of one row) in another order, 6e-8 apart."""
     k = groups * group_size
     g = torch.Generator().manual_seed(seed)
     q = quantize_matrix(torch.randn(n, k, generator=g), bits, group_size)
     x = torch.randn(1, rows, k, generator=g)
+    assert kernel_build.library() is not None  # _tiled calls the library its callers built
     with mock.patch.object(cpu_kernel, "TILE_BYTES", tile_rows * 4 * k):
-        y = cpu_kernel.quantized_linear(x, q)
-    oracle = cpu_kernel.linear(x, q.dequantize())
+        y = cpu_kernel._tiled(x, q, torch.float32)
+    w = q.dequantize()
+    oracle = torch.cat([cpu_kernel.linear(x, w[r:r + tile_rows]) for r in range(0, n, tile_rows)], dim=-1)
     assert y is not None and y.shape == (1, rows, n) and torch.equal(y, oracle)
+
+
+# Shapes for gemm_q: rows of x a whole block of 32 or not (2, 17, 33, 70), a last panel of fewer than
+# 12 (AVX-512) or 6 (8-wide) rows of W (13, 37, 500), a single row of W (1), n large enough for two
+# threads to split the panels (37 and up: two panels a thread), k a few groups (64, 128) or SmolLM2's
+# 576 and 1,536 (in three passes of 512 columns), groups of 32 and 64; 300 rows of k = 1,536 are two
+# groups of rows (gemm_q.c: group_rows), which the threads share out.
+GEMM_Q_SHAPES = [(2, 13, 64, 32), (17, 37, 576, 32), (33, 400, 576, 32), (70, 500, 1536, 32), (5, 1, 128, 64),
+                 (40, 24, 1536, 64), (300, 30, 1536, 32)]
+
+
+def gemm_q_cases(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [(bits, quantize_matrix(torch.randn(n, k, generator=g), bits, G), torch.randn(rows, k, generator=g))
+            for bits in (8, 4) for rows, n, k, G in GEMM_Q_SHAPES]
+
+
+def assert_near_the_dequantized_product(y, x, q):
+    """fp32 sums of k products in two orders: each within gamma_k = k u / (1 - k u) of sum |w x| of
+    the exact sum (u = 2^-24, Higham's bound for recursive sums), so within twice that of each other."""
+    w = q.dequantize()
+    k = w.shape[1]
+    gamma = k * 2**-24 / (1 - k * 2**-24)
+    assert y.shape == (x.shape[0], w.shape[0]) and y.dtype == torch.float32
+    assert ((y - x @ w.T).abs() <= 2 * gamma * (x.abs() @ w.abs().T) + 1e-30).all()
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_prompt_multiplies_the_codes_a_panel_at_a_time(threads):
+    """quantized_linear (csrc/gemm_q.c): panels of codes widened in cache, every row of x against them.
+    The oracle is x @ w.dequantize().T, within the bound of two orders of fp32 sums; every output is
+    summed by one thread in one order, so 1 and 2 threads give the same bits."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = [cpu_kernel.quantized_linear(x, q) for _, q, x in gemm_q_cases(threads)]
+        torch.set_num_threads(1)
+        alone = [cpu_kernel.quantized_linear(x, q) for _, q, x in gemm_q_cases(threads)]
+    finally:
+        torch.set_num_threads(before)
+    for (bits, q, x), y, y1 in zip(gemm_q_cases(threads), got, alone):
+        assert_near_the_dequantized_product(y, x, q)
+        assert torch.equal(y, y1)
+    # the prompt's own shape: [B, T, k] in, [B, T, n] out
+    _, q, x = gemm_q_cases(0)[2]
+    assert torch.equal(cpu_kernel.quantized_linear(x[None], q)[0], cpu_kernel.quantized_linear(x, q))
 
 
 def test_a_quantized_prompt_never_dequantizes_a_whole_matrix(monkeypatch):

@@ -23,8 +23,10 @@ comment at the top of csrc/parallel.c): waiting for a descheduled thread costs m
 Without a compiler, or with `MINIGEN_CPU_KERNEL=0`, `cpu.matvec` returns None and the model uses
 `F.linear`: the same results up to rounding, slower. `status()` says which one runs and why.
 
-Prompts (more rows than cpu.MAX_ROWS) are not the C kernels' loops: `cpu.linear` hands them to
-oneDNN's GEMM, which torch ships, in place of F.linear's MKL sgemm (faster on this course's AMD CPU).
+Prompts (more rows than cpu.MAX_ROWS) with fp32 weights are not the C kernels' loops: `cpu.linear`
+hands them to oneDNN's GEMM, which torch ships, in place of F.linear's MKL sgemm (faster on this
+course's AMD CPU). With int8 / int4 weights they are (csrc/gemm_q.c): the codes become fp32 a panel
+at a time in each thread's cache, which oneDNN cannot read.
 """
 
 from __future__ import annotations
@@ -163,6 +165,9 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.dequant_rows.restype = None
         lib.quantize_rows_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # x, inv_smooth, codes, scales, M, k
         lib.quantize_rows_s8.restype = None
+        # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
+        lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+        lib.gemm_q.restype = ctypes.c_int
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}/: {complaint}")
 

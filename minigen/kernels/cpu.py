@@ -172,7 +172,7 @@ def bf16_dot_products() -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-# Bytes of one fp32 tile of a quantized matrix (quantized_linear): inside the L3 of this course's
+# Bytes of one fp32 tile of a matrix for bf16_linear (before gemm_q, quantized_linear's too): inside the L3 of this course's
 # CPUs (32 MB on the AMD EPYC, 105 MB on the Xeon), and few tiles per matrix (SmolLM2: 5 a layer),
 # because each tile is one more pair of parallel regions, and next to a busy process every region
 # waits for a time slice (chapter 8). Measured on the Xeon: 1 MB tiles (in a core's L2) ran 512-row
@@ -183,13 +183,23 @@ TILE_BYTES = 4 * 1024 * 1024
 
 def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     """x [..., k] @ w.T for int8 / int4 weights and several fp32 rows (a prompt, a batch) -> [..., n]
-    fp32: the codes become fp32 a tile of rows at a time (dequant_rows, the same bits as
-    w.dequantize()), each tile multiplied by oneDNN's GEMM while it is in cache. The whole matrix is
-    never dequantized. None where it does not apply (the rules of `linear`, and the C kernel built)."""
-    if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == w.shape[1] and w.dtype == torch.float32
+    fp32, in one C call (csrc/gemm_q.c): each thread widens a panel of rows of codes into its cache
+    (the bits of w.dequantize()) and multiplies every row of x by it there, in a register-blocked
+    loop. No fp32 copy of the matrix, or of a tile of it, is written to memory. fp32 sums in another
+    order than oneDNN's: ~1e-6 relative. None where it does not apply (the rules of `_takes`, and
+    the C kernel built)."""
+    if not (x.dtype == torch.float32 and x.shape[-1] == w.shape[1] and w.dtype == torch.float32
             and _takes(x, w.codes)):
         return None
-    return _tiled(x, w, torch.float32)
+    n, k = w.shape
+    x2 = x.reshape(-1, k).contiguous()
+    y = torch.empty(x2.shape[0], n)
+    mins = None if w.mins is None else w.mins.data_ptr()
+    if build.loaded().gemm_q(w.codes.data_ptr(), w.scales.data_ptr(), mins, x2.data_ptr(), y.data_ptr(),
+                             x2.shape[0], n, k, w.group_size, torch.get_num_threads()) != 0:
+        # x packed in blocks of 32 rows; a thread's panel of 12 rows and its blocks' sums
+        raise _no_memory(4 * (k * (x2.shape[0] + 31) + torch.get_num_threads() * (12 * k + 12 * (x2.shape[0] + 31))))
+    return y.view(*x.shape[:-1], n)
 
 
 def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:

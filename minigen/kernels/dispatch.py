@@ -9,7 +9,7 @@ accepts it and otherwise to the reference:
     linear             one row: C matrix-vector (fp32, bf16, int8, int4 weights)      reference
                        2..16 fp32 rows: the C several-row kernel (reads W once)       (F.linear,
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
-                       int8 / int4 rows: fp32 a tile at a time, oneDNN's GEMM
+                       int8 / int4 rows: C, a panel of codes widened per thread
                        a prompt's 17+ rows under prefill_precision="bfloat16":        F.linear in bf16
                        bf16 tiles of any weight format, oneDNN's bf16 GEMM
                        a prompt's 17+ rows under prefill_precision="int8", a block's   w8a8's

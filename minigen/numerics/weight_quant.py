@@ -15,8 +15,8 @@ Scales and minimums are fp16 (weights are far inside its range; quantize_weights
 block of 32 int4 weights, byte j holds weight j in its low nibble and weight j + 16 in its high
 one (GGUF's order), which the C kernel unpacks with one mask and one shift. A weight stays packed
 in memory: a decode step's matrix-vector product (kernels/cpu.py) turns codes into fp32 in registers;
-a prompt or a batch turns them into fp32 a tile of rows at a time, each tile multiplied by oneDNN's
-GEMM while it is in cache (kernels/cpu.py: quantized_linear); `dequantize()` of the whole matrix is
+a prompt or a batch turns them into fp32 a panel of rows at a time in each thread's cache, where every
+row of the prompt meets them (kernels/cpu.py: quantized_linear); `dequantize()` of the whole matrix is
 the reference's way, and a lookup's (the embedding's rows).
 
 Which weights: every linear layer at `bits`; the output head at `head_bits` (8 by default, as the

@@ -24,7 +24,8 @@
  *                  products' entry points (gemv_f32, gemm_f32, gemv_bf16, gemv_q8, gemv_q4);
  *   attend.c       RMSNorm and one-query attention (rms_norm_rows, attend_decode);
  *   decode.c       a whole decode step in C (decode_layers), and a chunk of one sequence (verify_layers).
- *   dequant.c      int8 / int4 codes to fp32 a tile of rows at a time, for a prompt's GEMM (dequant_rows).
+ *   dequant.c      int8 / int4 codes to fp32 rows at a time: a bf16 prompt's tiles (dequant_rows), gemm_q's panels;
+ *   gemm_q.c       a prompt's products with int8 / int4 codes in one call, a panel of rows at a time (gemm_q).
  *   quantize.c     a prompt's activations as int8 codes with a scale per row, for oneDNN's int8 GEMM
  *                  (quantize_rows_s8, prefill_precision="int8").
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
@@ -56,6 +57,7 @@ struct Mat {
     int64_t M, n;              /* gemm_f32: rows of x (x [M, k], y [M, n]); 0 for one vector */
     const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
     row_fn each;               /* decode.c's several rows of x through a one-row loop: that loop */
+    float *work;               /* gemm_q: one panel of widened weights per thread */
 };  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
 /* rows.c: the portable row loops */
@@ -85,12 +87,18 @@ INTERNAL row_fn several_rows(const Mat *m);
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
 
+/* dequant.c: row i of int8 / int4 codes as fp32, weights j..j+15 to out + (j / 16) * step */
+INTERNAL void widen_row_q8(const Mat *m, int64_t i, float *out, int64_t step);
+INTERNAL void widen_row_q4(const Mat *m, int64_t i, float *out, int64_t step);
+
 /* decode.c: the rows one fused decode step or verify chunk takes (cpu.MAX_ROWS: where the several-row
  * kernel stops paying; steps/fused.py refuses more) */
 #define DECODE_MAX_ROWS 16
 
 /* parallel.c: y [n] = row(m, y, i) for i < n, on `threads` threads or, backing off, on one */
 INTERNAL void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads);
+/* the same with min_rows a thread (gemv: 16 rows), for row functions that do much more than a row */
+INTERNAL void parallel_rows(row_fn row, const Mat *m, float *y, int64_t n, int threads, int64_t min_rows);
 #ifdef _OPENMP
 /* whether the products' regions are backing off to one thread (a busy neighbour: see the top of
  * parallel.c); attention's parallel loops follow them */

@@ -48,10 +48,12 @@ static double last_end = 0;
 int backing_off(void) { return single_calls_left != 0; }
 #endif
 
-void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads) {
+void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads) { parallel_rows(row, m, y, n, threads, 16); }
+
+void parallel_rows(row_fn row, const Mat *m, float *y, int64_t n, int threads, int64_t min_rows) {
 #ifdef _OPENMP
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > 1 && single_calls_left == 0 && n >= 16 * threads) {
+    if (threads > 1 && single_calls_left == 0 && n >= min_rows * threads) {
         double ended[MAX_THREADS], start = now_s();
         int team = 1;
         #pragma omp parallel num_threads(threads)
@@ -87,6 +89,7 @@ void gemv(row_fn row, const Mat *m, float *y, int64_t n, int threads) {
     if (single_calls_left > 0) single_calls_left--;
 #else
     (void)threads;
+    (void)min_rows;
 #endif
     rows(row, m, y, 0, n);
 }
