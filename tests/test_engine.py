@@ -251,6 +251,29 @@ def test_no_forward_pads_its_prompt_chunks_past_the_budget(tiny, monkeypatch):
     assert any(B > 1 for B, T in shapes), shapes  # chunks that fit together still share a forward
 
 
+def test_a_decode_step_of_many_rows_keeps_fp32_under_a_prompt_format(tiny, monkeypatch):
+    """prefill_precision is the prompts' format: the engine's decode forward of more than 16 rows
+    (SHORT_PROMPT_ROWS) stays in fp32, as generate's decode steps do."""
+    from minigen.kernels import cpu
+    from minigen.numerics.precision import SHORT_PROMPT_ROWS, prompt_dtype
+    if not cpu.bf16_dot_products():
+        pytest.skip("prefill_precision='bfloat16' is refused on a CPU without bf16 dot products")
+    engine = Engine(tiny, {"cache_chunk_size": 4, "prefill_precision": "bfloat16"}, max_batch_size=20)
+    formats = []
+    prefill = engine.forward_step.prefill
+
+    def recorded(model, ids, *args, **kw):
+        formats.append((ids.shape[1], prompt_dtype(SHORT_PROMPT_ROWS + 1)))
+        return prefill(model, ids, *args, **kw)
+
+    monkeypatch.setattr(engine.forward_step, "prefill", recorded)
+    for i in range(20):
+        engine.add_request(torch.arange(1 + i, 21 + i), max_new_tokens=2, stop_token_ids=[])
+    engine.run()
+    assert (20, torch.bfloat16) in formats and (1, torch.float32) in formats, formats
+    assert all(f == torch.float32 for T, f in formats if T == 1), formats
+
+
 def test_a_request_cancelled_half_prefilled_gives_its_blocks_back(tiny):
     engine = Engine(tiny, {"cache_chunk_size": 4}, max_batch_size=2, num_blocks=16, max_num_batched_tokens=4)
     long, short = torch.arange(1, 30), torch.arange(40, 46)

@@ -232,7 +232,7 @@ class Engine:
             for group in self._groups(chunks):
                 self._forward([r for r, _ in group], [c for _, c in group], new)
             if decoding:  # and one decode step of every running sequence
-                self._forward(decoding, [r.tokens[-1:] for r in decoding], new)
+                self._forward(decoding, [r.tokens[-1:] for r in decoding], new, prompt=False)
         for req in [r for r, _ in chunks] + decoding:  # 4. finished requests give their blocks back
             if req.output and req.prefilled and (req.output[-1] in req.stop
                                                  or len(req.output) >= req.config.max_new_tokens):
@@ -283,9 +283,11 @@ class Engine:
             req.first_scheduled_s = now
         req.enter("prefill", now)
 
-    def _forward(self, reqs: list[Request], chunks: list[list[int]], new: dict[int, list[int]]) -> None:
+    def _forward(self, reqs: list[Request], chunks: list[list[int]], new: dict[int, list[int]],
+                 prompt: bool = True) -> None:
         """Run each request's `chunk` of tokens at its own positions (left padding) and sample its next
-        token where the chunk reaches the end of its tokens (a prompt's earlier chunks only fill the cache)."""
+        token where the chunk reaches the end of its tokens (a prompt's earlier chunks only fill the cache).
+        prompt=False: the decode step, whose products keep fp32 whatever prefill_precision says."""
         B, T, device = len(reqs), max(len(c) for c in chunks), self.model.device
         ids = torch.zeros(B, T, dtype=torch.long)
         pos = torch.full((B, T), -1, dtype=torch.long)
@@ -293,7 +295,8 @@ class Engine:
             ids[b, T - len(chunk):] = torch.tensor(chunk)
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
-        with prompt_products(self.config.prefill_precision, self.model):  # the prompts' products in their format (chapter 16)
+        # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
+        with prompt_products(self.config.prefill_precision if prompt else "float32", self.model):
             logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
