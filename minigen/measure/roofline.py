@@ -180,10 +180,10 @@ def format_peaks(threads: int = 2, n: int = 1024, repeats: int = 5) -> dict[str,
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     qa, qb = (torch.randint(-127, 128, (n, n), generator=g, dtype=torch.int8) for _ in range(2))
+    a16, b16 = a.bfloat16(), b.bfloat16()
     products = {"float32": lambda: torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], ""),
                 "bfloat16": lambda: torch.ops.mkldnn._linear_pointwise(a16, b16, None, "none", [], ""),
                 "int8": lambda: torch._int_mm(qa, qb.t())}
-    a16, b16 = a.bfloat16(), b.bfloat16()
     peaks = {}
     try:
         for name, product in products.items():
