@@ -163,7 +163,7 @@ def _build() -> tuple[ctypes.CDLL, bool]:
         lib.rms_norm_rows.restype = None
         lib.dequant_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, mins, out, n, k, G
         lib.dequant_rows.restype = None
-        lib.quantize_rows_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # x, inv_smooth, codes, scales, M, k
+        lib.quantize_rows_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # x, keep (0 in outlier columns), codes, scales, M, k
         lib.quantize_rows_s8.restype = None
         # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
         lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]

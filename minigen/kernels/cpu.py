@@ -234,10 +234,10 @@ def int8_dot_products() -> bool | None:
 
 def int8_linear(x: Tensor, w8: Int8Weight) -> Tensor | None:
     """x [..., k] @ w.T under prefill_precision="int8" -> [..., n] fp32: x's rows as int8 codes with a
-    scale each (quantize_rows_s8 in C, else w8a8.quantize_rows: the same codes), oneDNN's int8 GEMM
-    (int32 sums, times the weights' scale per output channel), then times each row's scale. The
-    result is w8a8.reference_linear's up to the fp32 rounding of the sums. None where it does not
-    apply (the rules of `linear`)."""
+    scale each, its outlier columns zeroed (quantize_rows_s8 in C, else w8a8.quantize_rows: the same
+    codes), oneDNN's int8 GEMM (int32 sums, times the weights' scale per output channel), times each
+    row's scale, plus the outlier columns' fp32 product. The result is w8a8.reference_linear's up to
+    the fp32 rounding of the sums. None where it does not apply (the rules of `linear`)."""
     k = x.shape[-1]
     if not (_ONEDNN and x.dtype == torch.float32 and _takes(x, built=False)):
         return None
@@ -245,14 +245,16 @@ def int8_linear(x: Tensor, w8: Int8Weight) -> Tensor | None:
     lib = build.library() if build.is_enabled() else None
     if lib is not None:
         q, a = torch.empty(x2.shape, dtype=torch.int8), torch.empty(x2.shape[0], 1)
-        inv = w8.inv_smooth
-        lib.quantize_rows_s8(x2.data_ptr(), None if inv is None else inv.data_ptr(), q.data_ptr(), a.data_ptr(),
+        keep = w8.keep
+        lib.quantize_rows_s8(x2.data_ptr(), None if keep is None else keep.data_ptr(), q.data_ptr(), a.data_ptr(),
                              x2.shape[0], k)
     else:
-        q, a = w8a8.quantize_rows(x2, w8.inv_smooth)
+        q, a = w8a8.quantize_rows(x2, w8.keep)
     y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, w8.packed, w8.scales, w8.zero_points, None, 1.0, 0,
-                                           torch.float32, "none", [], "")
-    return y.mul_(a).view(*x.shape[:-1], -1)
+                                           torch.float32, "none", [], "").mul_(a)
+    if len(w8.outliers):  # [T, m] @ [m, n]: m = 32 columns of fp32
+        y.addmm_(x2[:, w8.outliers], w8.outlier_weights.t())
+    return y.view(*x.shape[:-1], -1)
 
 
 def _tiled(x: Tensor, w: Tensor | QuantizedWeight, dtype: torch.dtype) -> Tensor:

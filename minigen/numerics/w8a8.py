@@ -1,33 +1,40 @@
 """int8 prompt products (chapter 16): int8 weights times int8 activations, prefill_precision="int8".
 
-Shapes: T rows (a prompt's tokens, over every batch row), n outputs, k inputs (a weight is [n, k]).
+Shapes: T rows (a prompt's tokens, over every batch row), n outputs, k inputs (a weight is [n, k]),
+m outlier columns of k.
 
 A prompt's products are bound by arithmetic, and a CPU with int8 dot products (x86's AVX512-VNNI and
 AVX-VNNI `vpdpbusd`, or AMX-INT8 tiles) multiplies int8 numbers into int32 sums several times faster
 than fp32. Both operands become int8 codes, each side with its own scales (W8A8, as SmoothQuant,
-Xiao et al. 2023, and llama.cpp's Q8_0 dot products):
+Xiao et al. 2023, and llama.cpp's Q8_0 dot products), except m input channels, the outliers, which
+stay fp32 in a second, small product (as LLM.int8(), Dettmers et al. 2022, does with the channels it
+finds in each batch; here they are fixed per weight):
 
-    y[t, n] = a[t] * b[n] * sum_k qx[t, k] * qw[n, k]     (exact int32 sums, then two fp32 scales)
-    qx[t, k] = round(x[t, k] / s[k] / a[t])   a[t] = max_k |x[t, k] / s[k]| / 127   per row (token)
-    qw[n, k] = round(w[n, k] * s[k] / b[n])   b[n] = max_k |w[n, k] * s[k]| / 127   per output channel
+    y[t, n] = a[t] * b[n] * sum_{k not outlier} qx[t, k] * qw[n, k]     (exact int32 sums)
+              + sum_{k outlier} x[t, k] * w[n, k]                         (fp32, m = 32 of 576 or 1,536)
+    qx[t, k] = round(x[t, k] / a[t])   a[t] = max_{k not outlier} |x[t, k]| / 127   per row (token)
+    qw[n, k] = round(w[n, k] / b[n])   b[n] = max_{k not outlier} |w[n, k]| / 127   per output channel
 
-- Activations: one scale per row, computed in every product from that row alone, so a row of a
-  batch gets the same codes as alone: rows never influence each other (a scale or an outlier set
-  shared by the batch would make one prompt's numbers depend on another's).
+- Why outliers: a transformer's activations have a few channels far larger than the rest (the
+  residual stream's, which RMSNorm keeps, and the MLP's, after SiLU). With one scale per row those
+  few would take the row's whole int8 range and round every other channel to a handful of levels.
+  Each weight's m input channels with the largest max|x_k| on calibration text stay fp32.
+- Activations: one scale per row, computed in every product from that row alone, and the outlier
+  columns fixed per weight, so a row of a batch gets the same codes as alone: rows never influence
+  each other (a scale or an outlier set found in the batch would make one prompt's numbers depend
+  on another's).
 - Weights: one scale per output channel, so the GEMM is oneDNN's plain int8 one (a scale per
   group along k would need one GEMM per group: no fast kernel takes it). The codes are made once
-  per model (`prepare`) and kept: an fp32 model gains a quarter of its blocks' weight bytes.
-- Smoothing s[k], for the products that read an RMSNorm's output (wqkv and w_gate_up): the normed
-  residual stream has a few channels far larger than the rest, and with one scale per row those
-  few channels would take the row's whole int8 range and round the others to a handful of
-  levels. SmoothQuant divides channel k by s[k] = sqrt(max|x_k| / max|w_k|) and multiplies the
-  weights' column k by it: the product is unchanged, and the range moves into the weights, whose
-  scales are per output channel. max|x_k| is calibrated once per model, on English text: the
-  last CALIBRATION_CHARS characters of data/english.txt, through the tokenizer `minigen.load`
-  returned with the model (for SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py
-  scores, and the 512 the tests score); a model loaded without one calibrates on seeded random
-  ids, which measured worse on SmolLM2 (their maxima are not text's). The inputs of wo and w_down
-  have no such channels, and smoothing them with factors from a short calibration cost quality.
+  per model (`prepare`) and kept: an fp32 model gains a quarter of its blocks' weight bytes, and
+  the outlier columns in fp32.
+- Calibration: max|x_k| of every product's input, over a forward of the last CALIBRATION_CHARS
+  characters of data/english.txt, through the tokenizer `minigen.load` returned with the model (for
+  SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py and the tests score); a model loaded without one calibrates on seeded random ids.
+- Measured on SmolLM2 (the dequantized Q4_1 file), this Xeon: the mean KL divergence from fp32's
+  next-token distribution over 1,024 tokens was 13e-3 with SmoothQuant's smoothing (alpha 0.5, on
+  the norm-fed products) and no outlier columns, 9e-3 of it from w_down's input; 3.4-4.3e-3 with 32
+  outlier columns per product and no smoothing; bf16's 0.15e-3. Perplexity over seven slices of
+  512-2,048 tokens of data/english.txt: -0.22% to +0.49% (smoothing: up to +1.2%).
 - The output head keeps fp32: a prefill needs the last row's logits only (one row, the decode
   step's kernel), and the logits are the most sensitive product (chapter 14). A product without
   an int8 copy runs as it would under "float32".
@@ -49,24 +56,27 @@ from ..errors import ConfigError
 from .weight_quant import QuantizedWeight
 
 QMAX = 127  # symmetric codes in [-127, 127]: -128 unused, so that -q is a code too
-SMOOTHING_ALPHA = 0.5  # s[k] = max|x_k|^alpha / max|w_k|^(1 - alpha): SmoothQuant's default
+OUTLIER_COLUMNS = 32  # input channels per weight kept fp32 (at most k // 8 of them: a tiny model's k)
 CALIBRATION_CHARS = 800  # of data/english.txt, its end: SmolLM2 makes 209 tokens of them
 CALIBRATION_TOKENS = 256  # seeded random ids where the model came without a tokenizer
 
 
 @dataclass(frozen=True)
 class Int8Weight:
-    """A weight [n, k] as int8 codes with one fp32 scale per output channel, and the smoothing
-    factors its input is divided by (None: not smoothed)."""
-    packed: Tensor  # the codes qw [n, k], in oneDNN's layout (torch.ops.onednn.qlinear_prepack)
+    """A weight [n, k] as int8 codes with one fp32 scale per output channel, but for its outlier
+    input columns, which it keeps in fp32 (none: `outliers` empty and `keep` None)."""
+    packed: Tensor  # the codes qw [n, k] (0 in outlier columns), in oneDNN's layout (qlinear_prepack)
     scales: Tensor  # b [n] fp32
-    inv_smooth: Tensor | None  # 1 / s [k] fp32: multiplies the activations before they are quantized
+    keep: Tensor | None  # [k] fp32, 1 and 0 at the outliers: multiplies the activations before they are quantized
+    outliers: Tensor  # [m] int64: the input channels kept fp32
+    outlier_weights: Tensor  # w[:, outliers] [n, m] fp32
     zero_points: Tensor  # [n] int64 zeros: symmetric codes (oneDNN's call asks for them)
 
     @property
     def nbytes(self) -> int:
-        smooth = 0 if self.inv_smooth is None else self.inv_smooth.nbytes
-        return self.packed.numel() + self.scales.nbytes + smooth + self.zero_points.nbytes
+        keep = 0 if self.keep is None else self.keep.nbytes
+        return (self.packed.numel() + self.scales.nbytes + keep + self.outliers.nbytes
+                + self.outlier_weights.nbytes + self.zero_points.nbytes)
 
     def codes(self) -> Tensor:
         """qw [n, k] int8, a copy in torch's layout (the reference's and the tests' way to read them)."""
@@ -80,7 +90,7 @@ _CALIBRATION = WeakIdKeyDictionary()  # model -> a function that gives its calib
 
 
 def calibrate_on(model, tokenizer) -> None:
-    """Calibrate `model`'s smoothing, when it is first needed, on the end of data/english.txt through
+    """Calibrate `model`'s outlier columns, when it is first needed, on the end of data/english.txt through
     `tokenizer` (minigen.load calls this; nothing is tokenized until an int8 prompt runs)."""
     def ids() -> Tensor:
         text = (Path(__file__).resolve().parent.parent / "data" / "english.txt").read_text(encoding="utf-8")
@@ -101,34 +111,44 @@ def onednn_int8() -> bool:
         return False
 
 
-def quantize_rows(x: Tensor, inv_smooth: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """x [T, k] fp32 -> (qx [T, k] int8, a [T, 1] fp32): each row smoothed (x * inv_smooth), then
-    scaled by its own max to [-127, 127]. An all-zero row gets scale 1 and codes 0."""
-    if inv_smooth is not None:
-        x = x * inv_smooth
+def quantize_rows(x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """x [T, k] fp32 -> (qx [T, k] int8, a [T, 1] fp32): each row times keep (0 in the outlier
+    columns), then scaled by its own max to [-127, 127]. An all-zero row gets scale 1 and codes 0."""
+    if keep is not None:
+        x = x * keep
     a = x.abs().amax(-1, keepdim=True).div_(QMAX)
     a = torch.where(a > 0, a, torch.ones_like(a))
     return torch.round(x / a).to(torch.int8), a  # |x / a| <= 127: no clamp needed
 
 
-def quantize_weight(w: Tensor, smooth: Tensor | None) -> Int8Weight:
-    """w [n, k] (any float dtype) -> its Int8Weight: columns multiplied by smooth [k], then one
-    scale per output channel."""
-    w = w.float() if smooth is None else w.float() * smooth
-    b = w.abs().amax(-1).div_(QMAX)
+def quantize_weight(w: Tensor, outliers: Tensor | None = None) -> Int8Weight:
+    """w [n, k] (any float dtype) -> its Int8Weight: the columns `outliers` (indices into k) kept
+    in fp32, the rest as codes with one scale per output channel."""
+    w = w.float()
+    outliers = torch.zeros(0, dtype=torch.long) if outliers is None else outliers.long().sort().values
+    keep = None
+    if len(outliers):
+        keep = torch.ones(w.shape[1])
+        keep[outliers] = 0
+    coded = w if keep is None else w * keep
+    b = coded.abs().amax(-1).div_(QMAX)
     b = torch.where(b > 0, b, torch.ones_like(b))
-    codes = torch.round(w / b[:, None]).to(torch.int8)
-    return Int8Weight(torch.ops.onednn.qlinear_prepack(codes, None), b,
-                      None if smooth is None else (1 / smooth).contiguous(), torch.zeros(len(b), dtype=torch.long))
+    codes = torch.round(coded / b[:, None]).to(torch.int8)
+    return Int8Weight(torch.ops.onednn.qlinear_prepack(codes, None), b, keep, outliers,
+                      w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long))
 
 
 def reference_linear(x: Tensor, w8: Int8Weight) -> Tensor:
     """x [..., k] @ w.T under the scheme, in plain torch: the codes of both sides back to fp32, an
     fp32 GEMM, the two scales -> [..., n] fp32. The int32 sums of the kernel are exact; here each
-    sum of k products of codes rounds in fp32 once it passes 2^24 (k * 127^2 can)."""
+    sum of k products of codes rounds in fp32 once it passes 2^24 (k * 127^2 can). The outlier
+    columns: x's in fp32 against the weight's."""
     k = x.shape[-1]
-    qx, a = quantize_rows(x.reshape(-1, k).float(), w8.inv_smooth)
+    x2 = x.reshape(-1, k).float()
+    qx, a = quantize_rows(x2, w8.keep)
     y = (qx.float() @ w8.codes().float().T) * a * w8.scales
+    if len(w8.outliers):
+        y = y + x2[:, w8.outliers] @ w8.outlier_weights.T
     return y.view(*x.shape[:-1], -1)
 
 
@@ -140,9 +160,8 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
     """Make the int8 copy of every block's products (once per model; a later call returns at once).
 
     A forward of `token_ids` [T] (default: the text of `calibrate_on`, else CALIBRATION_TOKENS seeded
-    random ids) in fp32 records
-    max|x_k| of the inputs of wqkv and w_gate_up (the norms' outputs); the smoothing factors follow
-    from it and the weights. Text like the prompts to come calibrates better than random ids (call
+    random ids) in fp32 records max|x_k| of every product's input; each weight's outlier columns
+    are its input's largest. Text like the prompts to come calibrates better than random ids (call
     this before the first int8 prompt). A weight loaded as codes (weight_bits=8 or 4) is
     dequantized once here, not per call."""
     if all(_COPIES.get(w) is not None for w in _products(model)):
@@ -151,15 +170,15 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
         raise ConfigError("prefill_precision='int8' needs oneDNN's int8 linear (torch.ops.onednn), which this "
                           "torch build lacks: use prefill_precision='bfloat16' or 'float32'")
     amax = {}
-    smoothed = {id(w) for w in _norm_fed(model)}
+    products = {id(w) for w in _products(model)}
     reference = model.ops
 
-    class Record:  # the model's ops, recording max|x_k| of the smoothed products' inputs
+    class Record:  # the model's ops, recording max|x_k| of the products' inputs
         def __getattr__(self, name):
             return getattr(reference, name)
 
         def linear(self, x, w, out_dtype=None):
-            if id(w) in smoothed:
+            if id(w) in products:
                 m = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).float()
                 amax[id(w)] = torch.maximum(amax[id(w)], m) if id(w) in amax else m
             return reference.linear(x, w, out_dtype)
@@ -178,12 +197,8 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
     finally:
         model.ops = reference
     for w in _products(model):
-        dense = _dense(w)
-        smooth = None
-        if id(w) in amax:  # SmoothQuant's factors; a channel never seen (max 0) is left alone
-            x_max, w_max = amax[id(w)].clamp_min(1e-5), dense.abs().amax(0).clamp_min(1e-5)
-            smooth = x_max ** SMOOTHING_ALPHA / w_max ** (1 - SMOOTHING_ALPHA)
-        _COPIES[w] = quantize_weight(dense, smooth)
+        m = min(OUTLIER_COLUMNS, w.shape[1] // 8)
+        _COPIES[w] = quantize_weight(_dense(w), amax[id(w)].topk(m).indices if m and id(w) in amax else None)
 
 
 def nbytes(model) -> int:
@@ -194,11 +209,6 @@ def nbytes(model) -> int:
 def _mlp(block, arch: str) -> tuple:
     """A block's MLP weights, (input side, output side): model.GatedMLP's for llama, GeluMLP's for gpt2."""
     return (block.mlp.w_gate_up, block.mlp.w_down) if arch == "llama" else (block.mlp.w_fc, block.mlp.w_proj)
-
-
-def _norm_fed(model) -> list:
-    """The products whose input is a norm's output: the ones smoothing helps."""
-    return [w for b in model.blocks for w in (b.attn.wqkv, _mlp(b, model.config.arch)[0])]
 
 
 def _products(model) -> list:
