@@ -15,6 +15,13 @@ ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
 LIST_NOTEBOOKS = import os, sys; from minigen.course.book import load_book; \
   print(' '.join(os.path.relpath(p) for p in load_book(sys.argv[1]).notebook_paths() if p.exists()))
 
+# make test runs two pytest workers (pytest-xdist), each test file or chapter whole in one of them
+# (--dist loadfile: a chapter's cells share a kernel, a file's tests its module fixtures). The
+# chapters run at one thread and most test modules too, so two workers use both cores; every timing
+# claim already holds next to a busy process. Serially, CI's last run (install included) took 2,314 s,
+# over the 30 minutes make test may take on 2 cores. PARALLEL= runs it serially.
+PARALLEL ?= -n 2 --dist loadfile
+
 .PHONY: venv model test figures lab book clean
 
 venv: $(STAMP)
@@ -35,13 +42,13 @@ model: venv
 	$(PY) -m minigen prepare
 
 test: model
-	MPLBACKEND=Agg $(PY) -m pytest -q tests
+	MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) tests
 	@notebooks="$$($(PY) -c "$(LIST_NOTEBOOKS)" $(BOOK))" || { echo "make test: cannot list the chapters from $(BOOK)"; exit 1; }; \
 	if [ -z "$$notebooks" ]; then \
 	  echo "make test: no chapter notebook exists yet; skipping nbval"; \
 	else \
-	  echo "MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks"; \
-	  MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks; \
+	  echo "MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) --nbval-lax --nbval-current-env -p no:randomly $$notebooks"; \
+	  MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) --nbval-lax --nbval-current-env -p no:randomly $$notebooks; \
 	fi
 
 # Runs every chapter with its figures written to figures/, the images committed with the course.
