@@ -131,7 +131,8 @@ static void product(const Weight *w, const float *x, float *y, int64_t B, int th
     if (B == 1) { gemv(m[0].each, &m[0], y, w->n, threads); return; }
     m[0].M = B;
     row_fn several = several_rows(&m[0]);
-    gemv(several ? several : rows_each, m, y, w->n, threads);
+    if (several) gemv(several, m, y, (w->n + SEVERAL_W - 1) / SEVERAL_W, threads);  /* SEVERAL_W rows of W a call */
+    else gemv(rows_each, m, y, w->n, threads);
 }
 
 /* M rows through every layer, embedding to logits. Row r is token tokens[r] at position pos_of[r],

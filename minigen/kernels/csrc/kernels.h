@@ -78,10 +78,16 @@ INTERNAL void row_q4_wide(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_perm(const Mat *m, float *y, int64_t i);
 /* the same rows against several rows of x (decode.c's several-row product), the codes widened once */
 #define MAX_WIDE_K 8192  /* k of the several-row loops' widened codes on the stack; a longer row: one row at a time */
-INTERNAL void rows_q8_wide(const Mat *m, float *y, int64_t i);
-INTERNAL void rows_q4_perm(const Mat *m, float *y, int64_t i);
+INTERNAL void rows_q8_wide(const Mat *m, float *y, int64_t p);
+INTERNAL void rows_q4_perm(const Mat *m, float *y, int64_t p);
 #endif
-/* rows.c: the several-row loop of m->each (the one-row loop of m, a row of x), or NULL for none */
+/* rows of W each call of the several-row loops takes (unit p: rows SEVERAL_W p ..): a vector of x,
+ * loaded once, meets them all (rows_avx512.c says why; 2 was slower, 4 and 6 alike, 8 slower again) */
+#ifndef SEVERAL_W
+#define SEVERAL_W 6
+#endif
+/* rows.c: the several-row loop of m->each (the one-row loop of m, a row of x), or NULL for none; it
+ * takes SEVERAL_W rows of W a call */
 INTERNAL row_fn several_rows(const Mat *m);
 
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
