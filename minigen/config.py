@@ -74,7 +74,7 @@ class GenerationConfig:
     attention_backend: str = "torch"
     # --- prefill (chapter 16) ---
     # a prompt's matrix products: "float32", "bfloat16" (inputs rounded to bf16, fp32 sums: the bf16
-    # dot products of AVX512-BF16 / AMX on a CPU) or "int8" (int8 codes of weights and activations,
+    # dot products of AVX512-BF16 / AMX on a CPU; torch attention's q, k, v too, softmax fp32) or "int8" (int8 codes of weights and activations,
     # int32 sums: AVX512-VNNI / AMX-INT8; numerics/w8a8.py); the decode step keeps its own format
     prefill_precision: str = "float32"
     # the prompt runs this many tokens per forward, each piece attending to the cached pieces before

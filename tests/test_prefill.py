@@ -416,3 +416,23 @@ def test_a_later_piece_attends_only_up_to_the_last_slot_it_sees(tiny_llama, monk
     whole = piece()
     assert set(widths) == {64}, widths
     torch.testing.assert_close(trimmed, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_prompts_attend_in_bf16_with_fp32_softmax():
+    """Under prompt_products("bfloat16") a prompt's attention gets bf16 q, k, v (SDPA's softmax stays
+    fp32), causal or masked; a decode step's query (one row) and "float32" prompts keep fp32."""
+    g = torch.Generator().manual_seed(0)
+    T = 40
+    q, k, v = torch.randn(1, 6, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
+    pos = torch.arange(T)
+    want = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, enable_gqa=True).float()
+    fp32 = attention.attend(q, k, v, Causal(T))
+    with prompt_products("bfloat16"):
+        causal = attention.attend(q, k, v, Causal(T))
+        masked = attention.attend(q, k, v, attention.causal_mask(pos, pos))
+        one = attention.attend(q[:, :, -1:], k, v, torch.ones(1, T, dtype=torch.bool))
+    assert causal.dtype == torch.float32 and torch.equal(causal, want)
+    torch.testing.assert_close(masked, want, atol=1e-2, rtol=0)  # the masked kernel sums in another order
+    assert not torch.equal(causal, fp32) and (causal - fp32).abs().max() < 0.05
+    ref = F.scaled_dot_product_attention(q[:, :, -1:], k, v, enable_gqa=True)
+    torch.testing.assert_close(one, ref)  # one row: fp32

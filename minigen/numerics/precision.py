@@ -81,7 +81,8 @@ _PROMPT_DTYPE = contextvars.ContextVar("prompt_dtype", default=torch.float32)
 @contextlib.contextmanager
 def prompt_products(name: str = "float32", model=None):
     """Within: products of more than SHORT_PROMPT_ROWS rows take bf16 inputs when name is
-    "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM), int8 codes when it is "int8"
+    "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM; attention.attend's SDPA takes
+    bf16 q, k and v with an fp32 softmax), int8 codes when it is "int8"
     (int32 sums; numerics/w8a8.py, whose copies of `model`'s weights are made here the first time);
     "float32" changes nothing."""
     if name not in PROMPT_DTYPES:
