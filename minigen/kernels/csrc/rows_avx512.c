@@ -27,56 +27,35 @@ static inline __m512 i8x16_to_f32(const int8_t *p) {
 }
 static inline __m512 u4x16_to_f32(__m128i nibbles) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)); }
 
-/* Row i of int8 codes against nx rows of x (xs[0..nx-1], nx <= 4, a constant once inlined): each 16
- * codes widened to fp32 (or, with wf, read back already widened: wf[j] is code j as a float, exact),
- * times x, two groups of 32 a pass, then scaled. Each row of x keeps its own two chains (even, odd
- * groups) in row_q8_wide's order, so it gets the bits it gets alone; side by side, the rows' chains
- * hide each other's latency, which is what limits one row whose codes need no widening. */
-static inline __attribute__((always_inline)) void dot_q8(const int8_t *q, const float *wf, const float *sc,
-                                                         const float *const *xs, const int nx, int64_t k,
-                                                         int64_t G, float *out) {
-#define CODES8(j) (wf ? _mm512_loadu_ps(wf + (j)) : i8x16_to_f32(q + (j)))
-    const int64_t ng = k / G;
-    __m512 acc0[4], acc1[4];  /* per row of x, two chains: even, odd groups */
-    for (int r = 0; r < nx; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-    int64_t g = 0, j = 0;
-    for (; G == 32 && g + 2 <= ng; g += 2, j += 64) {  /* two groups of 32 */
-        const __m512 c0 = CODES8(j), c1 = CODES8(j + 16), c2 = CODES8(j + 32), c3 = CODES8(j + 48);
-        const __m512 sc0 = _mm512_set1_ps(sc[g]), sc1 = _mm512_set1_ps(sc[g + 1]);
-        #pragma GCC unroll 4
-        for (int r = 0; r < nx; r++) {
-            const float *x = xs[r];
-            __m512 s0 = _mm512_mul_ps(c0, _mm512_loadu_ps(x + j));
-            __m512 s1 = _mm512_mul_ps(c2, _mm512_loadu_ps(x + j + 32));
-            s0 = _mm512_fmadd_ps(c1, _mm512_loadu_ps(x + j + 16), s0);
-            s1 = _mm512_fmadd_ps(c3, _mm512_loadu_ps(x + j + 48), s1);
-            acc0[r] = _mm512_fmadd_ps(s0, sc0, acc0[r]);
-            acc1[r] = _mm512_fmadd_ps(s1, sc1, acc1[r]);
-        }
-    }
-    for (; g < ng; g++) {  /* the rest: larger groups, or an odd last one */
-        __m512 s[4];
-        for (int r = 0; r < nx; r++) s[r] = _mm512_setzero_ps();
-        for (int64_t end = j + G; j < end; j += 16) {
-            const __m512 c = CODES8(j);
-            #pragma GCC unroll 4
-            for (int r = 0; r < nx; r++) s[r] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xs[r] + j), s[r]);
-        }
-        for (int r = 0; r < nx; r++) acc0[r] = _mm512_fmadd_ps(s[r], _mm512_set1_ps(sc[g]), acc0[r]);
-    }
-#undef CODES8
-    for (int r = 0; r < nx; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
-}
-
+/* Row i of int8 codes against one row of x: each 16 codes widened to fp32, times x, two groups of 32
+ * a pass, then scaled, in two chains (even, odd groups). dot_q8_w below runs the same arithmetic for
+ * several rows of W, each in this order, so that a row gets the same bits in a several-row product. */
 void row_q8_wide(const Mat *m, float *y, int64_t i) {
-    const int64_t ng = m->k / m->G;
+    const int64_t k = m->k, G = m->G, ng = k / G;
+    const int8_t *q = (const int8_t *)m->W + i * k;
+    const float *x = m->x;
     float sc[MAX_ROW_GROUPS];
     row_scales(m->scales + i * ng, sc, ng);
-    dot_q8((const int8_t *)m->W + i * m->k, NULL, sc, &m->x, 1, m->k, m->G, &y[i]);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int64_t g = 0, j = 0;
+    for (; G == 32 && g + 2 <= ng; g += 2, j += 64) {  /* two groups of 32 */
+        __m512 s0 = _mm512_mul_ps(i8x16_to_f32(q + j), _mm512_loadu_ps(x + j));
+        __m512 s1 = _mm512_mul_ps(i8x16_to_f32(q + j + 32), _mm512_loadu_ps(x + j + 32));
+        s0 = _mm512_fmadd_ps(i8x16_to_f32(q + j + 16), _mm512_loadu_ps(x + j + 16), s0);
+        s1 = _mm512_fmadd_ps(i8x16_to_f32(q + j + 48), _mm512_loadu_ps(x + j + 48), s1);
+        acc0 = _mm512_fmadd_ps(s0, _mm512_set1_ps(sc[g]), acc0);
+        acc1 = _mm512_fmadd_ps(s1, _mm512_set1_ps(sc[g + 1]), acc1);
+    }
+    for (; g < ng; g++) {  /* the rest: larger groups, or an odd last one */
+        __m512 s = _mm512_setzero_ps();
+        for (int64_t end = j + G; j < end; j += 16) s = _mm512_fmadd_ps(i8x16_to_f32(q + j), _mm512_loadu_ps(x + j), s);
+        acc0 = _mm512_fmadd_ps(s, _mm512_set1_ps(sc[g]), acc0);
+    }
+    y[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 /* Rows i..i+nw-1 of int8 codes, widened (wf[c]: row i + c's codes as floats, sc[c] its scales), against
- * one row of x (nw <= SEVERAL_W, a constant once inlined): dot_q8's arithmetic with the roles turned
+ * one row of x (nw <= SEVERAL_W, a constant once inlined): row_q8_wide's arithmetic with the roles turned
  * round, each row of W in its own two chains (even, odd groups) in row_q8_wide's order, so each
  * output has the bits it gets alone. Each vector of x is loaded once for the nw rows of W, and the
  * codes come from wf, in L1. */
@@ -196,81 +175,57 @@ void row_q4_wide(const Mat *m, float *y, int64_t i) {
 #ifndef Q4_AHEAD
 #define Q4_AHEAD 2048  /* bytes of codes ahead */
 #endif
-/* Row i of int4 codes against nx rows of x (ms[r]: its xperm, x and xsum; nx <= 4, a constant once
- * inlined), as described above; with wf, the codes are read back already made: wf[128 b + 16 t + d]
- * is block b's vector t, lane d, and the last groups' codes sit at wf[j..j + 31] as their loop
- * makes them (low nibbles, then high ones), all exact. Each row of x keeps its own chains in
- * row_q4_perm's order: the same bits as alone. */
-static inline __attribute__((always_inline)) void dot_q4_perm(const uint8_t *q, const float *wf,
-                                                              const Mat *const *ms, const int nx,
-                                                              const uint16_t *sc, const uint16_t *mn, float *out) {
-    const int64_t k = ms[0]->k, ng = k / 32, nb = k / 128;
+/* Row i of int4 codes against one row of x (its xperm, x and xsum), as described above, in
+ * two chains; dot_q4_perm_w below runs the same arithmetic for several rows of W, each in this
+ * order: the same bits as alone. */
+void row_q4_perm(const Mat *m, float *y, int64_t i) {
+    const int64_t k = m->k, ng = k / 32, nb = k / 128;
+    const uint8_t *q = (const uint8_t *)m->W + i * (k / 2);
+    const uint16_t *sc = m->scales + i * ng, *mn = m->mins + i * ng;
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    __m512 acc0[4], acc1[4];
-    for (int r = 0; r < nx; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m512 c[8];
-        if (wf) {
-            for (int t = 0; t < 8; t++) c[t] = _mm512_loadu_ps(wf + 128 * b + 16 * t);
-        } else {
-            _mm_prefetch((const char *)(q + 64 * b + Q4_AHEAD), _MM_HINT_T0);
-            const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * b));
-            c[0] = _mm512_permutexvar_ps(v, codes);
-            for (int t = 1; t < 8; t++) c[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * t), codes);
-        }
+        _mm_prefetch((const char *)(q + 64 * b + Q4_AHEAD), _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512((const void *)(q + 64 * b));
+        c[0] = _mm512_permutexvar_ps(v, codes);
+        for (int t = 1; t < 8; t++) c[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * t), codes);
         const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(
             _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + 4 * b)))));  /* 4 scales, each to 4 lanes */
-        #pragma GCC unroll 4
-        for (int r = 0; r < nx; r++) {
-            const float *xp = ms[r]->xperm + 128 * b;
-            __m512 s0 = _mm512_mul_ps(c[0], _mm512_loadu_ps(xp));
-            __m512 s1 = _mm512_mul_ps(c[1], _mm512_loadu_ps(xp + 16));
-            s0 = _mm512_fmadd_ps(c[2], _mm512_loadu_ps(xp + 32), s0);
-            s1 = _mm512_fmadd_ps(c[3], _mm512_loadu_ps(xp + 48), s1);
-            s0 = _mm512_fmadd_ps(c[4], _mm512_loadu_ps(xp + 64), s0);
-            s1 = _mm512_fmadd_ps(c[5], _mm512_loadu_ps(xp + 80), s1);
-            s0 = _mm512_fmadd_ps(c[6], _mm512_loadu_ps(xp + 96), s0);
-            s1 = _mm512_fmadd_ps(c[7], _mm512_loadu_ps(xp + 112), s1);
-            acc0[r] = _mm512_fmadd_ps(s0, scale, acc0[r]);
-            acc1[r] = _mm512_fmadd_ps(s1, scale, acc1[r]);
-        }
+        const float *xp = m->xperm + 128 * b;
+        __m512 s0 = _mm512_mul_ps(c[0], _mm512_loadu_ps(xp));
+        __m512 s1 = _mm512_mul_ps(c[1], _mm512_loadu_ps(xp + 16));
+        s0 = _mm512_fmadd_ps(c[2], _mm512_loadu_ps(xp + 32), s0);
+        s1 = _mm512_fmadd_ps(c[3], _mm512_loadu_ps(xp + 48), s1);
+        s0 = _mm512_fmadd_ps(c[4], _mm512_loadu_ps(xp + 64), s0);
+        s1 = _mm512_fmadd_ps(c[5], _mm512_loadu_ps(xp + 80), s1);
+        s0 = _mm512_fmadd_ps(c[6], _mm512_loadu_ps(xp + 96), s0);
+        s1 = _mm512_fmadd_ps(c[7], _mm512_loadu_ps(xp + 112), s1);
+        acc0 = _mm512_fmadd_ps(s0, scale, acc0);
+        acc1 = _mm512_fmadd_ps(s1, scale, acc1);
     }
     const __m128i nib = _mm_set1_epi8(0x0F);
     for (int64_t g = 4 * nb, j = 128 * nb; g < ng; g++, j += 32) {  /* the last groups (k = 576: two) */
-        __m512 lo, hi;
-        if (wf) {
-            lo = _mm512_loadu_ps(wf + j);
-            hi = _mm512_loadu_ps(wf + j + 16);
-        } else {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j / 2));
-            lo = u4x16_to_f32(_mm_and_si128(bytes, nib));
-            hi = u4x16_to_f32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-        }
-        const __m512 scale = _mm512_set1_ps(f16_to_f32(sc[g]));
-        for (int r = 0; r < nx; r++) {
-            __m512 s = _mm512_mul_ps(lo, _mm512_loadu_ps(ms[r]->x + j));
-            s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(ms[r]->x + j + 16), s);
-            acc0[r] = _mm512_fmadd_ps(s, scale, acc0[r]);
-        }
+        __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j / 2));
+        const __m512 lo = u4x16_to_f32(_mm_and_si128(bytes, nib));
+        const __m512 hi = u4x16_to_f32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
+        __m512 s = _mm512_mul_ps(lo, _mm512_loadu_ps(m->x + j));
+        s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(m->x + j + 16), s);
+        acc0 = _mm512_fmadd_ps(s, _mm512_set1_ps(f16_to_f32(sc[g])), acc0);
     }
     for (int64_t g = 0; g < ng; g += 16) {  /* the minimums times the sums of x, 16 groups at a time */
         __mmask16 live = ng - g >= 16 ? 0xFFFF : (__mmask16)((1u << (ng - g)) - 1);
         const __m512 mins = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, mn + g));
-        for (int r = 0; r < nx; r++) acc1[r] = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(live, ms[r]->xsum + g), acc1[r]);
+        acc1 = _mm512_fmadd_ps(mins, _mm512_maskz_loadu_ps(live, m->xsum + g), acc1);
     }
-    for (int r = 0; r < nx; r++) out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
-}
-
-void row_q4_perm(const Mat *m, float *y, int64_t i) {
-    const int64_t ng = m->k / 32;
-    dot_q4_perm((const uint8_t *)m->W + i * (m->k / 2), NULL, &m, 1, m->scales + i * ng, m->mins + i * ng, &y[i]);
+    y[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
 /* Rows i..i+nw-1 of int4 codes, made once (wf[c]: row i + c's codes as floats, laid out as
- * dot_q4_perm's wf; sv[c][b]: block b's four scales each on four lanes; st[c][g]: the scale of group
+ * row_q4_perm's order of codes; sv[c][b]: block b's four scales each on four lanes; st[c][g]: the scale of group
  * g as a float; mn[c][g]: its minimum), against one row of x (ms: its xperm, x and xsum), nw <=
- * SEVERAL_W a constant once inlined: dot_q4_perm's arithmetic with the roles turned round, each row
+ * SEVERAL_W a constant once inlined: row_q4_perm's arithmetic with the roles turned round, each row
  * of W in its own chains in row_q4_perm's order (the same bits), each vector of x loaded once for
  * the nw rows of W. */
 static inline __attribute__((always_inline)) void dot_q4_perm_w(const float *const *wf, const __m512 *const *sv,
