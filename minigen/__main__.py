@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--seed", type=seed, default=0, help="the workload's seed (same seed, same workload)")
     sb.add_argument("--max-batch-size", type=positive_int, default=8, help="sequences an engine runs at once")
     sb.add_argument("--prompt-median", type=positive_float, default=32, help="median user prompt tokens (lognormal)")
-    sb.add_argument("--output-median", type=positive_float, default=24, help="median new tokens per request (lognormal)")
+    sb.add_argument("--output-median", type=positive_float, default=24,
+                    help="median new tokens per request (lognormal)")
     sb.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (bundled) or a local folder")
     sb.add_argument("--json", help="write every run's metrics to this JSON file")
     sb.set_defaults(func=cmd_serve_bench)
@@ -323,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--context", type=positive_int, default=2048, help="prompt + new tokens per row")
     pl.add_argument("--budget-bytes", type=positive_int, required=True, help="memory for weights + cache + activations")
     pl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
-    pl.add_argument("--cache-chunk-size", type=positive_int, help="plan for a paged cache with blocks of this many tokens")
+    pl.add_argument("--cache-chunk-size", type=positive_int,
+                    help="plan for a paged cache with blocks of this many tokens")
     pl.add_argument("--json", help="write the plan to this JSON file")
     pl.set_defaults(func=cmd_plan)
 
