@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,43 @@ EPILOG = """examples:
   python -m minigen serve-bench --requests 16 --rate 2 --seed 0   # one workload, engines side by side
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
+
+
+# ---------------------------------------------------------------- checked flag types
+# A flag's number is checked as it is parsed: `profile --prompt-len -5` used to profile a 2,272-token
+# prompt (it sliced [:, :-5]) and `serve-bench --seed -1` ended in a numpy traceback. argparse then
+# prints the usage and "argument --flag: <message>", and exits 2. Flags that are GenerationConfig
+# fields (generate's --max-new-tokens, --temperature, --top-k, --top-p, --seed) are checked by the
+# config, and bench's sizes by bench.check_bench_args, each before the model loads.
+def int_at_least(low: int, below: int | None = None):
+    """An argparse type: an integer >= low (and < below, when given)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (below is not None and value >= below):
+            bound = f">= {low}"
+            if below is not None:  # 2**64 reads better than 18,446,744,073,709,551,616
+                bound += f" and < 2**{below.bit_length() - 1}" if below & (below - 1) == 0 else f" and < {below:,}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: use an integer {bound}")
+        return value
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (float('nan') and 'inf' parse, and are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{value} is out of range: use a finite number > 0")
+    return value
+
+
+positive_int = int_at_least(1)
+seed = int_at_least(0, 2**64)  # numpy's and torch's generators take any seed in [0, 2**64)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -131,8 +169,6 @@ def cmd_profile(args) -> None:
     from .combinations import Run, check_run
     from .errors import ConfigError
     from .measure.profiling import check_profile_config, format_profile, profile
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps} is invalid: use an integer >= 1 (decode steps to profile)")
     _check_json_arg(args.json, ConfigError)
     config = _config(args)  # unknown keys and bad values are refused here, before the model loads
     check_profile_config(config, args.steps)  # and what cannot be profiled (use_cache=False, cuda_graphs)
@@ -189,9 +225,6 @@ def cmd_serve_bench(args) -> None:
     engines = args.engine or DEFAULT_ENGINES
     if any(e not in ENGINES for e in engines) or len(set(engines)) < 2:
         raise BenchError(f"--engine {engines}: name at least two different engines among {list(ENGINES)}")
-    if args.requests < 1 or args.rate <= 0 or args.max_batch_size < 1:
-        raise BenchError(f"--requests {args.requests}, --rate {args.rate}, --max-batch-size {args.max_batch_size}: "
-                         "use --requests >= 1, --rate > 0 and --max-batch-size >= 1")
     result = serve_bench_cli(args.model, engines, n_requests=args.requests, rate_per_s=args.rate, seed=args.seed,
                              max_batch_size=args.max_batch_size, prompt_median=args.prompt_median,
                              output_median=args.output_median)
@@ -258,12 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "and print output tok/s and p50/p99 TTFT side by side, as ratios to the first.")
     sb.add_argument("--engine", action="append", help="an engine to run, in order; default: the first two of "
                     "serve_bench.ENGINES (repeat the flag for more)")
-    sb.add_argument("--requests", type=int, default=16, help="requests in the workload")
-    sb.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
-    sb.add_argument("--seed", type=int, default=0, help="the workload's seed (same seed, same workload)")
-    sb.add_argument("--max-batch-size", type=int, default=8, help="sequences an engine runs at once")
-    sb.add_argument("--prompt-median", type=float, default=32, help="median user prompt tokens (lognormal)")
-    sb.add_argument("--output-median", type=float, default=24, help="median new tokens per request (lognormal)")
+    sb.add_argument("--requests", type=positive_int, default=16, help="requests in the workload")
+    sb.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
+    sb.add_argument("--seed", type=seed, default=0, help="the workload's seed (same seed, same workload)")
+    sb.add_argument("--max-batch-size", type=positive_int, default=8, help="sequences an engine runs at once")
+    sb.add_argument("--prompt-median", type=positive_float, default=32, help="median user prompt tokens (lognormal)")
+    sb.add_argument("--output-median", type=positive_float, default=24,
+                    help="median new tokens per request (lognormal)")
     sb.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (bundled) or a local folder")
     sb.add_argument("--json", help="write every run's metrics to this JSON file")
     sb.set_defaults(func=cmd_serve_bench)
@@ -272,8 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Run N decode steps after a warm-up under torch.profiler and split each "
                                     "step's time: matrix products, attention, norms, RoPE, cache update, "
                                     "sampling, rest (dispatch and Python). Writes a Chrome trace.")
-    pr.add_argument("--steps", type=int, default=8, help="decode steps to profile (default 8)")
-    pr.add_argument("--prompt-len", type=int, default=64, help="prompt tokens, cut from real English text")
+    pr.add_argument("--steps", type=positive_int, default=8, help="decode steps to profile (default 8)")
+    pr.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens, cut from real English text")
     pr.add_argument("--json", help="write the result (step_s, categories, memory_timeline, ...) to this file")
     pr.add_argument("--trace", default="minigen-trace.json", help="the Chrome trace file (default %(default)s)")
     pr.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
@@ -286,11 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "activation estimate, and the settings that fit ranked by the perplexity "
                                     "change the chapters measured.")
     pl.add_argument("--model", default="smollm2-135m", help="a name or folder that `load` takes (config only)")
-    pl.add_argument("--batch", type=int, default=1, help="rows generated at once")
-    pl.add_argument("--context", type=int, default=2048, help="prompt + new tokens per row")
-    pl.add_argument("--budget-bytes", type=int, required=True, help="memory for weights + cache + activations")
+    pl.add_argument("--batch", type=positive_int, default=1, help="rows generated at once")
+    pl.add_argument("--context", type=positive_int, default=2048, help="prompt + new tokens per row")
+    pl.add_argument("--budget-bytes", type=positive_int, required=True, help="memory for weights + cache + activations")
     pl.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weight dtype")
-    pl.add_argument("--cache-chunk-size", type=int, help="plan for a paged cache with blocks of this many tokens")
+    pl.add_argument("--cache-chunk-size", type=positive_int,
+                    help="plan for a paged cache with blocks of this many tokens")
     pl.add_argument("--json", help="write the plan to this JSON file")
     pl.set_defaults(func=cmd_plan)
 
@@ -309,7 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # a bad flag (argparse printed the usage and why) or --help: its status, returned
+        return e.code if isinstance(e.code, int) else 2
     try:
         args.func(args)
     except MinigenError as e:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
+from .hardware import check_device
 from .kernels import dispatch
 from .model import Model, ModelConfig
 from .paths import cache_dir, locked, unwritable_dir
@@ -393,7 +394,12 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | s
     """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id.
 
     dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16").
-    weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype."""
+    weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype.
+    device: one this machine has (hardware.devices()), else ConfigError."""
+    if not isinstance(name_or_path, (str, os.PathLike)):  # os.fspath's TypeError, before anything
+        raise ConfigError(f"name_or_path={name_or_path!r} is invalid: pass {DEFAULT_MODEL!r}, a local folder "
+                          "(str or pathlib.Path) or a Hugging Face hub id (str)")
+    device = check_device(device)  # torch's AssertionError ('cuda' here) or RuntimeError ('banana'), before
     dtype = check_dtype(dtype)  # before any conversion or download
     if weight_bits is not None:
         check_weight_bits(weight_bits)

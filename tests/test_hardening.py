@@ -14,6 +14,12 @@ import torch
 
 import minigen
 from test_bad_inputs import case
+# cli (4, 5, 9)
+import argparse
+import tracemalloc
+from minigen.__main__ import build_parser, main
+from minigen.measure import plan as cli_plan_module, serve_bench as cli_serve_bench
+from test_bad_inputs import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,6 +31,139 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- 4-9: config, CLI integers, sizes, argument types
+
+
+# cli (4, 5, 9)
+@case("engine-num-blocks-past-memory")
+def _(tiny_model):
+    minigen.Engine(tiny_model, num_blocks=10**12)  # was a bare MemoryError from the allocator's list
+
+
+@case("plan-batch-past-memory")
+def _(tiny_model):
+    tracemalloc.start()
+    try:
+        p = minigen.plan(tiny_model.config, batch=10**12, context=100, budget_bytes=10**9)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert not p.fits and p.smallest_budget > 10**15  # it says "does not fit", with the bytes
+    assert peak < 50 * 2**20, f"the plan allocated {peak:,} bytes"  # was a MemoryError building 10**12 rows
+
+
+@case("plan-cli-batch-past-memory")
+def _(tiny_model, monkeypatch, capsys):
+    monkeypatch.setattr(cli_plan_module, "model_config", lambda name: tiny_model.config)
+    status = main(["plan", "--model", "tiny", "--batch", "1000000000000", "--context", "100",
+                   "--budget-bytes", "1000000000"])
+    out = capsys.readouterr().out
+    assert status == 0 and "nothing fits: the smallest option needs" in out, out
+
+
+@case("plan-model-not-a-name")
+def _():
+    minigen.plan(42)
+
+
+@case("serve-bench-requests-past-memory")
+def _(monkeypatch):
+    monkeypatch.setattr(cli_serve_bench, "load_tokenizer", lambda folder: pytest.fail("loaded before refusing"))
+    cli("serve-bench", "--requests", "1000000000000")  # was numpy's _ArrayMemoryError
+
+
+def _cli_refused(capsys, *argv: str) -> str:
+    """Run the command line on argv; assert it exits 2 with argparse's usage -> its message."""
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: ") and "Traceback" not in err, err
+    return err.strip().splitlines()[-1]
+
+
+@case("cli-serve-bench-negative-seed")
+def _(capsys, monkeypatch):
+    monkeypatch.setattr(cli_serve_bench, "serve_bench_cli", lambda *a, **k: pytest.fail("ran"))
+    assert _cli_refused(capsys, "serve-bench", "--seed", "-1").endswith(
+        "argument --seed: -1 is out of range: use an integer >= 0 and < 2**64")
+    assert "2**64" in _cli_refused(capsys, "serve-bench", "--seed", str(2**64))
+
+
+@case("cli-profile-negative-prompt-len")
+def _(capsys, monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("loaded"))
+    assert _cli_refused(capsys, "profile", "--prompt-len", "-5").endswith(
+        "argument --prompt-len: -5 is out of range: use an integer >= 1")  # was a 2,272-token profile, exit 0
+
+
+@case("cli-numbers-out-of-range")
+def _(capsys):
+    for command, flag, bad, fragment in [
+            ("serve-bench", "--requests", "0", "use an integer >= 1"),
+            ("serve-bench", "--rate", "nan", "use a finite number > 0"),
+            ("serve-bench", "--rate", "inf", "use a finite number > 0"),
+            ("serve-bench", "--max-batch-size", "-3", "use an integer >= 1"),
+            ("serve-bench", "--prompt-median", "0", "use a finite number > 0"),
+            ("serve-bench", "--output-median", "-1", "use a finite number > 0"),
+            ("serve-bench", "--requests", "1e3", "'1e3' is not an integer"),
+            ("profile", "--steps", "0", "use an integer >= 1"),
+            ("plan", "--batch", "0", "use an integer >= 1"),
+            ("plan", "--context", "-1", "use an integer >= 1"),
+            ("plan", "--budget-bytes", "-5", "use an integer >= 1"),
+            ("plan", "--cache-chunk-size", "0", "use an integer >= 1")]:
+        extra = ["--budget-bytes", "1000"] if command == "plan" and flag != "--budget-bytes" else []
+        message = _cli_refused(capsys, command, flag, bad, *extra)
+        assert f"argument {flag}: " in message and fragment in message, message
+
+
+@case("load-device-missing")
+def _(tiny_folder, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU-only machine, wherever this runs
+    minigen.load(tiny_folder, device="cuda")  # was torch's AssertionError
+
+
+@case("load-device-unknown")
+def _(tiny_folder):
+    with pytest.raises(minigen.errors.ConfigError, match="device=5 is invalid"):
+        minigen.load(tiny_folder, device=5)  # the row's other value, refused as well
+    minigen.load(tiny_folder, device="banana")
+
+
+@case("load-name-not-a-path")
+def _():
+    with pytest.raises(minigen.errors.ConfigError, match="name_or_path=None is invalid"):
+        minigen.load(None)  # the row's other value, refused as well
+    minigen.load(123)
+
+
+# Generate's numeric flags are GenerationConfig fields (the config checks them before the model
+# loads) and bench's sizes are check_bench_args's: every other int or float flag has a checked type.
+_CLI_CHECKED_ELSEWHERE = {("generate", "--max-new-tokens"), ("generate", "--temperature"), ("generate", "--top-k"),
+                          ("generate", "--top-p"), ("generate", "--seed"), ("bench", "--prompt-len"),
+                          ("bench", "--new-tokens"), ("bench", "--repeats")}
+
+
+def test_cli_every_number_flag_is_checked():
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    unchecked = [(command, action.option_strings[-1]) for command, parser in sub.choices.items()
+                 for action in parser._actions if action.type in (int, float) and not action.choices]
+    assert sorted(unchecked) == sorted(_CLI_CHECKED_ELSEWHERE), "give the flag a checked type (__main__.py)"
+
+
+def test_cli_plan_cache_bytes_are_affine_in_rows(tiny_llama):
+    """kv_cache_bytes builds each cache for 1 and 2 rows and extrapolates (a plan for 10**12 rows
+    cannot build it): exact while a cache's bytes are affine in its rows. Held against the cache
+    built whole for 3 and 5 rows, for every option the planner offers, contiguous and paged."""
+    from minigen.caches.make import make_cache
+    cfg, context = tiny_llama[1].config, 100
+    stub = cli_plan_module._meta_model(cfg, "float32")
+    checked = 0
+    for chunk in (None, 16):
+        for fields, *_ in cli_plan_module.options(cfg, 1, context, cache_chunk_size=chunk):
+            config = minigen.GenerationConfig(**fields)
+            one, two = (make_cache(stub, config, rows, context).nbytes for rows in (1, 2))
+            for batch in (3, 5):
+                assert make_cache(stub, config, batch, context).nbytes == one + (batch - 1) * (two - one), fields
+                checked += 1
+    assert checked >= 32  # 8 storage x window options at context 100, each contiguous and paged, 2 batches
 
 
 # ---------------------------------------------------------------- 10-12: output files and what is cached

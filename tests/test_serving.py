@@ -213,7 +213,7 @@ def test_the_engine_and_the_static_baseline_serve_the_same_tokens():
 @pytest.mark.parametrize("argv, fragment", [
     (["serve-bench", "--engine", "minigen"], "at least two different engines"),
     (["serve-bench", "--engine", "minigen", "--engine", "vllm"], "at least two different engines"),
-    (["serve-bench", "--requests", "0"], "--requests >= 1"),
+    (["serve-bench", "--requests", "0"], "argument --requests: 0 is out of range: use an integer >= 1"),
 ])
 def test_serve_bench_refuses_bad_flags_before_loading(argv, fragment, capsys):
     assert main(argv) == 2

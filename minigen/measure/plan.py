@@ -4,9 +4,10 @@
                                               ─> the settings that fit, ranked by expected quality loss
 
 The KV bytes of a setting are exact, not a formula to keep in step with the caches: `make_cache`
-builds the cache the config selects on PyTorch's "meta" device (shapes, no memory), and its
-`nbytes` is what `generate` reports in `stats.kv_cache_bytes` (a paged cache adds the buffer it
-gathers blocks into, counted here). The weights are counted the same way, on a meta `Model`.
+builds the cache the config selects on PyTorch's "meta" device (shapes, no memory), for one row
+and for two (a cache's bytes are affine in its rows, so a plan for any batch allocates nothing),
+and its `nbytes` is what `generate` reports in `stats.kv_cache_bytes` (a paged cache adds the buffer
+it gathers blocks into, counted here). The weights are counted the same way, on a meta `Model`.
 The activations are counted from the tensors one layer of the prefill holds at its peak (the
 MLP's), for the rows one forward runs: the whole prompt, or `prefill_chunk_size` of them. Where the
 whole prompt's activations do not fit, the planner offers the largest prompt chunk that does
@@ -56,6 +57,9 @@ WINDOWS = [None, 256, 128, 64]
 
 def model_config(model: str | os.PathLike | ModelConfig | Model) -> ModelConfig:
     """A ModelConfig from a config, a model, or a name that `load` takes (only config.json is read)."""
+    if not isinstance(model, (str, os.PathLike, ModelConfig, Model)):  # os.fspath's TypeError, before
+        raise ConfigError(f"model={model!r} is invalid: plan takes a model name or folder (str or Path, as "
+                          "`load` does), a ModelConfig or a Model")
     if isinstance(model, ModelConfig):
         return model
     if isinstance(model, Model):
@@ -77,9 +81,12 @@ def kv_cache_bytes(cfg: ModelConfig, config: GenerationConfig, batch: int, conte
     A paged cache's gather buffer depends on the prompt's length (`prompt_len`; None: the whole context)."""
     if not config.use_cache:
         return 0
+    # Built for one row and for two, never for `batch`: a cache's bytes are affine in its rows (each
+    # row's tensors, plus what all rows share, as a window's slot positions), and a paged pool keeps
+    # Python lists of its blocks, which a plan for 10**12 rows ran out of memory building.
     stub = _meta_model(cfg, dtype)
-    cache = make_cache(stub, config, batch, context)
-    held = cache.nbytes
+    one, two = (make_cache(stub, config, rows, context).nbytes for rows in (1, 2))
+    held = one + (batch - 1) * (two - one)
     bs = config.cache_chunk_size
     if bs is not None:
         # the block tables (paged.py nbytes): an int32 entry per block a row has written

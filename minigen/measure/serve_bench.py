@@ -33,6 +33,8 @@ from ..config import GenerationConfig
 from ..serving.engine import Engine
 from ..loading import load, load_tokenizer, resolve_folder
 from .machine import hardware_info
+from ..errors import BenchError
+from ..hardware import check_fits
 from ..serving.metrics import summarize
 from ..serving.workload import LengthDist, Workload, make_workload, replay, system_prompt_ids
 
@@ -222,12 +224,22 @@ ENGINES = {
 DEFAULT_ENGINES = ["minigen", "transformers-continuous"]
 
 
+# The least host memory one request of a workload takes: numpy's draws (arrival, gap, prompt and
+# reply lengths: 8 bytes each, one copy more for the cumulative sum), the WorkloadRequest (~150 bytes)
+# and its prompt tuple of at least 4 tokens (~90 bytes), before any engine runs it
+WORKLOAD_REQUEST_BYTES = 280
+
+
 def serve_bench_cli(model_name: str, engines: list[str], n_requests: int = 16, rate_per_s: float = 2.0,
                     seed: int = 0, max_batch_size: int = 8, prompt_median: float = 32,
                     output_median: float = 24) -> dict:
     """`python -m minigen serve-bench`: build the workload on the model's tokenizer (a system prompt
     in its chat template, user prompts cut from the benchmark's English text) and run the engines,
     each on a fresh engine, in the order given."""
+    # a workload no machine here could hold is refused before numpy draws its arrays (--requests 10**12
+    # ended in numpy's _ArrayMemoryError)
+    check_fits(n_requests * WORKLOAD_REQUEST_BYTES, f"--requests {n_requests:,} (at least "
+               f"{WORKLOAD_REQUEST_BYTES} bytes each)", "Fix: lower --requests", BenchError)
     tokenizer = load_tokenizer(resolve_folder(model_name))
     workload = make_workload(n_requests, rate_per_s, seed=seed, system_prompt=system_prompt_ids(tokenizer),
                              prompt_tokens=LengthDist(prompt_median, 0.6, 4, 256),

@@ -40,6 +40,7 @@ from ..combinations import ENGINE_REFUSED, REQUEST_KEYS, check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
 from ..generate import check_prompt, make_policy
+from ..hardware import check_fits
 from ..numerics.precision import DTYPES, prompt_products
 from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
@@ -101,6 +102,12 @@ class Engine:
             block_bytes = c.kv_bytes_per_token(dtype.itemsize) * bs
             fits = int(MEMORY_FRACTION * available_bytes(model.device)) // block_bytes
             num_blocks = max(1, min(max_batch_size * blocks_for(c.max_seq_len, bs), fits))
+        # A pool that all of this device's memory could not hold is refused before its allocator's
+        # lists (free, refs, fill: about 56 host bytes a block) and its tensors are made
+        pool_bytes = num_blocks * (c.kv_bytes_per_token(dtype.itemsize) * bs + 56)
+        check_fits(pool_bytes, f"num_blocks={num_blocks:,} (a pool of blocks of {bs} tokens)",
+                   "Fix: lower num_blocks, or pass num_blocks=None to size the pool from the memory available",
+                   ConfigError, model.device)
         self.alloc = PrefixAllocator(num_blocks, bs)  # the engine's pool, which its cache reads through
         self.cache = PagedKVCache(c.n_layers, 0, c.n_kv_heads, c.head_dim, bs, num_blocks, dtype, model.device,
                                   self.config.window_size,
