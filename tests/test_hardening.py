@@ -14,6 +14,12 @@ import torch
 
 import minigen
 from test_bad_inputs import case
+# config (6-8)
+from minigen import ConfigError, GenerationConfig
+from minigen.combinations import RUN_RULES
+from minigen.numerics.weight_quant import check_weight_bits, quantize_weights, quantized
+from conftest import tiny_hf
+from test_bad_inputs import cli
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,6 +31,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------- 4-9: config, CLI integers, sizes, argument types
+# config (6-8)
+@case("load-weight-bits-float")
+def _(tiny_folder):
+    minigen.load(tiny_folder, weight_bits=8.0)
+
+
+@case("quantize-weights-float-bits")
+def _():
+    model = minigen.from_hf(tiny_hf("llama"))  # its own copy: a case must not quantize the shared tiny_model
+    try:
+        quantize_weights(model, 4.0)
+    finally:
+        assert not quantized(model), "refused, yet the weights were quantized"
+
+
+@pytest.mark.parametrize("bits", [8.0, 4.0, True])
+def test_config_bit_counts_are_integers(bits):
+    """quantize_weights and load take the int 8 or 4 (8.0 == 8 in Python; a bool is no count)."""
+    with pytest.raises(ConfigError, match="use the integer 8 or 4"):
+        check_weight_bits(bits)
 
 
 # ---------------------------------------------------------------- 10-12: output files and what is cached
