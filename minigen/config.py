@@ -48,7 +48,9 @@ class GenerationConfig:
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
     # --- paged cache and offload (chapter 3) ---
-    cache_chunk_size: int | None = None  # block size of the paged cache, in tokens; None: one contiguous cache
+    # block size of the paged cache, in tokens (with quant_bits and keys per channel, a multiple of
+    # quant_group_size: a block holds whole groups); None: one contiguous cache
+    cache_chunk_size: int | None = None
     prefetch_depth: int | None = None  # keep the KV cache in a second tier, fetch this many layers ahead; None: no tier
     # --- window, sinks and sparse attention (chapters 5-6) ---
     window_size: int | None = None  # each query sees the window_size most recent tokens (itself included); None: all

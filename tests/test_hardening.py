@@ -32,6 +32,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------- 4-9: config, CLI integers, sizes, argument types
 # config (6-8)
+@case("config-quant-block-splits-groups")
+def _():
+    GenerationConfig(quant_bits=4, quant_group_size=8, cache_chunk_size=4)  # no model: refused when built
+
+
 @case("load-weight-bits-float")
 def _(tiny_folder):
     minigen.load(tiny_folder, weight_bits=8.0)
@@ -44,6 +49,12 @@ def _():
         quantize_weights(model, 4.0)
     finally:
         assert not quantized(model), "refused, yet the weights were quantized"
+
+
+def test_config_every_run_rule_reads_the_model_or_machine():
+    """A rule that reads only the config belongs to the config's own checks, when it is built
+    (regression: cache_chunk_size % quant_group_size waited for generate)."""
+    assert all(reads for _, reads, _, _ in RUN_RULES), [f for f, reads, _, _ in RUN_RULES if not reads]
 
 
 @pytest.mark.parametrize("bits", [8.0, 4.0, True])
