@@ -32,6 +32,62 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # ---------------------------------------------------------------- 4-9: config, CLI integers, sizes, argument types
 # config (6-8)
+_CONFIG_DEEP = 100_000  # levels of nesting: far past Python's recursion limit (1,000)
+
+
+@case("config-typo-assigned")
+def _():
+    cfg = GenerationConfig()
+    try:
+        cfg.max_new_token = 3
+    finally:
+        assert "max_new_token" not in vars(cfg)  # the typo was not stored
+        cfg.max_new_tokens = 3  # a field is still assigned (and checked)
+        assert cfg.max_new_tokens == 3
+
+
+@case("config-unknown-keyword")
+def _():
+    GenerationConfig(max_new_token=3)
+
+
+@case("config-weight-bits-in-config")
+def _():
+    GenerationConfig(weight_bits=8)
+
+
+@case("config-engine-key-in-config")
+def _():
+    GenerationConfig(max_batch_size=8)
+
+
+@case("config-transformers-key")
+def _():
+    GenerationConfig(repetition_penalty=1.2)
+
+
+@case("config-override-misplaced")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), weight_bits=8)
+
+
+@case("config-file-duplicate-key")
+def _(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"max_new_tokens": 3, "max_new_tokens": 5}')
+    GenerationConfig.from_json(tmp_path / "generation_config.json")
+
+
+@case("config-file-nested-deep")
+def _(tmp_path):
+    (tmp_path / "generation_config.json").write_text("[" * _CONFIG_DEEP + "]" * _CONFIG_DEEP)
+    GenerationConfig.from_json(tmp_path / "generation_config.json")
+
+
+@case("config-set-nested-deep")
+def _():
+    cli("generate", "hello", "--set", "stop_token_ids=" + "[" * _CONFIG_DEEP + "]" * _CONFIG_DEEP)
+
+
 @case("config-quant-block-splits-groups")
 def _():
     GenerationConfig(quant_bits=4, quant_group_size=8, cache_chunk_size=4)  # no model: refused when built
