@@ -85,6 +85,10 @@ def _config(args, **flags):
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value  # a bare string such as quant_key_axis=channel
+        except RecursionError:  # json's parser recurses once per level
+            raise ConfigError(f"--set {key}=...: the value is JSON nested thousands of levels deep, which no "
+                              "setting takes: give a number, a string, true, false, null or a flat list, e.g. "
+                              "--set stop_token_ids=[2]") from None
     return resolve_config(args.config or GenerationConfig(), overrides)
 
 

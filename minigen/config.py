@@ -2,7 +2,9 @@
 
 Every field is validated when the config is built, and again when a field is assigned later, with a
 message that names the key, the value and the allowed range, so a typo in `generation_config.json`
-fails loudly before any model work starts. How the cache features combine is decided in one
+fails loudly before any model work starts. An unknown key (a keyword, an assignment, a JSON key) is
+refused too, with the closest field or where it belongs (`weight_bits` is `load`'s), and so is a
+JSON key given twice. How the cache features combine is decided in one
 table (`REFUSED`, combinations.py): a pair in it is refused with both keys and a fix; every other
 pair is applied. A config reads no machine: what needs the model or the machine (CUDA, Triton,
 the C kernel, the head dim) is checked when a generation chooses its step (combinations.RUN_RULES).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
 import math
 import os
@@ -34,7 +37,42 @@ SPECULATIVE_METHODS = (None, "ngram", "draft")
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
+# Keys that are settings of another call: where each belongs, as the call to write instead.
+MISPLACED_KEYS = {
+    "weight_bits": "`load`: minigen.load(name, weight_bits=8)",
+    "dtype": "`load`: minigen.load(name, dtype=torch.bfloat16)",
+    "max_batch_size": "the serving engine: Engine(model, config, max_batch_size=8)",
+    "num_blocks": "the serving engine: Engine(model, config, num_blocks=1024)",
+    "max_num_batched_tokens": "the serving engine: Engine(model, config, max_num_batched_tokens=256)",
+}
+# transformers' generation settings that minigen does not have, and what minigen offers instead
+TRANSFORMERS_ONLY_KEYS = {
+    "repetition_penalty": "minigen has no repetition penalty (its sampling settings are temperature, top_k, top_p)",
+    "no_repeat_ngram_size": "minigen never bans repeated n-grams (its sampling settings are temperature, top_k, top_p)",
+    "num_beams": "minigen has no beam search: it decodes greedily (do_sample=False) or samples",
+    "length_penalty": "minigen has no beam search, so no length penalty",
+    "min_new_tokens": "minigen has no minimum length: set stop_token_ids=[] to never stop early",
+    "min_p": "minigen has no min-p sampling: use top_p or top_k",
+    "typical_p": "minigen has no typical sampling: use top_p or top_k",
+    "max_length": "minigen counts new tokens only: use max_new_tokens",
+    "eos_token_id": "minigen stops at stop_token_ids (None: the model's eos)",
+}
 
+
+def _refuse_unknown_keys(cls):
+    """Wrap the dataclass's __init__ so that an unknown keyword is a ConfigError that says where it
+    belongs or what was meant, not Python's TypeError; the signature stays the dataclass's."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _check_keys(kwargs, source=f"{cls.__name__}(...)")
+        init(self, *args, **kwargs)
+    cls.__init__ = __init__
+    return cls
+
+
+@_refuse_unknown_keys
 @dataclass
 class GenerationConfig:
     # --- sampling (chapter 1) ---
@@ -48,7 +86,9 @@ class GenerationConfig:
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
     # --- paged cache and offload (chapter 3) ---
-    cache_chunk_size: int | None = None  # block size of the paged cache, in tokens; None: one contiguous cache
+    # block size of the paged cache, in tokens (with quant_bits and keys per channel, a multiple of
+    # quant_group_size: a block holds whole groups); None: one contiguous cache
+    cache_chunk_size: int | None = None
     prefetch_depth: int | None = None  # keep the KV cache in a second tier, fetch this many layers ahead; None: no tier
     # --- window, sinks and sparse attention (chapters 5-6) ---
     window_size: int | None = None  # each query sees the window_size most recent tokens (itself included); None: all
@@ -102,8 +142,10 @@ class GenerationConfig:
         object.__setattr__(self, "_checked", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """Assigning a field after construction validates the whole config with the new value."""
-        if getattr(self, "_checked", False) and name in _FIELDS:
+        """Assigning a field after construction validates the whole config with the new value; any
+        other name is refused (a typo such as `cfg.max_new_token = 3` would be stored and ignored)."""
+        if getattr(self, "_checked", False):
+            _check_keys({name: value}, source=f"an assignment (config.{name} = ...)")
             value = getattr(dataclasses.replace(self, **{name: value}), name)  # raises ConfigError
         object.__setattr__(self, name, value)
 
@@ -126,7 +168,8 @@ class GenerationConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> "GenerationConfig":
-        """Read a generation_config.json; unreadable files, malformed JSON or unknown keys raise ConfigError."""
+        """Read a generation_config.json; unreadable files, malformed JSON, a key given twice, nesting
+        or unknown keys raise ConfigError."""
         name = repr(os.fspath(path))
         try:
             with open(path, encoding="utf-8") as f:
@@ -137,10 +180,14 @@ class GenerationConfig:
             raise ConfigError(f"config file {name} is not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x}): "
                               "save it as UTF-8 JSON") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=functools.partial(_unique_keys, source=name))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{name} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}. "
                               "Fix the file (keys and strings need double quotes, no trailing commas).") from None
+        except RecursionError:  # json's parser recurses once per level: thousands deep is no config
+            raise ConfigError(f"{name} is not a generation config: its JSON is nested thousands of levels deep. "
+                              "The file must be a flat JSON object of config keys, e.g. "
+                              "{\"max_new_tokens\": 64, \"quant_bits\": 4}") from None
         return cls.from_dict(data, source=name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -165,9 +212,6 @@ class GenerationConfig:
         return [name for name, (is_on, _) in FEATURES.items() if is_on(self)]
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(GenerationConfig))
-
-
 def resolve_config(config: GenerationConfig | dict | str | os.PathLike | None,
                    overrides: dict[str, Any]) -> GenerationConfig:
     """Turn the `config` argument of generate/perplexity plus keyword overrides into one config."""
@@ -184,13 +228,33 @@ def resolve_config(config: GenerationConfig | dict | str | os.PathLike | None,
 
 
 def _check_keys(data: dict[str, Any], source: str) -> None:
+    """Refuse a key that is no field: say where it belongs, that minigen has no such setting, or the
+    closest field name."""
     known = GenerationConfig.field_names()
     for key in data:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"unknown config key {key!r} in {source}.{hint} "
-                              f"Known keys: {', '.join(known)}")
+        if key in known:
+            continue
+        if key in MISPLACED_KEYS:
+            raise ConfigError(f"{key!r} in {source} is not a GenerationConfig setting: it belongs to "
+                              f"{MISPLACED_KEYS[key]}")
+        if key in TRANSFORMERS_ONLY_KEYS:
+            raise ConfigError(f"{key!r} in {source} is not a minigen setting (transformers' generate has it): "
+                              f"{TRANSFORMERS_ONLY_KEYS[key]}")
+        close = difflib.get_close_matches(str(key), known, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r} in {source}.{hint} "
+                          f"Known keys: {', '.join(known)}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]], source: str) -> dict[str, Any]:
+    """json's object_pairs_hook: a key given twice is refused (json.loads would keep the last silently)."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ConfigError(f"{source} gives the key {key!r} twice ({data[key]!r}, then {value!r}): "
+                              "keep one of them")
+        data[key] = value
+    return data
 
 
 # ---------------------------------------------------------------- each value on its own

@@ -300,11 +300,11 @@ def test_a_config_either_runs_every_feature_or_is_refused(tiny, draft, text, fie
 
 # ---------------------------------------------------------------- the table
 def test_refused_pairs_name_both_keys_and_a_fix():
-    switch = {"use_cache=False": {"use_cache": False}, "cache_chunk_size": {"cache_chunk_size": 16},
+    switch = {"use_cache=False": {"use_cache": False}, "cache_chunk_size": {"cache_chunk_size": 32},
               "prefetch_depth": {"prefetch_depth": 1}, "quant_bits": {"quant_bits": 4},
               "window_size": {"window_size": 32}, "sparse": {"sparse_top_k": 8}, "kv_budget": {"kv_budget": 16},
               "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
-              "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 16},  # needs blocks
+              "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 32},  # needs blocks
               "fused_decode": {"fused_decode": True}, "speculative_method": {"speculative_method": "ngram"},
               "prefill_precision": {"prefill_precision": "bfloat16"}, "prefill_chunk_size": {"prefill_chunk_size": 8}}
     assert set(switch) == set(FEATURES)
@@ -339,7 +339,7 @@ def test_attention_backend_is_torch_or_triton():
         GenerationConfig(attention_backend="triton")
     with pytest.raises(ConfigError, match=r"attention_backend='triton' and quant_bits=2.*quant_bits=8 or 4"):
         GenerationConfig(attention_backend="triton", cache_chunk_size=16, quant_bits=2)
-    GenerationConfig(attention_backend="triton", cache_chunk_size=16, quant_bits=4, window_size=8)  # builds
+    GenerationConfig(attention_backend="triton", cache_chunk_size=32, quant_bits=4, window_size=8)  # builds
 
 
 def test_the_run_rules_name_features_and_the_fused_step_takes_what_they_say():

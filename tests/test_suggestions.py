@@ -49,11 +49,12 @@ def test_a_suggested_group_size_fits_the_model(head_dim, bits):
 @pytest.mark.parametrize("block_size", [1, 5, 16, 24, 33, 100])
 @pytest.mark.parametrize("group_size", [4, 8, 32])
 def test_a_suggested_block_size_holds_whole_groups(block_size, group_size):
-    config = GenerationConfig(quant_bits=4, quant_group_size=group_size, cache_chunk_size=block_size)
-    try:
-        check_run(config, shapes(64))
+    try:  # refused when the config is built: the rule reads no model
+        config = GenerationConfig(quant_bits=4, quant_group_size=group_size, cache_chunk_size=block_size)
     except ConfigError as e:
-        check_run(config.replace(cache_chunk_size=suggested(str(e), "cache_chunk_size")), shapes(64))
+        config = GenerationConfig(quant_bits=4, quant_group_size=group_size,
+                                  cache_chunk_size=suggested(str(e), "cache_chunk_size"))  # raises if it was wrong
+    check_run(config, shapes(64))
 
 
 def test_a_suggested_sink_count_and_residual_build():

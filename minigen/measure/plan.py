@@ -289,9 +289,10 @@ def paged_waste(cfg: ModelConfig, fields: dict, batch: int, context: int,
     block partly empty). {} where the settings do not page (a quantized block must hold whole groups)."""
     out = {}
     for bs in PAGED_CHUNKS:
-        config = GenerationConfig(**dict(fields, cache_chunk_size=bs))
-        if config.quant_bits is not None and bs % config.quant_group_size:
+        group = fields.get("quant_group_size", GenerationConfig.quant_group_size)
+        if fields.get("quant_bits") is not None and bs % group:  # the config would refuse it (combinations.py)
             continue
+        config = GenerationConfig(**dict(fields, cache_chunk_size=bs))
         slots = batch * (math.ceil(context / bs) * bs - context)
         stub = _meta_model(cfg, dtype)
         block = make_cache(stub, config, 1, 2 * bs).nbytes - make_cache(stub, config, 1, bs).nbytes  # one block

@@ -113,9 +113,10 @@ def quantize_matrix(w: Tensor, bits: int, group_size: int) -> QuantizedWeight:
 
 # ---------------------------------------------------------------- quantizing a model
 def check_weight_bits(bits, key: str = "weight_bits") -> None:
-    if bits not in (8, 4) or isinstance(bits, bool):
-        raise ConfigError(f"{key}={bits!r} is invalid: weights are quantized to 8 or 4 bits "
-                          "(load(name, weight_bits=8) or 4; quantize_weights(model, bits=...))")
+    """8 or 4, as an int: 8.0 == 8 in Python, but a bit count is no float (GenerationConfig's quant_bits agrees)."""
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (8, 4):
+        raise ConfigError(f"{key}={bits!r} is invalid: weights are quantized to 8 or 4 bits, so use the integer "
+                          "8 or 4 (load(name, weight_bits=8); quantize_weights(model, bits=4))")
 
 
 def _check(bits, group_size, key: str = "bits") -> None:
