@@ -192,7 +192,7 @@ def cmd_serve_bench(args) -> None:
 
 def cmd_prepare(args) -> None:
     from .loading import prepare_default
-    print(prepare_default(force=args.force))
+    print(prepare_default(force=args.force, repair=True))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,13 +4,16 @@ The one place that reads `$MINIGEN_CACHE`; it imports nothing from the package b
 every module (loading, the C kernel, bench) can import it at the top. The checks here return the
 reason a place cannot be written (None when it can); each caller raises its own error with its own
 fix. Every file the command line writes goes through `check_output_path` (before the run) and
-`write_atomically` / `atomic_path` (after it).
+`write_atomically` / `atomic_path` (after it); every file the cache holds has a digest beside it
+(`write_digest`, `digest_mismatch`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
+import json
 import os
 import stat
 import tempfile
@@ -110,6 +113,50 @@ def write_atomically(path: Path, text: str, flag: str, error: type[MinigenError]
     with atomic_path(path, flag, error) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
+
+
+# ---------------------------------------------------------------- digests of what the cache holds
+def digest_path(path: Path) -> Path:
+    """Where the digest of a cached file lives: beside it, `<name>.digest.json`."""
+    return path.with_name(path.name + ".digest.json")
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_digest(path: Path) -> None:
+    """Record `path`'s size and sha256 beside it, written after the file and atomically (a digest
+    without its file never exists; a file without a digest is treated as written by an older minigen)."""
+    record = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    target = digest_path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_digest(path: Path) -> dict | None:
+    """The recorded {"size", "sha256"} of `path`, or None when there is none or it is unreadable."""
+    try:
+        record = json.loads(digest_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("size"), int) and isinstance(record.get("sha256"), str)
+    return record if ok else None
+
+
+def digest_mismatch(path: Path, record: dict, hash_it: bool = True) -> str | None:
+    """How `path` differs from its recorded digest (size first, then sha256 if hash_it), or None."""
+    size = path.stat().st_size
+    if size != record["size"]:
+        return f"it has {size:,} bytes, not the {record['size']:,} written"
+    if hash_it and file_sha256(path) != record["sha256"]:
+        return "its sha256 differs from the one recorded when it was written (the bytes changed)"
+    return None
 
 
 def _probe(folder: Path) -> str | None:
