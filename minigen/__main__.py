@@ -138,42 +138,36 @@ def cmd_generate(args) -> None:
 def cmd_bench(args) -> None:
     from .measure.bench import check_bench_args, print_report, run_bench
     from .errors import BenchError
-    from .paths import unwritable_file
     # everything that can be checked without the model, before a run of minutes
     check_bench_args(args.prompt_len, args.new_tokens, args.repeats)
-    why = args.json and unwritable_file(Path(args.json))
-    if why:
-        raise BenchError(f"--json {args.json}: cannot write the results there ({why}); pick a file in a "
-                         "folder you can write")
+    _check_json_arg(args.json, BenchError)
     config = _config(args)
     result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
                        compute_dtype=args.compute_dtype, weight_bits=args.weight_bits,
                        llama_cpp="llama.cpp" in args.engine, grounded=args.grounded, draft=args.draft)
     print_report(result)
-    if args.json:
-        try:
-            write_json(result, Path(args.json))
-        except OSError as e:  # checked before the run, but a disk can fill up since
-            raise BenchError(f"--json {args.json}: cannot write the results ({e.strerror}); they are "
-                             "printed above") from None
+    if args.json:  # checked before the run, but a disk can fill up since: BenchError then
+        write_json(result, Path(args.json), BenchError)
         print(f"wrote {args.json}")
 
 
 def _check_json_arg(path: str | None, error) -> None:
-    from .paths import unwritable_file
-    why = path and unwritable_file(Path(path))
-    if why:
-        raise error(f"--json {path}: cannot write the results there ({why}); pick a file in a folder you can write")
+    """Refuse an output file that cannot be written before the run, not after it (paths.py)."""
+    from .paths import check_output_path
+    if path:
+        check_output_path(path, "--json", error)
 
 
 def cmd_profile(args) -> None:
     from . import load
     from .measure.bench import prompt_ids
     from .combinations import Run, check_run
-    from .errors import ConfigError
+    from .errors import BenchError, ConfigError
     from .measure.profiling import check_profile_config, format_profile, profile
-    _check_json_arg(args.json, ConfigError)
+    from .paths import check_output_path
+    _check_json_arg(args.json, BenchError)
+    check_output_path(args.trace, "--trace", BenchError)
     config = _config(args)  # unknown keys and bad values are refused here, before the model loads
     check_profile_config(config, args.steps)  # and what cannot be profiled (use_cache=False, cuda_graphs)
     model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
@@ -184,7 +178,7 @@ def cmd_profile(args) -> None:
     print(format_profile(result))
     print(f"Chrome trace: {args.trace} (open in ui.perfetto.dev or chrome://tracing)")
     if args.json:
-        write_json(result.to_dict(), Path(args.json))
+        write_json(result.to_dict(), Path(args.json), BenchError)
         print(f"wrote {args.json}")
 
 
@@ -196,7 +190,7 @@ def cmd_plan(args) -> None:
                   dtype=args.dtype, cache_chunk_size=args.cache_chunk_size)
     print(format_plan(result))
     if args.json:
-        write_json(result.to_dict(), Path(args.json))
+        write_json(result.to_dict(), Path(args.json), ConfigError)
         print(f"wrote {args.json}")
 
 
@@ -207,19 +201,15 @@ def cmd_ledger(args) -> None:
     claims = load_claims(args.file or CLAIMS)
     print(format_ledger(claims))
     if args.json:
-        write_json(to_dict(claims), Path(args.json))
+        write_json(to_dict(claims), Path(args.json), LedgerError)
         print(f"wrote {args.json}")
 
 
-def write_json(data: dict, path: Path) -> None:
-    """Write `data` to `path` whole or not at all: into a file beside it, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)  # only still there when something failed
+def write_json(data: dict | list, path: Path, error) -> None:
+    """Write `data` to `path` whole or not at all (paths.write_atomically); a full or read-only disk
+    raises `error`, naming the path and the bytes, and leaves no temporary file."""
+    from .paths import write_atomically
+    write_atomically(path, json.dumps(data, indent=2), "--json", error)
 
 
 def cmd_serve_bench(args) -> None:
@@ -234,13 +224,13 @@ def cmd_serve_bench(args) -> None:
                              output_median=args.output_median)
     print(format_serve_bench(result))
     if args.json:
-        write_json(result, Path(args.json))
+        write_json(result, Path(args.json), BenchError)
         print(f"wrote {args.json}")
 
 
 def cmd_prepare(args) -> None:
     from .loading import prepare_default
-    print(prepare_default(force=args.force))
+    print(prepare_default(force=args.force, repair=True))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,12 +7,15 @@ Hugging Face tensor names first, so a local folder, a hub download, a GGUF file 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,7 +25,7 @@ from .errors import ConfigError, ModelLoadError
 from .hardware import check_device
 from .kernels import dispatch
 from .model import Model, ModelConfig
-from .paths import cache_dir, locked, unwritable_dir
+from .paths import cache_dir, digest_mismatch, locked, read_digest, unwritable_dir, write_digest
 from .numerics import w8a8
 from .numerics.precision import Precision, dtype_of
 from .numerics.weight_quant import check_weight_bits, quantize_weights
@@ -184,6 +187,8 @@ def from_hf(hf_model, dtype: torch.dtype | str | None = None) -> Model:
 
 
 def read_safetensors(folder: Path) -> dict[str, Tensor]:
+    """A folder's *.safetensors -> one state dict. A file with a digest beside it (the model cache's
+    conversions) is checked against it first (`damaged`): a corrupt cache never produces output."""
     from safetensors.torch import load_file
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -191,12 +196,67 @@ def read_safetensors(folder: Path) -> dict[str, Tensor]:
                              "or GGUF (never pickled .bin files); convert the checkpoint to safetensors.")
     state: dict[str, Tensor] = {}
     for f in files:
+        why = damaged(f) if read_digest(f) is not None else None
+        if why:
+            raise ModelLoadError(f"{f} is corrupt: {why}. {_redo(folder)}")
         try:
             state.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error type for bad headers and short files
             raise ModelLoadError(f"cannot read {f}: {e}. The file is truncated or corrupt; "
-                                 "download or convert it again.") from None
+                                 f"{_redo(folder)}") from None
+        if folder == cache_dir() / DEFAULT_MODEL and read_digest(f) is None:
+            _trust_once(f)  # converted by an older minigen: it read whole, so record what it holds
     return state
+
+
+# ---------------------------------------------------------------- what the cache holds, checked
+# Each converted file has `<name>.digest.json` beside it (size and sha256, paths.write_digest). The
+# size is checked at every load; the sha256 (0.7 to 0.8 s for SmolLM2's 538 MB on this course's
+# CPU) once per process and file, then again only if the file's size or mtime changed.
+_hashed: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) whose sha256 matched here
+
+
+def damaged(weights: Path) -> str | None:
+    """Why a converted weights file does not hold what was written, or None. Without a digest (a
+    cache from an older minigen), the size its own header implies is checked instead."""
+    record = read_digest(weights)
+    if record is None:
+        return _header_size_mismatch(weights)
+    st = weights.stat()
+    key = (str(weights), st.st_size, st.st_mtime_ns)
+    why = digest_mismatch(weights, record, hash_it=key not in _hashed)
+    if why is None:
+        _hashed.add(key)
+    return why
+
+
+def _header_size_mismatch(weights: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes, whose
+    last offset the header gives: a file of another size was cut or appended to."""
+    size = weights.stat().st_size
+    try:
+        with open(weights, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n <= size else None
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    except Exception:  # short, not JSON, no tensors: all mean the same here
+        return f"its header is unreadable ({size:,} bytes)"
+    if 8 + n + end != size:
+        return f"it has {size:,} bytes, but its header describes {8 + n + end:,}"
+    return None
+
+
+def _trust_once(weights: Path) -> None:
+    """Record a digest for a file that predates digests (trust on first use, after a whole read)."""
+    with contextlib.suppress(OSError):  # a read-only cache still loads, unchecked
+        write_digest(weights)
+
+
+def _redo(folder: Path) -> str:
+    """The fix for a corrupt file in `folder`: the command, for the cache's own conversion."""
+    if folder == cache_dir() / DEFAULT_MODEL:
+        return "Convert it again with: python -m minigen prepare"
+    return "Download or convert it again."
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
@@ -264,19 +324,26 @@ def default_gguf_path() -> Path:
     return path
 
 
-def prepare_default(force: bool = False) -> Path:
+def prepare_default(force: bool = False, repair: bool = False) -> Path:
     """Convert the bundled GGUF once into a Hugging Face folder in the cache; return the folder.
 
     Safe to interrupt and to run twice at once: the conversion is written into a hidden
     `.convert-<pid>-*` folder and renamed into place under a lock, so a second run waits and then
     finds the finished folder, and a later run removes what a killed conversion left behind.
+    repair=True (`python -m minigen prepare`) checks a finished conversion (`damaged`) and converts
+    again when it is cut or corrupt; `load` leaves that check to `read_safetensors`, which names the command.
     """
     root = cache_dir()
     folder = root / DEFAULT_MODEL
     if root.is_dir():
         remove_stale_conversions(root)
-    if (folder / "model.safetensors").exists() and not force:
-        return folder
+    weights = folder / "model.safetensors"
+    if weights.exists() and not force:
+        why = damaged(weights) if repair else None
+        if why is None:
+            return folder
+        print(f"{weights} is corrupt ({why}): converting it again", file=sys.stderr)
+        force = True
     why = unwritable_dir(root)  # checked before the conversion's seconds of work, not after
     if why:
         raise ModelLoadError(f"cannot convert {DEFAULT_MODEL!r} into the model cache {root}: {why}. Point "
@@ -284,29 +351,74 @@ def prepare_default(force: bool = False) -> Path:
                              "or fix that folder's permissions.")
     gguf = default_gguf_path()
     with locked(root / f".{DEFAULT_MODEL}.lock"):
-        if (folder / "model.safetensors").exists() and not force:
+        if weights.exists() and not force:
             return folder  # another process converted it while this one waited for the lock
         _convert(gguf, folder)
     return folder
 
 
 def _convert(gguf: Path, folder: Path) -> None:
-    from safetensors.torch import save_file
+    from gguf import GGUFReader
     from transformers import AutoTokenizer
+    # refused before the seconds of dequantizing: every tensor becomes fp32 (4 bytes an element)
+    _check_space(folder, 4 * sum(int(t.n_elements) for t in GGUFReader(str(gguf)).tensors))
     hf_cfg, state = read_gguf(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    write_converted(folder, hf_cfg, state, tokenizer.save_pretrained)
+
+
+# config.json, the tokenizer (3.5 MB for SmolLM2) and the safetensors header, above the tensors' bytes
+CONVERSION_SLACK_BYTES = 64 * 2**20
+
+
+def write_converted(folder: Path, hf_cfg: dict, state: dict[str, Tensor],
+                    save_tokenizer: Callable[[str], object]) -> None:
+    """Write a converted model (config.json, model.safetensors and its digest, the tokenizer) as
+    `folder`: into a hidden folder beside it, renamed into place, so an interrupted or failed run
+    leaves nothing half-done. Refused before writing when the disk cannot hold it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+    root = folder.parent
+    need = _check_space(folder, sum(t.numel() * t.element_size() for t in state.values()))
     # the pid in the name lets a later run tell a conversion in progress from one that was killed
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".convert-{os.getpid()}-"))
-    try:  # write into a temporary folder and rename, so an interrupted run leaves nothing half-done
-        new = tmp / DEFAULT_MODEL
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".convert-{os.getpid()}-"))
+    failed = None
+    try:
+        new = tmp / folder.name
         new.mkdir()
         (new / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         save_file({k: v.contiguous() for k, v in state.items()}, str(new / "model.safetensors"))
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(new))
+        write_digest(new / "model.safetensors")  # after the file: a digest means the file is whole
+        save_tokenizer(str(new))
         if folder.exists():  # force=True, or a damaged copy: move it aside, to be removed with tmp
             folder.rename(tmp / "old")
         new.rename(folder)
+    except (OSError, SafetensorError) as e:  # the disk filled up anyway (another writer), or went read-only
+        failed = e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    if failed is not None:
+        raise ModelLoadError(f"writing the converted {folder.name!r} failed ({_short(failed)}); nothing was "
+                             f"kept. {_no_space(folder, need)}") from None
+
+
+def _check_space(folder: Path, tensor_bytes: int) -> int:
+    """Refuse a conversion whose tensors (plus CONVERSION_SLACK_BYTES) the disk cannot hold -> the bytes needed."""
+    need = tensor_bytes + CONVERSION_SLACK_BYTES
+    if shutil.disk_usage(folder.parent).free < need:
+        raise ModelLoadError(f"cannot convert {folder.name!r}: {_no_space(folder, need)}")
+    return need
+
+
+def _no_space(folder: Path, need: int) -> str:
+    free = shutil.disk_usage(folder.parent).free
+    return (f"it needs {need / 1e6:,.0f} MB in the model cache {folder.parent}, which has {free / 1e6:,.0f} MB "
+            "free: free some space there, or point MINIGEN_CACHE at a folder on a larger disk "
+            "(export MINIGEN_CACHE=/path/with/space)")
+
+
+def _short(e: Exception) -> str:
+    return getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
 
 
 def remove_stale_conversions(root: Path) -> list[Path]:

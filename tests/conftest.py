@@ -6,7 +6,9 @@ shares one copy. Tests must not modify the model's weights.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -115,3 +117,45 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------- issue 25, items 10-12 (files)
+@pytest.fixture
+def files_tiny_cache(tmp_path, monkeypatch):
+    """MINIGEN_CACHE in tmp_path holding a tiny Llama converted as the default model (with its
+    digest, as `prepare` writes it), and a `prepare` whose conversion writes that tiny model again
+    instead of reading the bundled GGUF -> (cache, weights, conversions: the folders converted since)."""
+    from minigen import loading
+    from test_loading import save_tiny_tokenizer
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MINIGEN_CACHE", str(cache))
+    hf = tiny_hf("llama")
+    conversions = []
+
+    def convert(gguf, folder):  # loading._convert's writing half, on the tiny model
+        conversions.append(folder)
+        loading.write_converted(folder, hf.config.to_dict(), hf.state_dict(), save_tiny_tokenizer)
+    monkeypatch.setattr(loading, "_convert", convert)
+    monkeypatch.setattr(loading, "default_gguf_path", lambda: tmp_path / "bundled.gguf")  # never read
+    convert(None, cache / loading.DEFAULT_MODEL)
+    conversions.clear()
+    return SimpleNamespace(cache=cache, weights=cache / loading.DEFAULT_MODEL / "model.safetensors",
+                           conversions=conversions)
+
+
+@pytest.fixture(scope="session")
+def files_built_kernel(tmp_path_factory):
+    """A kernels folder holding the C kernel built by this minigen, with its digest (built in a
+    subprocess into its own cache: ~30 s on two busy cores) -> the folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    import minigen
+    cache = tmp_path_factory.mktemp("files-kernel")
+    env = {**os.environ, "MINIGEN_CACHE": str(cache), "PYTHONPATH": str(Path(minigen.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", "from minigen.kernels import build; print(build.status())"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if not done.stdout.startswith("built"):
+        pytest.skip(f"the C kernel does not build here: {done.stdout}{done.stderr[-300:]}")
+    return cache / "kernels"

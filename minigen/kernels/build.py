@@ -44,7 +44,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..paths import cache_dir
+from ..paths import cache_dir, digest_mismatch, digest_path, read_digest, write_digest
 
 SOURCE = Path(__file__).parent / "csrc"  # the kernels' C: every .c file here, built into one library
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
@@ -90,6 +90,7 @@ def _prune(kernels: Path, keep: Path) -> None:
         with contextlib.suppress(OSError):  # another process pruning, or a file we may not remove
             if lib != keep and lib.stat().st_mtime < old:
                 lib.unlink()
+                digest_path(lib).unlink(missing_ok=True)
 
 
 def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
@@ -104,8 +105,27 @@ def _compile(cc: str, flags: list[str], lib_path: Path) -> str | None:
         if done.returncode != 0:
             return done.stderr.strip()[-500:]
         os.replace(out, lib_path)
+    write_digest(lib_path)  # after the library: checked before every dlopen (_load)
     _prune(lib_path.parent, lib_path)
     return None
+
+
+def _load(lib_path: Path) -> ctypes.CDLL | None:
+    """Load a built library and declare its functions -> the library, or None when the file is not
+    the one built here. Its size and sha256 (45 to 60 KB: well under a millisecond) are checked
+    against its digest BEFORE dlopen: the dynamic loader maps a cut file and crashes with SIGBUS
+    when it touches the missing pages, which no `except` can catch. A file without a digest (built
+    by an older minigen) is rebuilt too: two seconds, once. A foreign library that loads but lacks
+    our functions (AttributeError) is refused as well."""
+    record = read_digest(lib_path)
+    if record is None or digest_mismatch(lib_path, record) is not None:
+        return None
+    try:
+        lib = ctypes.CDLL(str(lib_path))
+        _declare(lib)
+    except (OSError, AttributeError):  # not a library, or another library than ours
+        return None
+    return lib
 
 
 def _build() -> tuple[ctypes.CDLL, bool]:
@@ -131,45 +151,51 @@ def _build() -> tuple[ctypes.CDLL, bool]:
             complaint = _compile(cc, flags, lib_path) or ""
             if complaint:
                 continue
-        try:
-            lib = ctypes.CDLL(str(lib_path))
-        except OSError:  # a truncated or foreign file in the cache: build it again, once
+        lib = _load(lib_path)
+        if lib is None:  # a truncated, corrupt or foreign file in the cache: build it again, once
             lib_path.unlink(missing_ok=True)
             complaint = _compile(cc, flags, lib_path) or ""
             if complaint:
                 continue
-            lib = ctypes.CDLL(str(lib_path))
+            lib = _load(lib_path)
+            if lib is None:
+                raise RuntimeError(f"{lib_path} was rebuilt but does not load; remove {lib_path.parent} "
+                                   "and try again")
         with contextlib.suppress(OSError):  # in use: _prune keeps it (a read-only cache still works)
             os.utime(lib_path)
-        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        for fn in (lib.gemv_f32, lib.gemv_bf16):
-            fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
-        lib.gemv_f32.restype = None
-        lib.gemv_bf16.restype = ctypes.c_int  # 0, or -1 without memory for its work buffer
-        lib.gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # W, x, y, n, k, M, threads
-        lib.gemm_f32.restype = None
-        lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
-        lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
-        lib.gemv_q8.restype = None
-        lib.gemv_q4.restype = ctypes.c_int  # the same
-        lib.gemv_late_regions.restype = i64
-        # layers, L, dims, tokens [B], B, x [B, D], pos (steps/fused.py); verify_layers: T for B, positions pos..
-        for fn in (lib.decode_layers, lib.verify_layers):
-            fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64]
-            fn.restype = ctypes.c_int
-        lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
-        lib.attend_decode.restype = ctypes.c_int
-        lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps
-        lib.rms_norm_rows.restype = None
-        lib.dequant_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, mins, out, n, k, G
-        lib.dequant_rows.restype = None
-        lib.quantize_rows_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # x, keep (0 in outlier columns), codes, scales, M, k
-        lib.quantize_rows_s8.restype = None
-        # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
-        lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
-        lib.gemm_q.restype = ctypes.c_int
         return lib, openmp
     raise RuntimeError(f"{cc} failed to build {SOURCE.name}/: {complaint}")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Give every function of the library its C signature; AttributeError if one is missing."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in (lib.gemv_f32, lib.gemv_bf16):
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_int]  # W, x, y, n, k, threads
+    lib.gemv_f32.restype = None
+    lib.gemv_bf16.restype = ctypes.c_int  # 0, or -1 without memory for its work buffer
+    lib.gemm_f32.argtypes = [ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # W, x, y, n, k, M, threads
+    lib.gemm_f32.restype = None
+    lib.gemv_q8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
+    lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
+    lib.gemv_q8.restype = None
+    lib.gemv_q4.restype = ctypes.c_int  # the same
+    lib.gemv_late_regions.restype = i64
+    # layers, L, dims, tokens [B], B, x [B, D], pos (steps/fused.py); verify_layers: T for B, positions pos..
+    for fn in (lib.decode_layers, lib.verify_layers):
+        fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64]
+        fn.restype = ctypes.c_int
+    lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
+    lib.attend_decode.restype = ctypes.c_int
+    lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps
+    lib.rms_norm_rows.restype = None
+    lib.dequant_rows.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, mins, out, n, k, G
+    lib.dequant_rows.restype = None
+    lib.quantize_rows_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64]  # x, keep (0 in outlier columns), codes, scales, M, k
+    lib.quantize_rows_s8.restype = None
+    # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
+    lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.gemm_q.restype = ctypes.c_int
 
 
 def library() -> ctypes.CDLL | None:

@@ -31,8 +31,9 @@ from ..steps.choose import choose_step
 from ..caches import contiguous, h2o, offload, paged, quantized, window
 from ..caches.make import make_cache
 from ..config import GenerationConfig
-from ..errors import ConfigError
+from ..errors import BenchError, ConfigError
 from ..generate import GenerationStats, check_prompt, make_policy, stream
+from ..paths import atomic_path, check_output_path
 from ..sampling import sample
 
 CATEGORY_NAMES = ("matrix products", "attention", "norms", "RoPE", "cache update", "sampling", "rest")
@@ -182,9 +183,11 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
             warmup: int = 3, trace: str | Path | None = None) -> Profile:
     """Profile `steps` decode steps of `model_` after `input_ids` [1, T] under `config`.
 
-    Refused before any work when the config cannot run here (ConfigError, PromptError)."""
+    Refused before any work when the config cannot run here (ConfigError, PromptError), or when
+    `trace` cannot be written (BenchError); the trace is written whole or not at all."""
     config = config or GenerationConfig()
     check_profile_config(config, steps)
+    trace = None if trace is None else check_output_path(trace, "trace=", BenchError)  # before, not after, the run
     T = input_ids.shape[1]
     total = warmup + 2 * steps
     run = config.replace(max_new_tokens=total)
@@ -233,8 +236,9 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     # rest: dispatch and Python, the step minus its categories (and the profiler's cost)
     raw["rest"] += max(0.0, profiled_step - sum(raw.values()))
     per_step["rest"] += max(0.0, profiled_step - n_events * probe / steps - sum(per_step.values()))
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
+    if trace is not None:  # whole or not at all, and a full disk says so (paths.atomic_path)
+        with atomic_path(trace, "trace=", BenchError) as tmp:
+            prof.export_chrome_trace(str(tmp))
     top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
     return Profile(step_s=sorted(times)[len(times) // 2], profiled_step_s=profiled_step, categories=per_step,
                    profiled_categories=raw, probe_s=probe, events_per_step=n_events // steps,
