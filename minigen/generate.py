@@ -254,20 +254,17 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     Sample r draws from its own generator, seeded (seed + r) mod 2**64: it equals
     generate(model, input_ids, config, seed=seed + r), and the n samples differ.
     """
+    _check_parallel_args(input_ids, n)
     config = resolve_config(config, overrides)
     if config.cache_chunk_size is None:
         config = config.replace(cache_chunk_size=16)
     if config.prefetch_depth is not None:
         raise ConfigError(f"parallel_sample forks the paged cache's rows, which an offload tier "
                           f"(prefetch_depth={config.prefetch_depth}) holds: set prefetch_depth=None")
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"n={n!r} is invalid: use an integer >= 1 (samples to draw)")
     if config.speculative_method is not None:
         raise ConfigError(f"parallel_sample forks one prompt's blocks into n rows, and speculative_method="
                           f"{config.speculative_method!r} verifies each row at its own positions: set "
                           "speculative_method=None, or generate(model, ids.expand(n, -1), config, do_sample=True)")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise PromptError(f"parallel_sample takes one prompt [1, T], got shape {tuple(input_ids.shape)}")
     check_prompt(model, input_ids, config.max_new_tokens, config)
     step = choose_step(model, config, n)  # paged: the eager step (the table keeps the fused one off)
     T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
@@ -289,6 +286,22 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
                             cache.allocator.shared_hit_rate)
     cache.free()
     return result
+
+
+def _check_parallel_args(input_ids, n) -> None:
+    """parallel_sample's arguments, before any work: n an int >= 1 (a bool is not a count), one prompt [1, T]."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"n={n!r} is invalid: use an integer >= 1 (samples to draw)")
+    if not isinstance(input_ids, Tensor):
+        got = f"a {type(input_ids).__name__}"
+    elif input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        got = f"shape {tuple(input_ids.shape)}"
+    elif input_ids.dtype not in (torch.int64, torch.int32):
+        got = f"dtype {input_ids.dtype}"
+    else:
+        return
+    raise PromptError(f"parallel_sample takes one prompt, a [1, T] integer tensor of token ids; got {got}: use "
+                      "tokenizer(text, return_tensors='pt').input_ids, or torch.tensor([ids])")
 
 
 # ---------------------------------------------------------------- ragged batches: one position vector per row

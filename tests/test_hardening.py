@@ -98,6 +98,26 @@ def _(tiny_model):
     assert any(g[-8:].tolist() != [0] * 8 for g in greedy)  # greedy is not the NaN's argmax, token 0
 
 
+@case("parallel-sample-n-bool")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, torch.tensor([[3, 1, 4]]), True)
+
+
+@case("parallel-sample-list-prompt")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, [1, 2, 3], 2)
+
+
+@case("parallel-sample-1d-prompt")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, torch.tensor([1, 2, 3]), 2)
+
+
+@case("parallel-sample-float-prompt")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, torch.tensor([[1.0, 2.0]]), 2)
+
+
 # ---------------------------------------------------------------- 3, 4: the Engine's requests and sizes
 
 
