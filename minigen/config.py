@@ -78,10 +78,14 @@ class GenerationConfig:
     # --- sampling (chapter 1) ---
     max_new_tokens: int = 32  # tokens to generate after the prompt
     do_sample: bool = False  # False: greedy argmax; True: sample from the tempered distribution
-    temperature: float = 1.0  # logits are divided by this before sampling (finite, > 0); needs do_sample
+    # logits are divided by this before sampling (finite, > 0); needs do_sample. Below
+    # torch.finfo(torch.float32).tiny (~1.2e-38, where 1/T overflows) sampling is greedy (sampling.py)
+    temperature: float = 1.0
     top_k: int | None = None  # keep only the k most likely tokens before sampling; None: all
     top_p: float | None = None  # keep the smallest set whose probability mass reaches p; None: all
-    seed: int | None = None  # seed of the sampling generator; None: nondeterministic
+    # seed of the sampling generators: row r of a batch draws from its own, seeded (seed + r) mod 2**64
+    # (row 0 = the prompt alone with this seed); None: fresh entropy for each row
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # stop a sequence at these ids; None: the model's eos
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step

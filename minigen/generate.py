@@ -30,7 +30,7 @@ from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
 from .numerics.precision import prompt_products
-from .sampling import make_generator, sample
+from .sampling import Generators, make_generators, sample
 from .steps.choose import choose_step
 from .steps.eager import EagerStep
 
@@ -116,7 +116,7 @@ def _record_cache(stats: GenerationStats, cache: Cache | None) -> None:
 def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tensor, cache: Cache | None,
               policy: AttentionPolicy | None, config: GenerationConfig, stats: GenerationStats,
               next_pos: Callable[[int, Tensor], Tensor], stop: bool = True,
-              generator: torch.Generator | None = None,
+              generators: Generators = None,
               after_prefill: Callable[[Tensor], Tensor] | None = None) -> Iterator[Tensor]:
     """The loop itself: prefill input_ids [B, T] at input_pos, then sample and decode until
     max_new_tokens or (with `stop`) every row has produced a stop token. Yields the next tokens [B]
@@ -125,6 +125,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     next_pos(i, finished [B] bool) gives the positions of step i's token: [1] for rows in lockstep,
     or [B, 1] per row. A finished row is fed its stop token again (its output is discarded).
     after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
+    generators: one per row of the sampled batch (sampling.make_generators), None when greedy.
     """
     n = config.max_new_tokens
     stats.step = step.name
@@ -143,7 +144,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=input_ids.device)  # [B] (after a fork: n)
         for i in range(n):
             # a CUDA-graph step samples inside its graph: from the second token on, `logits` are tokens
-            token = logits if step.samples_inside and i > 0 else sample(logits, config, generator)  # [B]
+            token = logits if step.samples_inside and i > 0 else sample(logits, config, generators)  # [B]
             token = torch.where(finished, torch.full_like(token, pad), token)
             now = time.perf_counter()
             if i == 0:
@@ -175,18 +176,18 @@ def _finish_stats(stats: GenerationStats, start: float) -> None:
 
 
 def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig,
-                 observers: tuple[AttentionObserver, ...], draft_model) -> tuple[EagerStep, torch.Generator | None]:
-    """A tensor batch's checks and its step, before any work (so that stream raises at the call,
-    not at its first next())."""
+                 observers: tuple[AttentionObserver, ...], draft_model) -> tuple[EagerStep, Generators]:
+    """A tensor batch's checks, its step and its generators (one per row), before any work (so that
+    stream raises at the call, not at its first next())."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    generator = make_generator(config, input_ids.device)
-    return choose_step(model, config, input_ids.shape[0], observers, sample, generator, draft_model=draft_model,
-                       max_len=input_ids.shape[1] + config.max_new_tokens), generator
+    generators = make_generators(config, input_ids.shape[0], input_ids.device)
+    return choose_step(model, config, input_ids.shape[0], observers, sample, generators, draft_model=draft_model,
+                       max_len=input_ids.shape[1] + config.max_new_tokens), generators
 
 
 def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, stats: GenerationStats,
                   observers: tuple[AttentionObserver, ...], step: EagerStep,
-                  generator: torch.Generator | None) -> Iterator[Tensor]:
+                  generators: Generators) -> Iterator[Tensor]:
     """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep (the loop
     feeds the rows in lockstep; a speculative step's rows verify at their own positions)."""
     B, T = input_ids.shape
@@ -196,7 +197,7 @@ def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, sta
         policy = make_policy(config, cache, observers)
     input_pos = torch.arange(T, device=input_ids.device)
     yield from run_steps(model, step, input_ids, input_pos, cache, policy, config, stats,
-                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), generator=generator)
+                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), generators=generators)
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
@@ -209,13 +210,15 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     `observers` see every layer's attention probabilities (e.g. entropy.EntropyMonitor).
     `draft_model` proposes tokens for speculative_method="draft" (steps/speculative.py): any minigen
     Model with the target's vocabulary (minigen.drafts makes them from the target).
+    With do_sample, row r draws from its own generator seeded (seed + r) mod 2**64 (sampling.py):
+    its tokens equal that prompt generated alone with that seed, whatever it is batched with.
     """
     config = resolve_config(config, overrides)
     if isinstance(input_ids, (list, tuple)):
         return _generate_ragged(model, input_ids, config, tuple(observers), draft_model)
     stats = GenerationStats()
-    step, generator = _start_batch(model, input_ids, config, tuple(observers), draft_model)
-    new = list(_stream_batch(model, input_ids, config, stats, tuple(observers), step, generator))
+    step, generators = _start_batch(model, input_ids, config, tuple(observers), draft_model)
+    new = list(_stream_batch(model, input_ids, config, stats, tuple(observers), step, generators))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
 
@@ -227,9 +230,9 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
-    step, generator = _start_batch(model, input_ids, config, tuple(observers), draft_model)
+    step, generators = _start_batch(model, input_ids, config, tuple(observers), draft_model)
     return _stream_batch(model, input_ids, config, stats if stats is not None else GenerationStats(),
-                         tuple(observers), step, generator)
+                         tuple(observers), step, generators)
 
 
 # ---------------------------------------------------------------- prefix sharing: parallel sampling
@@ -248,21 +251,20 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
 
     Every row runs max_new_tokens (stop tokens are ignored). cache_chunk_size defaults to 16; the
     cache is paged (and may be quantized, windowed or offloaded before the fork, as the config says).
+    Sample r draws from its own generator, seeded (seed + r) mod 2**64: it equals
+    generate(model, input_ids, config, seed=seed + r), and the n samples differ.
     """
+    _check_parallel_args(input_ids, n)
     config = resolve_config(config, overrides)
     if config.cache_chunk_size is None:
         config = config.replace(cache_chunk_size=16)
     if config.prefetch_depth is not None:
         raise ConfigError(f"parallel_sample forks the paged cache's rows, which an offload tier "
                           f"(prefetch_depth={config.prefetch_depth}) holds: set prefetch_depth=None")
-    if not isinstance(n, int) or n < 1:
-        raise ConfigError(f"n={n!r} is invalid: use an integer >= 1 (samples to draw)")
     if config.speculative_method is not None:
         raise ConfigError(f"parallel_sample forks one prompt's blocks into n rows, and speculative_method="
                           f"{config.speculative_method!r} verifies each row at its own positions: set "
                           "speculative_method=None, or generate(model, ids.expand(n, -1), config, do_sample=True)")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise PromptError(f"parallel_sample takes one prompt [1, T], got shape {tuple(input_ids.shape)}")
     check_prompt(model, input_ids, config.max_new_tokens, config)
     step = choose_step(model, config, n)  # paged: the eager step (the table keeps the fused one off)
     T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
@@ -278,12 +280,28 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
 
     tokens = list(run_steps(model, step, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
                             config, GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
-                            stop=False, generator=make_generator(config, input_ids.device), after_prefill=fork))
+                            stop=False, generators=make_generators(config, n, input_ids.device), after_prefill=fork))
     out = torch.cat([input_ids.expand(n, -1), torch.stack(tokens, dim=1)], dim=1) if tokens else input_ids.expand(n, -1)
     result = ParallelSample(out, forked[0] if forked else cache.allocator.n_used, cache.allocator.n_used, unshared,
                             cache.allocator.shared_hit_rate)
     cache.free()
     return result
+
+
+def _check_parallel_args(input_ids, n) -> None:
+    """parallel_sample's arguments, before any work: n an int >= 1 (a bool is not a count), one prompt [1, T]."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ConfigError(f"n={n!r} is invalid: use an integer >= 1 (samples to draw)")
+    if not isinstance(input_ids, Tensor):
+        got = f"a {type(input_ids).__name__}"
+    elif input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        got = f"shape {tuple(input_ids.shape)}"
+    elif input_ids.dtype not in (torch.int64, torch.int32):
+        got = f"dtype {input_ids.dtype}"
+    else:
+        return
+    raise PromptError(f"parallel_sample takes one prompt, a [1, T] integer tensor of token ids; got {got}: use "
+                      "tokenizer(text, return_tensors='pt').input_ids, or torch.tensor([ids])")
 
 
 # ---------------------------------------------------------------- ragged batches: one position vector per row
@@ -312,8 +330,8 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
                           "Generate the prompts one at a time, or as one [B, T] tensor of equal lengths.")
     lens = [p.numel() for p in prompts]
     B, T = len(prompts), max(lens)
-    generator = make_generator(config, model.device)
-    step = choose_step(model, config, len(prompts), generator=generator, ragged=True, draft_model=draft_model,
+    generators = make_generators(config, B, model.device)  # row r: seed + r
+    step = choose_step(model, config, B, generators=generators, ragged=True, draft_model=draft_model,
                        max_len=T + config.max_new_tokens)
     stats, device, n = GenerationStats(), model.device, config.max_new_tokens
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
@@ -328,7 +346,7 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     def next_pos(i: int, finished: Tensor) -> Tensor:  # [B, 1]: each row after its own prompt; -1 once done
         return torch.where(finished, -1, row_lens + i)[:, None]
 
-    new = list(run_steps(model, step, ids, pos, cache, policy, config, stats, next_pos, generator=generator))
+    new = list(run_steps(model, step, ids, pos, cache, policy, config, stats, next_pos, generators=generators))
     stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
     out: list[list[int]] = [[] for _ in range(B)]
     for token in new:  # each row up to and including its own stop

@@ -13,7 +13,7 @@ import torch
 
 import minigen
 from conftest import tiny_hf
-from minigen import CacheFullError, GenerationConfig, sample
+from minigen import CacheFullError, GenerationConfig, drafts, sample
 from minigen.caches.contiguous import KVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -86,6 +86,44 @@ def test_sampling_draws_each_row_independently(tiny_llama):
     out = minigen.generate(tiny_llama[1], ids, max_new_tokens=20, do_sample=True, seed=0,
                            stop_token_ids=[])
     assert not torch.equal(out.tokens[0], out.tokens[1])
+
+
+def test_unseeded_rows_draw_their_own_entropy(tiny_llama):
+    ids = ids_of(1, 5).repeat(2, 1)  # two identical prompts, seed=None: each row's generator its own
+    out = minigen.generate(tiny_llama[1], ids, max_new_tokens=20, do_sample=True, stop_token_ids=[])
+    assert not torch.equal(out.tokens[0], out.tokens[1])
+
+
+def test_draft_speculative_sampled_rows_equal_alone(tiny_llama):
+    """Regression (issue 25): a batch's rows shared one generator, so the draft's proposals and the
+    acceptance draws of row 0 depended on row 1. Row r now draws from its own, seeded seed + r."""
+    model = tiny_llama[1]
+    draft = drafts.layer_skip(model, 1)
+    prompts = [torch.tensor([3, 1, 4, 3, 1, 4, 3, 1]), torch.tensor([9, 2, 9, 2, 9])]
+    kw = dict(max_new_tokens=12, do_sample=True, temperature=1.0, stop_token_ids=[], speculative_method="draft",
+              num_speculative_tokens=3, draft_model=draft)
+    out = minigen.generate(model, prompts, seed=11, **kw).tokens
+    for r, p in enumerate(prompts):
+        assert out[r].tolist() == minigen.generate(model, p[None], seed=11 + r, **kw).tokens[0].tolist(), r
+
+
+def test_a_denormal_temperature_is_greedy_in_every_path(tiny_llama):
+    """Regression (issue 25): temperature=5e-324 is 0.0 in float32 and gave token 0 (the argmax of
+    0/0 = NaN). Below torch.finfo(float32).tiny sampling is greedy by rule, on every path."""
+    model = tiny_llama[1]
+    draft = drafts.layer_skip(model, 1)
+    prompts = [torch.tensor([3, 1, 4, 3, 1, 4, 3, 1]), torch.tensor([9, 2, 9, 2, 9])]
+    greedy = [t.tolist() for t in minigen.generate(model, prompts, max_new_tokens=8, stop_token_ids=[]).tokens]
+    tiny = dict(max_new_tokens=8, stop_token_ids=[], do_sample=True, temperature=5e-324, seed=0)
+    for extra in ({}, {"speculative_method": "ngram"}, {"speculative_method": "draft", "draft_model": draft}):
+        assert [t.tolist() for t in minigen.generate(model, prompts, **tiny, **extra).tokens] == greedy, extra
+    forked = minigen.parallel_sample(model, prompts[0][None], 3, **tiny).tokens
+    assert [row.tolist() for row in forked] == [greedy[0]] * 3
+    engine = minigen.Engine(model, {"cache_chunk_size": 4})
+    for p in prompts:
+        engine.add_request(p, **tiny)
+    served = engine.run()
+    assert [served[r].tolist() for r in range(2)] == greedy
 
 
 def test_unseeded_sampling_leaves_global_rng_alone(tiny_llama):

@@ -23,6 +23,7 @@ from ..config import GenerationConfig
 from ..kernels import build as kernel_build
 from ..kernels import cpu, triton_attention
 from ..numerics import w8a8
+from ..sampling import Generators
 from . import fused, speculative
 from .eager import EagerStep, NaiveStep
 from .graphs import CompiledStep, GraphedStep
@@ -63,10 +64,10 @@ def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> b
 
 
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
-                sample: Callable | None = None, generator: torch.Generator | None = None,
+                sample: Callable | None = None, generators: Generators = None,
                 ragged: bool = False, draft_model=None, max_len: int | None = None) -> EagerStep:
-    """The step object for one generation of `batch` rows (sample and generator: for a CUDA graph,
-    which samples inside the graph, and for speculative sampling). Here, once, the config meets the
+    """The step object for one generation of `batch` rows (sample and generators, one per row: for
+    a CUDA graph, which samples inside the graph, and for speculative sampling). Here, once, the config meets the
     model and the machine (combinations.check_run): a setting they cannot run is refused with
     ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py): its
     draft model's cache holds `max_len` positions; several rows run at their own positions."""
@@ -75,19 +76,19 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
         if batch > 1 and not ragged:
             check_rows(config, "speculative decoding of several rows (each accepts its own count of tokens, so "
                        "the rows move apart)", RAGGED_REFUSED)
-        target = _choose(model, config, batch, observers, sample, generator, ragged or batch > 1)
+        target = _choose(model, config, batch, observers, sample, generators, ragged or batch > 1)
         if config.speculative_method == "ngram":
             proposer = speculative.NgramProposer(config)
         else:  # the draft runs its own fastest step (fused at batch 1 where it applies)
             draft = speculative.draft_config(config)
             proposer = speculative.DraftProposer(draft_model, draft, _choose(draft_model, draft, batch, (), None, None,
                                                                              batch > 1), batch, max_len)
-        return speculative.SpeculativeStep(target, proposer, config, generator, ragged or batch > 1)
-    return _choose(model, config, batch, observers, sample, generator, ragged)
+        return speculative.SpeculativeStep(target, proposer, config, generators, ragged or batch > 1)
+    return _choose(model, config, batch, observers, sample, generators, ragged)
 
 
 def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sample: Callable | None,
-            generator: torch.Generator | None, ragged: bool) -> EagerStep:
+            generators: Generators, ragged: bool) -> EagerStep:
     """choose_step's plain steps (and a speculative step's target)."""
     if ragged:
         check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
@@ -96,7 +97,7 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
     if not config.use_cache:
         return NaiveStep()  # (prefill_chunk_size needs a cache: the config refuses it here)
     if config.cuda_graphs:
-        step = GraphedStep(sample, config, generator)
+        step = GraphedStep(sample, config, generators)
     elif config.compile:
         step = CompiledStep(model)
     elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)):

@@ -60,9 +60,9 @@ class CudaGraphDecoder:
     """
 
     def __init__(self, step: Callable, sample: Callable, model, cache, policy, config, batch: int,
-                 position: int, generator: torch.Generator | None):
+                 position: int, generators: list[torch.Generator] | None):
         """step: eager.decode_step; sample: sampling.sample (passed in, so that this module
-        stays below generate.py)."""
+        stays below generate.py); generators: one per row (sampling.make_generators), None: greedy."""
         if model.device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
                               "model.to('cuda'), or compile=True on a CPU")
@@ -70,11 +70,11 @@ class CudaGraphDecoder:
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
         self.pos = torch.tensor([position], device=device)  # [1]
         self.graph = torch.cuda.CUDAGraph()
-        state = generator.get_state() if generator is not None else None
+        states = [g.get_state() for g in generators or ()]
 
         def one_step() -> Tensor:
             logits = step(model, self.tokens, self.pos, cache, policy)
-            return sample(logits, config, generator)  # [B]
+            return sample(logits, config, generators)  # [B]: row b's clocks from generator b
 
         # Warm up on a side stream (allocator pools, lazy inits), at the first real position: its
         # writes are rewritten by the first replay, so the cache ends as eager would leave it.
@@ -84,9 +84,12 @@ class CudaGraphDecoder:
             for _ in range(2):
                 one_step()
         torch.cuda.current_stream(device).wait_stream(side)
-        if generator is not None:  # the warm-up drew noise: start the replays where eager would
-            generator.set_state(state)
-            self.graph.register_generator_state(generator)
+        # The warm-up drew noise: start the replays where eager would. Each row's generator is
+        # registered with the graph, which then advances its offset at every replay, so a row
+        # replays the draws it makes in eager mode, whatever the other rows draw.
+        for g, state in zip(generators or (), states):
+            g.set_state(state)
+            self.graph.register_generator_state(g)
         with torch.cuda.graph(self.graph):
             self.next = one_step()
 
@@ -132,8 +135,8 @@ class GraphedStep(EagerStep):
     name = "graphed"
     samples_inside = True
 
-    def __init__(self, sample: Callable, config, generator: torch.Generator | None):
-        self.sample, self.config, self.generator = sample, config, generator
+    def __init__(self, sample: Callable, config, generators: list[torch.Generator] | None):
+        self.sample, self.config, self.generators = sample, config, generators
         self.replay: CudaGraphDecoder | None = None
         self.compile_s = 0.0
 
@@ -142,6 +145,6 @@ class GraphedStep(EagerStep):
         if self.replay is None:
             began = time.perf_counter()
             self.replay = CudaGraphDecoder(decode_step, self.sample, model, cache, policy, self.config,
-                                           tokens.shape[0], position, self.generator)
+                                           tokens.shape[0], position, self.generators)
             self.compile_s = time.perf_counter() - began
         return self.replay(tokens[:, 0], position)

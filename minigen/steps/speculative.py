@@ -26,7 +26,8 @@ by the combination table.
 `SpeculativeStep` is a step object of generate's one loop (eager.py): the loop feeds it one token a
 row and it hands back one token a row, running a round (propose, verify, accept) whenever a row has
 no accepted token left to hand out. Rows are independent: each keeps its own text, its own
-positions and its own accepted tokens; a round runs the rows that need one, the others as padding.
+positions, its own accepted tokens and (sampling) its own generator, which alone draws its
+proposals and its acceptance tests; a round runs the rows that need one, the others as padding.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from ..combinations import FUSED_MAX_ROWS
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..model import Model
-from ..sampling import draw, probabilities
+from ..sampling import Generators, draw, greedy, probabilities
 from .eager import EagerStep
 
 
@@ -71,7 +72,7 @@ class NgramProposer:
         """Nothing to prepare: the proposals come from the text."""
 
     def propose(self, rows: list[int], texts: list[list[int]], ks: list[int],
-                generator: torch.Generator | None) -> tuple[list[list[int]], list[Tensor | None]]:
+                generators: Generators) -> tuple[list[list[int]], list[Tensor | None]]:
         """Up to ks[i] tokens for each row in `rows` -> (proposals, None: q is one-hot on each proposal)."""
         return [ngram_proposal(texts[b], k, self.min_n, self.max_n) if k else [] for b, k in zip(rows, ks)], \
             [None] * len(rows)
@@ -84,8 +85,8 @@ def draft_config(config: GenerationConfig) -> GenerationConfig:
     """The draft's own config: the target's sampling (so that q is what the draft draws from), a plain
     full-precision cache, no speculation."""
     sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
-    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=config.do_sample,
-                            **(sampling if config.do_sample else {}))
+    return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=not greedy(config),
+                            **(sampling if not greedy(config) else {}))
 
 
 class DraftProposer:
@@ -125,8 +126,9 @@ class DraftProposer:
         return self.step.prefill(self.model, ids, input_pos, self.cache)  # the prompt
 
     def propose(self, rows: list[int], texts: list[list[int]], ks: list[int],
-                generator: torch.Generator | None) -> tuple[list[list[int]], list[Tensor | None]]:
-        """Catch each row's cache up with its text, then draw max(ks) tokens -> (proposals, q [k, V] each)."""
+                generators: list[torch.Generator] | None) -> tuple[list[list[int]], list[Tensor | None]]:
+        """Catch each row's cache up with its text, then draw max(ks) tokens -> (proposals, q [k, V] each).
+        Row b draws its ks proposals from generators[b] alone (None: greedy)."""
         B, need = self.batch, dict(zip(rows, ks))
         steps = max(ks)
         out: dict[int, list[int]] = {b: [] for b in rows}
@@ -140,16 +142,19 @@ class DraftProposer:
                 self.cached[b] = len(texts[b])
             for i in range(steps):
                 logits = self._forward(tokens, pos)  # [B, V]
-                q = probabilities(logits, self.config) if self.config.do_sample else None
-                new = (draw(q, generator) if q is not None else logits.argmax(-1)).tolist()
+                q = probabilities(logits, self.config) if not greedy(self.config) else None
+                drawing = [b for b in rows if i < need[b]]  # the rows that still want a proposal
+                if q is None:
+                    new = logits.argmax(-1).tolist()
+                else:  # each row from its own generator, and only what it asked for: as it would alone
+                    new = dict(zip(drawing, torch.stack([draw(q[b], generators[b]) for b in drawing]).tolist()))
                 tokens, pos = [[] for _ in range(B)], [[] for _ in range(B)]
-                for b in rows:
-                    if i < need[b]:
-                        out[b].append(new[b])
-                        if q is not None:
-                            probs[b].append(q[b])
-                        if i + 1 < need[b]:  # the last proposal is never fed: the target checks it
-                            tokens[b], pos[b] = [new[b]], [self.cached[b] + i]
+                for b in drawing:
+                    out[b].append(new[b])
+                    if q is not None:
+                        probs[b].append(q[b])
+                    if i + 1 < need[b]:  # the last proposal is never fed: the target checks it
+                        tokens[b], pos[b] = [new[b]], [self.cached[b] + i]
                 if not any(tokens):
                     break
         for b in rows:
@@ -205,11 +210,12 @@ class SpeculativeStep(EagerStep):
     samples_inside = True  # the rule draws the tokens; the loop samples only the prompt's first one
 
     def __init__(self, target: EagerStep, proposer, config: GenerationConfig,
-                 generator: torch.Generator | None, ragged: bool):
-        self.target, self.proposer, self.config, self.generator = target, proposer, config, generator
+                 generators: list[torch.Generator] | None, ragged: bool):
+        """generators: one per row (sampling.make_generators), None: greedy."""
+        self.target, self.proposer, self.config, self.generators = target, proposer, config, generators
         self.name = f"speculative ({proposer.name}) over {target.name}"
         self.ragged = ragged  # rows at their own positions [B, T] (a batch of more than one row)
-        self.rule: Callable = accept_sampled if config.do_sample else accept_greedy
+        self.rule: Callable = accept_greedy if greedy(config) else accept_sampled
         self.texts: list[list[int]] = []  # each row's prompt and tokens so far
         self.prompt_lens: list[int] = []
         self.cached: list[int] = []  # positions of each row's text whose keys and values the target holds
@@ -257,12 +263,13 @@ class SpeculativeStep(EagerStep):
         ks = [min(self.config.num_speculative_tokens, n - (len(self.texts[b]) - self.prompt_lens[b]) - 1)
               for b in rows]
         start = time.perf_counter()
-        proposals, qs = self.proposer.propose(rows, self.texts, ks, self.generator)
+        proposals, qs = self.proposer.propose(rows, self.texts, ks, self.generators)
         self.draft_s += time.perf_counter() - start
         start = time.perf_counter()
         logits = self._verify(model, rows, proposals, cache, policy)  # [len(rows), T, V]
         for i, (b, proposal, q) in enumerate(zip(rows, proposals, qs)):
-            emitted = self.rule(logits[i, :len(proposal) + 1], proposal, q, self.config, self.generator)
+            generator = self.generators[b] if self.generators is not None else None  # row b's own
+            emitted = self.rule(logits[i, :len(proposal) + 1], proposal, q, self.config, generator)
             kept = len(emitted) - 1
             self.cached[b] += 1 + kept  # the fed token and the kept proposals; the rest is forgotten
             self.proposer.accepted(b, kept)
