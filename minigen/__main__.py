@@ -309,12 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command: 0 when it worked, 2 on a MinigenError (`error: ...`), 130 on Ctrl-C."""
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except MinigenError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C lands wherever the step is (a C kernel, SDPA): its traceback says nothing to the user.
+        # Files are written beside their target and renamed at the end, so nothing partial is left.
+        # 130 = 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C.
+        print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)  # off the ^C's line
+        return 130
     return 0
 
 
