@@ -42,6 +42,7 @@ from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..generate import GenerationStats, check_prompt, make_policy, stream
+from ..progress import bar
 from ..sampling import sample
 
 CATEGORY_NAMES = ("matrix products", "attention", "norms", "RoPE", "cache update", "sampling", "rest")
@@ -194,13 +195,16 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
             logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy)
             pos += 1
 
+        progress = bar(total=total, desc="profile", unit="step")  # drawn on a terminal only (progress.py)
         for _ in range(warmup):  # compiles, fills buffers, warms the allocator
             one_step()
+            progress.update(1)
         times = []
         for _ in range(steps):
             began = time.perf_counter()
             one_step()
             times.append(time.perf_counter() - began)
+            progress.update(1)
         context = pos
         # a compiled step was traced without the ranges; rebinding now would compile it again
         with nullcontext() if config.compile else labelled(), torch_profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -208,7 +212,9 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
             for _ in range(steps):
                 with record_function(STEP):
                     one_step()
+                progress.update(1)  # outside the step's range; a redraw (on a terminal) is ~0.1 ms of its wall time
             profiled_step = (time.perf_counter() - began) / steps  # the wall clock, not the profiler's
+        progress.close()
     events = prof.events()
     step_ranges = sum(e.cpu_time_total for e in events if e.name == STEP) / 1e6 / steps
     per_step = {name: 0.0 for name in CATEGORY_NAMES}

@@ -33,6 +33,7 @@ from ..config import GenerationConfig
 from ..serving.engine import Engine
 from ..loading import load, load_tokenizer, resolve_folder
 from .machine import hardware_info
+from ..progress import bar
 from ..serving.metrics import summarize
 from ..serving.workload import LengthDist, Workload, make_workload, replay, system_prompt_ids
 
@@ -176,7 +177,7 @@ def run_serve_bench(workload: Workload, engines: dict, skip_idle: bool = True) -
     the Engine's API and its clock `now()`}), one after the other in one process -> each run's metrics,
     and output tokens/s and p50/p99 TTFT of every run against the first one's."""
     runs = {}
-    for name, make in engines.items():
+    for name, make in bar(engines.items(), desc="serve-bench", unit="engine"):
         engine = make()
         runs[name] = replay(engine, workload, clock=engine.now, skip_idle=skip_idle)
     first = next(iter(runs))
