@@ -22,10 +22,10 @@ def _check_the_sum(p: profiling.Profile) -> None:
     assert list(p.categories) == list(profiling.CATEGORY_NAMES)
     # rest is not clamped: an op counted in two categories (or twice in one) makes it negative
     assert all(s >= 0 for s in p.categories.values()), p.categories
-    # the same steps on two clocks (the profiler's step ranges, perf_counter around the loop): measured
-    # within 0.3% over 10 single runs quiet and 10 next to a busy loop (the margin is for a preemption
-    # between two steps, outside every range)
-    assert abs(total - p.profiled_step_s) <= 0.05 * p.profiled_step_s, (total, p.profiled_step_s, p.categories)
+    # the same steps on two clocks (the profiler's step ranges, perf_counter around the loop): within
+    # 0.6% in each of 10 single runs quiet and 10 next to a busy loop, on the 2-core machine shared by six
+    # (load ~10). The margin is for a preemption between two steps, outside every range.
+    assert abs(total - p.profiled_step_s) <= 0.10 * p.profiled_step_s, (total, p.profiled_step_s, p.categories)
     # batch 1 on the CPU: the C matvec (no op of its own in eager mode) is counted as matrix products,
     # and they are most of a step: 135M weights read per token
     c = p.categories
