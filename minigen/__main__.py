@@ -338,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command: 0 when it worked, 2 on a MinigenError (`error: ...`) or a bad flag, 130 on Ctrl-C."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as e:  # a bad flag (argparse printed the usage and why) or --help: its status, returned
@@ -347,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     except MinigenError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C lands wherever the step is (a C kernel, SDPA): its traceback says nothing to the user.
+        # Files are written beside their target and renamed at the end, so nothing partial is left.
+        # 130 = 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C.
+        print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)  # off the ^C's line
+        return 130
     return 0
 
 

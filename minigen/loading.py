@@ -295,7 +295,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     state = {}
-    for t in reader.tensors:
+    from .progress import bar
+    for t in bar(reader.tensors, desc="prepare: converting", unit="tensor"):  # 7-40 s
         parts = t.name.split(".")  # "blk.3.attn_q.weight" or "token_embd.weight"
         if parts[0] == "blk":
             hf_name = f"model.layers.{parts[1]}.{rename[parts[2]]}.{parts[3]}"

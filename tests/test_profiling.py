@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,28 +16,41 @@ from minigen.__main__ import main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_the_categories_add_up_to_the_measured_step(smollm2, english_text_ids):
-    """The profiled categories (rest included) sum to the step timed without the profiler, within
-    15%: the profiler's own cost and a busy neighbour are the only gap. Timing on a shared two-core
-    machine is noisy: next to a busy loop, 1 try in 8 landed 20% off (measured), and a make test run
-    with a busy neighbour failed two tries in a row at +26%. So four tries are allowed; a real gap (an
-    op counted twice, a category lost) shows on every try."""
-    model, _ = smollm2
-    ids = english_text_ids[None, :48]
-    for attempt in range(4):
-        p = profiling.profile(model, ids, steps=6)
-        total = sum(p.categories.values())
-        if abs(total - p.step_s) <= 0.15 * p.step_s:
-            break
-    assert abs(total - p.step_s) <= 0.15 * p.step_s, (total, p.step_s, p.categories)
+def _check_the_sum(p: profiling.Profile) -> None:
+    """The categories, as the profiler timed them, add up to the wall time of the same profiled steps."""
+    total = sum(p.categories.values())
     assert list(p.categories) == list(profiling.CATEGORY_NAMES)
+    # rest is not clamped: an op counted in two categories (or twice in one) makes it negative
+    assert all(s >= 0 for s in p.categories.values()), p.categories
+    # the same steps on two clocks (the profiler's step ranges, perf_counter around the loop): within
+    # 0.6% in each of 10 single runs quiet and 10 next to a busy loop, on the 2-core machine shared by six
+    # (load ~10). The margin is for a preemption between two steps, outside every range.
+    assert abs(total - p.profiled_step_s) <= 0.10 * p.profiled_step_s, (total, p.profiled_step_s, p.categories)
     # batch 1 on the CPU: the C matvec (no op of its own in eager mode) is counted as matrix products,
     # and they are most of a step: 135M weights read per token
     c = p.categories
     assert c["matrix products"] > 0.4 * total and c["matrix products"] > c["rest"], c
-    raw = p.profiled_categories  # before the profiler's cost per event is taken off
-    assert all(raw[k] > 0 for k in ("attention", "norms", "RoPE", "cache update", "sampling")), raw
-    assert abs(sum(raw.values()) - p.profiled_step_s) < 1e-9
+    assert all(c[k] > 0 for k in ("attention", "norms", "RoPE", "cache update", "sampling")), c
+    assert p.step_s > 0 and p.events_per_step > 1000, (p.step_s, p.events_per_step)
+
+
+def test_the_categories_add_up_to_the_profiled_step(smollm2, english_text_ids):
+    """One run, no retries: the categories are compared with the very steps they came from, not with
+    steps timed at another moment (which missed by +2% to +26% in single runs, issue 25)."""
+    model, _ = smollm2
+    _check_the_sum(profiling.profile(model, english_text_ids[None, :48], steps=6))
+
+
+def test_the_sum_holds_next_to_a_busy_loop(smollm2, english_text_ids):
+    """A second process spinning on a core: the profiled steps slow down, and the categories with them
+    (the old comparison with the unprofiled step missed by 44% next to other work)."""
+    model, _ = smollm2
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        _check_the_sum(profiling.profile(model, english_text_ids[None, :48], steps=6))
+    finally:
+        spinner.kill()
+        spinner.wait()
 
 
 def test_each_cache_strategy_is_profiled_and_its_update_counted(tiny_llama, tmp_path):
@@ -44,8 +59,9 @@ def test_each_cache_strategy_is_profiled_and_its_update_counted(tiny_llama, tmp_
     for config in (GenerationConfig(cache_chunk_size=4), GenerationConfig(quant_bits=4, quant_group_size=8),
                    GenerationConfig(window_size=8, sink_tokens=2)):
         p = profiling.profile(model, ids, config, steps=3, trace=tmp_path / "trace.json")
-        raw = p.profiled_categories  # a tiny model's ops are mostly the profiler's cost: look before it is taken off
-        assert raw["cache update"] > 0 and raw["matrix products"] > 0 and raw["norms"] > 0, (config, raw)
+        c = p.categories
+        assert c["cache update"] > 0 and c["matrix products"] > 0 and c["norms"] > 0, (config, c)
+        assert all(s >= 0 for s in c.values()), (config, c)
         assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
         # the memory timeline: one row per new token, the cache's bytes as generate reports them
         assert [r["token"] for r in p.memory_timeline] == [0, 1, 2]
@@ -57,8 +73,8 @@ def test_a_compiled_step_is_profiled(tiny_llama):
     _, model = tiny_llama
     p = profiling.profile(model, torch.arange(1, 9)[None], GenerationConfig(compile=True), steps=3)
     assert set(profiling.CATEGORY_NAMES) <= set(p.categories) and p.config["compile"]
-    assert abs(sum(p.profiled_categories.values()) - p.profiled_step_s) < 1e-9
-    assert p.profiled_categories[profiling.FUSED] > 0, p.profiled_categories
+    assert all(s >= 0 for s in p.categories.values()), p.categories
+    assert p.categories[profiling.FUSED] > 0, p.categories
 
 
 def test_the_command_writes_json_and_a_trace(tmp_path, capsys, monkeypatch):
@@ -73,6 +89,8 @@ def test_the_command_writes_json_and_a_trace(tmp_path, capsys, monkeypatch):
                "--set", "cache_chunk_size=4"])
     out = capsys.readouterr().out
     assert rc == 0 and "matrix products" in out
+    assert "under the profiler" in out and "without it" in out  # both figures, as in the JSON
     data = json.loads((tmp_path / "p.json").read_text())
-    assert data["step_s"] > 0 and set(profiling.CATEGORY_NAMES) <= set(data["categories"])
+    assert data["step_s"] > 0 and data["profiled_step_s"] > 0
+    assert set(profiling.CATEGORY_NAMES) <= set(data["categories"])
     assert (tmp_path / "minigen-trace.json").exists()

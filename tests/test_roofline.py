@@ -105,7 +105,7 @@ def test_chapter_12_plots_draw_what_they_are_given():
     ax = plots.plot_c7(split)
     assert len(ax.patches) == 3 * len(split)
     profile = Profile(step_s=0.1, profiled_step_s=0.1, categories={n: 0.01 for n in CATEGORY_NAMES},
-                      profiled_categories={}, probe_s=0.0, events_per_step=1, steps=1, context=1)
+                      events_per_step=1, steps=1, context=1)
     assert len(plots.plot_categories(profile).patches) == len(CATEGORY_NAMES)
     report = {"hardware": {"gpu": "H200"}, "checks": {"decode": {"models": {"m": {"modes": {
         "eager": {"decode_tokens_per_s": 100.0}, "compile": {"decode_tokens_per_s": 200.0}}}}}}}

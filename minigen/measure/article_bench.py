@@ -27,6 +27,7 @@ from ..generate import generate
 from .machine import PeakRSS
 from ..evaluate import score
 from ..model import ModelConfig
+from ..progress import bar
 from .plan import activation_bytes, kv_cache_bytes, weights_bytes
 from .roofline import A100_80GB, GPT3_175B, LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M, Ceiling, streamed_params
 
@@ -116,6 +117,7 @@ def run(model, prompt: torch.Tensor, text: torch.Tensor, new_tokens: int = 24, r
     budget = (weights_bytes(cfg, dtype) + kv_cache_bytes(cfg, GenerationConfig(), 1, budget_context, dtype)
               + activation_bytes(cfg, 1, budget_context))
     runs = {name: [] for name in configs}
+    progress = bar(total=repeats * len(configs) + len(configs), desc="article bench", unit="run")
     for name, c in configs.items():  # warm-up: first-call allocations are not part of the numbers
         generate(model, prompt, c, max_new_tokens=2, stop_token_ids=[])
     for _ in range(repeats):
@@ -123,15 +125,18 @@ def run(model, prompt: torch.Tensor, text: torch.Tensor, new_tokens: int = 24, r
             with PeakRSS() as mem:
                 out = generate(model, prompt, c, max_new_tokens=new_tokens, stop_token_ids=[])
             runs[name].append((out.stats, mem.added))
+            progress.update(1)
     base = score(model, text)
     rows = []
     for name, c in configs.items():
         stats = sorted(runs[name], key=lambda r: r[0].decode_tokens_per_s)[len(runs[name]) // 2][0]
         s = base if name.startswith("original") else score(model, text, c, chunk_size=1)
+        progress.update(1)  # quality: the slow part, one token at a time
         rows.append(Row(name, stats.decode_tokens_per_s, min(r[0].ttft_s for r in runs[name]),
                         weights_bytes(cfg, dtype) + stats.peak_kv_cache_bytes, max(r[1] for r in runs[name]),
                         stats.kv_cache_bytes, longest_context(cfg, c, budget, 1, dtype), s.perplexity,
                         (s.top1 == base.top1).float().mean().item()))
+    progress.close()
     return rows, budget
 
 

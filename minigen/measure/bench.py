@@ -166,7 +166,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     and, for "draft", the draft alone ("minigen draft"; `draft` is a drafts.parse spec such as
     "layers:20"), for the speed-up, alpha and the speed model's prediction. Every setting is checked
     before the weights load: the run sizes, then the model's context."""
-    from tqdm.auto import tqdm
+    from ..progress import bar
     from ..combinations import Run, check_run
     from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)
@@ -206,7 +206,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
                                                compute=compute, weight_bits=weight_bits, baseline=baseline,
                                                llama_cpp=llama_cpp, new_tokens=new_tokens, kv_elem=kv_elem,
                                                draft=draft)
-    progress = tqdm(total=repeats * len(engines), desc="bench", unit="run")
+    progress = bar(total=repeats * len(engines), desc="bench", unit="run")
     timed = _time_engines({name: e.run for name, e in engines.items()}, new_tokens, repeats, progress)
     progress.close()
     # A shared machine's bandwidth moves: probe again after the runs and take the better reading, so

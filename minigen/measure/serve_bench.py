@@ -35,6 +35,7 @@ from ..loading import load, load_tokenizer, resolve_folder
 from .machine import hardware_info
 from ..errors import BenchError
 from ..hardware import check_fits
+from ..progress import bar
 from ..serving.metrics import summarize
 from ..serving.workload import LengthDist, Workload, make_workload, replay, system_prompt_ids
 
@@ -178,7 +179,7 @@ def run_serve_bench(workload: Workload, engines: dict, skip_idle: bool = True) -
     the Engine's API and its clock `now()`}), one after the other in one process -> each run's metrics,
     and output tokens/s and p50/p99 TTFT of every run against the first one's."""
     runs = {}
-    for name, make in engines.items():
+    for name, make in bar(engines.items(), desc="serve-bench", unit="engine"):
         engine = make()
         runs[name] = replay(engine, workload, clock=engine.now, skip_idle=skip_idle)
     first = next(iter(runs))
