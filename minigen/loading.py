@@ -485,6 +485,9 @@ def read_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{cfg_path} is not valid JSON ({e.msg}); restore the checkpoint's config") from None
     except UnicodeDecodeError:
         raise ModelLoadError(f"{cfg_path} is not UTF-8 text; restore the checkpoint's config") from None
+    except RecursionError:  # nested past Python's recursion limit: no config.json is
+        raise ModelLoadError(f"{cfg_path} is JSON nested thousands of levels deep, not a JSON object of "
+                             "config keys; restore the checkpoint's config") from None
     if not isinstance(hf_cfg, dict):
         what = "an array" if isinstance(hf_cfg, list) else f"a {type(hf_cfg).__name__}"
         raise ModelLoadError(f"{cfg_path} holds {what}, not a JSON object of config keys; restore the "

@@ -372,6 +372,12 @@ def test_cli_plan_cache_bytes_are_affine_in_rows(tiny_llama):
 
 
 # ---------------------------------------------------------------- 10-12: output files and what is cached
+@case("checkpoint-config-nested-deep")
+def _(saved):
+    (saved / "config.json").write_text("[" * 100_000 + "]" * 100_000)  # json.loads recursed past the limit
+    minigen.load(saved)
+
+
 @case("profile-trace-missing-folder")
 def _(tiny_folder, monkeypatch):
     # it used to run for a minute, fail inside torch's exporter silently, exit 0 and say "Chrome trace: ..."
