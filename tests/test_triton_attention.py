@@ -263,8 +263,8 @@ for kernel, types, constexprs in (
         (ts.paged_head_attention_kernel, dict(q_ptr=f32, k_ptr=f32, v_ptr=f32, table_ptr="*i64", out_ptr=f32,
                                               sm_scale="fp32"), dict(BLOCK=16, D=64)),
         (ts.paged_int4_attention_kernel, dict(q_ptr=f32, k_codes="*u8", k_scales="*bf16", k_zeros="*bf16",
-                                              v_codes="*u8", v_scales="*bf16", v_zeros="*bf16", table_ptr="*i64", out_ptr=f32,
-                                              sm_scale="fp32"), dict(G=16, BLOCK=16, D=64)),
+                                              v_codes="*u8", v_scales="*bf16", v_zeros="*bf16", table_ptr="*i64",
+                                              out_ptr=f32, sm_scale="fp32"), dict(G=16, BLOCK=16, D=64)),
         (ts.flash_attention_kernel, dict(q_ptr=f32, k_ptr=f32, v_ptr=f32, out_ptr=f32, visits_ptr="*i32",
                                          sm_scale="fp32"), dict(CAUSAL=True, BLOCK_M=64, BLOCK_N=64, D=64))):
     compile_for_hopper(kernel, types, constexprs)
