@@ -21,7 +21,7 @@ from minigen.errors import CacheFullError, ConfigError
 from minigen.caches.make import make_cache
 from minigen.caches.contiguous import KVCache
 from minigen.evaluate import score
-from minigen.numerics.quant import GROUP_AXIS, dequantize, pack, quantize, round_trip, unpack
+from minigen.numerics.quant import GROUP_AXIS, dequantize, meta_dtype, pack, quantize, round_trip, unpack
 from minigen.caches.quantized import QuantizedKVCache
 
 
@@ -276,8 +276,10 @@ def test_group_size_must_divide_the_head_dim(tiny_llama):
 
 # ---------------------------------------------------------------- quality on the real model
 def test_smollm2_perplexity_at_8_and_4_bits(smollm2, english_text_ids):
-    """Teacher-forced at chunk_size=1, so every prediction reads the cache as decoding does."""
+    """Teacher-forced at chunk_size=1, so every prediction reads the cache as decoding does. The
+    storage measured is the package's: bf16 scales and zeros for SmolLM2 in fp32."""
     model, _ = smollm2
+    assert meta_dtype(model.dtype) == torch.bfloat16
     ids = english_text_ids[:200]
     # The full-precision baseline in one pass: a full cache fed one token at a time gives the
     # same logits to fp32 rounding (the KV cache's equivalence tests), at a fraction of the cost.
