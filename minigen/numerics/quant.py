@@ -88,8 +88,8 @@ def meta_dtype(dtype: torch.dtype) -> torch.dtype:
     # (the scale becomes inf, the key NaN). fp32 holds everything but costs 2 bits per element
     # instead of 1 (a 4-bit store 2.67x smaller than fp16 instead of 3.2x). What bf16's coarser zero
     # costs is within the noise: SmolLM2, fed one token at a time, groups of 32, perplexity change
-    # against the fp32 cache with fp32 / bf16 / fp16 scales: 4-bit keys per channel +0.56% / +0.48%
-    # (1,024 tokens); 8-bit +0.02% / -0.03% / +0.01%, 4-bit keys per token +0.25% / +0.45% / +0.53%
+    # against the fp32 cache with fp32 / bf16 / fp16 scales: 4-bit keys per channel +0.56% / +0.48% /
+    # +0.45% (1,024 tokens); 8-bit +0.02% / -0.03% / +0.01%, 4-bit keys per token +0.25% / +0.45% / +0.53%
     # (256 tokens: the finer fp16 did no better). Chapter 04 measures the round trip with each.
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
