@@ -103,7 +103,7 @@ class GenerationConfig:
     kv_budget: int | None = None  # H2O heavy hitters: tokens kept in the cache per row; None: all
     # --- KV quantization (chapter 4) ---
     quant_bits: int | None = None  # bits per cached key/value element: 8 or 4 (2 for experiments); None: full precision
-    quant_group_size: int = 32  # elements that share one scale and zero (KIVI: 32)
+    quant_group_size: int = 32  # elements sharing one 2-byte scale and zero (bf16; fp16 in an fp16 model; KIVI: 32)
     quant_key_axis: str = "channel"  # keys grouped per "channel" (over tokens, KIVI) or per "token" (over channels)
     quant_residual: int | None = None  # most recent tokens kept in full precision (>= group size); None: one group
     # --- precision and compilation (chapters 7-8) ---

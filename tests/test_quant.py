@@ -21,7 +21,7 @@ from minigen.errors import CacheFullError, ConfigError
 from minigen.caches.make import make_cache
 from minigen.caches.contiguous import KVCache
 from minigen.evaluate import score
-from minigen.numerics.quant import GROUP_AXIS, dequantize, pack, quantize, round_trip, unpack
+from minigen.numerics.quant import GROUP_AXIS, dequantize, meta_dtype, pack, quantize, round_trip, unpack
 from minigen.caches.quantized import QuantizedKVCache
 
 
@@ -40,7 +40,7 @@ def error_bound(x: torch.Tensor, q) -> torch.Tensor:
        lead=st.lists(st.integers(1, 3), min_size=0, max_size=2), axis_from_end=st.booleans(),
        kind=st.sampled_from(["normal", "constant", "outliers", "tiny"]),
        magnitude=st.sampled_from([1e-3, 1.0, 300.0]), seed=st.integers(0, 2**16),
-       scale_dtype=st.sampled_from([None, torch.float16, torch.bfloat16]))
+       scale_dtype=st.sampled_from([None, torch.float16, torch.bfloat16, torch.float32]))
 def test_round_trip_within_half_a_step(bits, groups, group_exp, lead, axis_from_end, kind, magnitude, seed,
                                        scale_dtype):
     n = 8 // bits
@@ -58,9 +58,9 @@ def test_round_trip_within_half_a_step(bits, groups, group_exp, lead, axis_from_
     q = quantize(x, bits, G, axis, scale_dtype)
     y = dequantize(q)
     assert y.shape == x.shape and y.dtype == x.dtype
-    # fp32 values get fp32 scales and zeros by default (fp16 cannot hold every fp32 value); the
-    # 16-bit ones are rounded (zero down, scale up) so that the grid still covers the group.
-    assert q.data.dtype == torch.uint8 and q.scales.dtype == q.zeros.dtype == (scale_dtype or torch.float32)
+    # fp32 values get bf16 scales and zeros by default (fp16 cannot hold every fp32 value, bf16 has
+    # fp32's range); 16-bit ones are rounded (zero down, scale up) so the grid still covers the group.
+    assert q.data.dtype == torch.uint8 and q.scales.dtype == q.zeros.dtype == (scale_dtype or torch.bfloat16)
     assert q.data.shape[axis] == x.shape[axis] // n and q.scales.shape[axis] == x.shape[axis] // G
     assert ((y - x).abs() <= error_bound(x, q)).all(), (y - x).abs().max()
 
@@ -161,13 +161,14 @@ def test_quantized_cache_changes_the_logits_at_two_bits(tiny_llama):
 
 @pytest.mark.parametrize("dtype, size", [(torch.float32, 4), (torch.float16, 2), (torch.bfloat16, 2)])
 def test_nbytes_counts_codes_scales_zeros_and_the_window(dtype, size):
+    meta = 2  # scales and zeros are 2 bytes whatever the model's dtype (bf16 for an fp32 model)
     L, B, Hkv, Dh, max_len, G, R = 3, 2, 2, 64, 100, 32, 40
     cache = QuantizedKVCache(L, B, Hkv, max_len, Dh, bits=4, group_size=G, key_axis="channel", residual=R,
                              dtype=dtype)
     S_q = 64  # whole groups of the 100 - 40 = 60 positions that can leave the window
     codes = 2 * L * B * Hkv * S_q * Dh // 2  # K and V, two 4-bit codes per byte
-    key_meta = 2 * L * B * Hkv * (S_q // G) * Dh * size  # scale and zero in the cache's dtype, per channel per group
-    value_meta = 2 * L * B * Hkv * S_q * (Dh // G) * size  # per token per group of channels
+    key_meta = 2 * L * B * Hkv * (S_q // G) * Dh * meta  # a 2-byte scale and zero per channel per group
+    value_meta = 2 * L * B * Hkv * S_q * (Dh // G) * meta  # per token per group of channels
     window = 2 * L * B * Hkv * R * Dh * size  # recent tokens in the cache's dtype
     assert cache.nbytes == codes + key_meta + value_meta + window
 
@@ -180,15 +181,35 @@ def test_four_bit_cache_is_3x_smaller_than_fp16_at_4096_tokens(smollm2):
     half = QuantizedKVCache(model.config.n_layers, 1, model.config.n_kv_heads, 4096, model.config.head_dim,
                             bits=4, group_size=32, dtype=torch.float16, device="meta")
     assert 3.0 <= fp16 / half.nbytes < 3.2  # not 4x: a 16-bit scale + zero per 32 elements is one more bit
-    # SmolLM2 in fp32: fp32 scales and zeros (two more bits per element) and an fp32 window.
+    # SmolLM2 in fp32: bf16 scales and zeros (one more bit per element, as fp16's) and an fp32 window.
     cache = make_cache(model, GenerationConfig(quant_bits=4), batch=1, max_len=4096)
-    assert 5.0 <= fp32 / cache.nbytes < 16 / 3
+    assert cache.k.scales.dtype == cache.v.zeros.dtype == torch.bfloat16
+    assert 3.0 <= fp16 / cache.nbytes < 3.2 and 6.0 <= fp32 / cache.nbytes < 32 / 5  # was 2.58x and 5.2x
 
 
-def test_keys_beyond_fp16_range_never_come_back_nan():
-    """Regression: scales and zeros were fp16, so a bf16 model's keys above 65,504 became inf, then NaN."""
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_four_bit_store_of_an_fp32_model_costs_5_bits_per_element(head_dim):
+    """Regression: an fp32 model's scales and zeros were fp32, so its 4-bit store cost 6 bits per
+    element and was 2.67x smaller than fp16 (2.58x with the window, at 4,096 tokens), not 3.2x."""
+    G, S_q = 32, 256  # tokens that left the window: whole groups
+    cache = QuantizedKVCache(1, 1, 1, S_q + G, head_dim, bits=4, group_size=G, residual=G, dtype=torch.float32,
+                             device="meta")  # sizes only
+    assert cache.n_quantized(S_q + G) == S_q
+    per_token = (cache.k.nbytes + cache.v.nbytes) / S_q  # codes, scales and zeros of K and V
+    # Per token, K and V each: head_dim / 2 bytes of 4-bit codes; a 2-byte scale and zero per
+    # channel per 32 tokens (keys) or per 32 channels (values) = head_dim * 4 / 32 bytes. So
+    # 2 * head_dim * (0.5 + 4/32) = 1.25 * head_dim bytes (40 at head dim 32, 80 at 64), against
+    # fp16's 2 * head_dim * 2 = 4 * head_dim: 3.2x exactly (fp32 scales: 1.5 * head_dim, 2.67x).
+    assert per_token == 1.25 * head_dim
+    assert 2 * head_dim * 2 / per_token == 3.2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_keys_beyond_fp16_range_never_come_back_nan(dtype):
+    """Regression: scales and zeros were fp16, so a bf16 model's keys above 65,504 became inf, then NaN.
+    An fp32 model's are bf16 (2 bytes, fp32's range), never fp16."""
     hf = tiny_hf("llama")
-    model = minigen.from_hf(hf, dtype=torch.bfloat16)
+    model = minigen.from_hf(hf, dtype=dtype)
     with torch.no_grad():
         for block in model.blocks:  # the key rows of the fused q/k/v matrix, scaled up
             H, Hkv, Dh = model.config.n_heads, model.config.n_kv_heads, model.config.head_dim
@@ -197,7 +218,7 @@ def test_keys_beyond_fp16_range_never_come_back_nan():
     cache = make_cache(model, GenerationConfig(quant_bits=4, quant_group_size=8), 1, 48)
     with torch.inference_mode():
         logits = model(ids, torch.arange(48), cache)
-    assert cache.k.scales.dtype == torch.bfloat16
+    assert cache.k.scales.dtype == cache.k.zeros.dtype == torch.bfloat16
     k_max = max(float(dequantize_store(cache, layer).abs().max()) for layer in range(model.config.n_layers))
     assert k_max > 65504, k_max  # the keys really are beyond fp16's range ...
     assert torch.isfinite(logits).all()  # ... and come back finite
@@ -255,8 +276,10 @@ def test_group_size_must_divide_the_head_dim(tiny_llama):
 
 # ---------------------------------------------------------------- quality on the real model
 def test_smollm2_perplexity_at_8_and_4_bits(smollm2, english_text_ids):
-    """Teacher-forced at chunk_size=1, so every prediction reads the cache as decoding does."""
+    """Teacher-forced at chunk_size=1, so every prediction reads the cache as decoding does. The
+    storage measured is the package's: bf16 scales and zeros for SmolLM2 in fp32."""
     model, _ = smollm2
+    assert meta_dtype(model.dtype) == torch.bfloat16
     ids = english_text_ids[:200]
     # The full-precision baseline in one pass: a full cache fed one token at a time gives the
     # same logits to fp32 rounding (the KV cache's equivalence tests), at a fraction of the cost.

@@ -246,8 +246,9 @@ def compile_for_hopper(kernel, types, constexprs):
 
 for dtype, bits, along_slots in (("bf16", 0, False), ("fp32", 8, True), ("bf16", 4, False)):
     pool, p = ("u8" if bits else dtype), "*" + dtype
-    types = dict(q_ptr=p, out_ptr="*fp32", lse_ptr="*fp32", k_ptr="*" + pool, v_ptr="*" + pool, k_scales_ptr=p,
-                 k_zeros_ptr=p, v_scales_ptr=p, v_zeros_ptr=p, table_ptr="*i64", seq_lens_ptr="*i64",
+    meta = "*bf16"  # quant.meta_dtype: an fp32 or bf16 model's scales and zeros are bf16
+    types = dict(q_ptr=p, out_ptr="*fp32", lse_ptr="*fp32", k_ptr="*" + pool, v_ptr="*" + pool, k_scales_ptr=meta,
+                 k_zeros_ptr=meta, v_scales_ptr=meta, v_zeros_ptr=meta, table_ptr="*i64", seq_lens_ptr="*i64",
                  recent_start_ptr="*i64", recent_k_ptr=p, recent_v_ptr=p, sm_scale="fp32")
     compile_for_hopper(ta._decode_attention_kernel, types, dict(G=4, G_PAD=16, D_PAD=128, BLOCK_N=ta.BLOCK_N,
                        GROUP=32, K_BITS=bits, V_BITS=bits, K_ALONG_SLOTS=along_slots))
@@ -261,9 +262,9 @@ for kernel, types, constexprs in (
          dict(BLOCK=16, D=64)),
         (ts.paged_head_attention_kernel, dict(q_ptr=f32, k_ptr=f32, v_ptr=f32, table_ptr="*i64", out_ptr=f32,
                                               sm_scale="fp32"), dict(BLOCK=16, D=64)),
-        (ts.paged_int4_attention_kernel, dict(q_ptr=f32, k_codes="*u8", k_scales=f32, k_zeros=f32, v_codes="*u8",
-                                              v_scales=f32, v_zeros=f32, table_ptr="*i64", out_ptr=f32,
-                                              sm_scale="fp32"), dict(G=16, BLOCK=16, D=64)),
+        (ts.paged_int4_attention_kernel, dict(q_ptr=f32, k_codes="*u8", k_scales="*bf16", k_zeros="*bf16",
+                                              v_codes="*u8", v_scales="*bf16", v_zeros="*bf16", table_ptr="*i64",
+                                              out_ptr=f32, sm_scale="fp32"), dict(G=16, BLOCK=16, D=64)),
         (ts.flash_attention_kernel, dict(q_ptr=f32, k_ptr=f32, v_ptr=f32, out_ptr=f32, visits_ptr="*i32",
                                          sm_scale="fp32"), dict(CAUSAL=True, BLOCK_M=64, BLOCK_N=64, D=64))):
     compile_for_hopper(kernel, types, constexprs)
