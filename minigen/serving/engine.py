@@ -29,7 +29,10 @@ and masks), and each row samples from its own generator, seeded by its own `seed
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
+import reprlib
 import time
 from typing import Iterator
 
@@ -49,6 +52,8 @@ from .scheduler import (PrefixAllocator, Request, blocks_for, can_admit, engine_
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
+MAX_SLEEP_S = 3600.0  # stream() waits for a far arrival in naps of at most this: time.sleep overflows past ~3e2 years
+PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
 
 
 def available_bytes(device: torch.device) -> int:
@@ -60,6 +65,46 @@ def available_bytes(device: torch.device) -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def prompt_tokens(prompt_ids, vocab_size: int) -> list[int]:
+    """A request's prompt -> its token ids, each in [0, vocab_size); PromptError for anything else.
+    Checked before any conversion: torch would truncate floats and bools to ids, and give raw errors
+    for text, None, ragged lists and ids past int64."""
+    given = f"{reprlib.repr(prompt_ids)} ({type(prompt_ids).__name__})"
+    if isinstance(prompt_ids, Tensor):
+        ids = prompt_ids[0] if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1 else prompt_ids
+        if ids.dim() != 1 or ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise PromptError(f"the prompt is a {prompt_ids.dtype} tensor of shape {tuple(prompt_ids.shape)}: "
+                              f"give {PROMPTS_ACCEPTED}")
+        tokens = ids.tolist()
+    elif isinstance(prompt_ids, (list, tuple)):
+        for i, x in enumerate(prompt_ids):  # a bool is an int to Python, never a token id
+            if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+                raise PromptError(f"the prompt's item {i} is {reprlib.repr(x)} ({type(x).__name__}): give "
+                                  f"{PROMPTS_ACCEPTED}")
+        tokens = [int(x) for x in prompt_ids]
+    else:
+        raise PromptError(f"the prompt is {given}: give {PROMPTS_ACCEPTED} (text: encode it with the "
+                          "model's tokenizer first)")
+    if not tokens:
+        raise PromptError(f"the prompt is empty ({given}): give at least one token id")
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"the prompt's token id {tokens[bad]} (item {bad}) is outside this model's vocabulary "
+                          f"[0, {vocab_size - 1}]: use the model's own tokenizer")
+    return tokens
+
+
+def arrival_seconds(arrival_s, now: float) -> float:
+    """`add_request`'s arrival_s -> seconds since t=0 (None: now); ConfigError unless finite and >= 0."""
+    if arrival_s is None:
+        return now
+    if (not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool)
+            or not math.isfinite(arrival_s) or arrival_s < 0):
+        raise ConfigError(f"arrival_s={reprlib.repr(arrival_s)} is invalid: use a finite number of seconds >= 0 "
+                          "since the engine started (engine.now() is now), or None to arrive now")
+    return float(arrival_s)
 
 
 class Engine:
@@ -130,9 +175,11 @@ class Engine:
     def add_request(self, prompt_ids, *, arrival_s: float | None = None, **overrides) -> int:
         """Queue a prompt (1-D token ids) -> its request id (0, 1, ... in add order).
 
-        `overrides` are GenerationConfig fields for this request only: max_new_tokens, do_sample,
-        temperature, top_k, top_p, seed, stop_token_ids. `arrival_s` (seconds since t=0; default now)
-        replays a workload: the request is not admitted before it.
+        A prompt is a list or tuple of ints (not bools, not floats) or a 1-D integer tensor ([T] or
+        [1, T]), each id in [0, vocab_size). `overrides` are GenerationConfig fields for this request
+        only: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop_token_ids. `arrival_s`
+        (seconds since t=0, finite and >= 0; default now) replays a workload: the request is not
+        admitted before it. A refused request raises before anything is queued: no id is used.
         """
         config = self.config.replace(**overrides)  # unknown keys: ConfigError with the closest name
         cache_keys = sorted(k for k in overrides if k not in REQUEST_KEYS)
@@ -140,17 +187,12 @@ class Engine:
             raise ConfigError(f"{', '.join(cache_keys)} cannot change per request: the engine's one pool sets "
                               f"them for every request. Pass them in Engine(model, config); per request: "
                               f"{', '.join(REQUEST_KEYS)}")
-        ids = prompt_ids if isinstance(prompt_ids, Tensor) else torch.tensor(prompt_ids, dtype=torch.long)
-        if ids.dim() == 2 and ids.shape[0] == 1:
-            ids = ids[0]
-        if ids.dim() != 1 or ids.numel() == 0:
-            raise PromptError(f"the prompt is empty or not 1-D (shape {tuple(ids.shape)}): give a 1-D tensor "
-                              "or list of at least one token id")
-        check_prompt(self.model, ids[None].long(), config.max_new_tokens, config)
+        tokens = prompt_tokens(prompt_ids, self.model.config.vocab_size)
+        arrival = arrival_seconds(arrival_s, self.now())
+        check_prompt(self.model, torch.tensor([tokens]), config.max_new_tokens, config)  # context, stop ids
         rid = len(self.requests)
         stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids
-        req = Request(rid, ids.tolist(), config, frozenset(stop), self.now() if arrival_s is None else float(arrival_s),
-                      make_generator(config, self.model.device))
+        req = Request(rid, tokens, config, frozenset(stop), arrival, make_generator(config, self.model.device))
         need = blocks_for(req.max_positions, self.block_size)
         if need > self.num_blocks:
             raise PromptError(f"request of {len(req.prompt)} prompt tokens + max_new_tokens={config.max_new_tokens} "
@@ -166,9 +208,13 @@ class Engine:
         return rid
 
     def _request(self, request_id) -> Request:
-        if not isinstance(request_id, int) or not 0 <= request_id < len(self.requests):
-            raise RequestError(f"unknown request id {request_id!r}: this engine has ids 0..{len(self.requests) - 1}, "
-                               "the values add_request returned")
+        """The request of an id add_request returned; RequestError for any other value (a bool is no id:
+        Python would take True for 1)."""
+        if (not isinstance(request_id, int) or isinstance(request_id, bool)
+                or not 0 <= request_id < len(self.requests)):
+            ids = f"ids 0..{len(self.requests) - 1}" if self.requests else "no requests yet"
+            raise RequestError(f"unknown request id {reprlib.repr(request_id)} ({type(request_id).__name__}): this "
+                               f"engine has {ids}; use an int (not a bool) that add_request returned")
         return self.requests[request_id]
 
     def cancel(self, request_id: int) -> None:
@@ -334,7 +380,7 @@ class Engine:
         While nothing runs and the next request has not arrived yet, it sleeps until it does."""
         while self.unfinished():
             if not self.running and self.waiting and self.waiting[0].arrival_s > self.now():
-                time.sleep(max(0.0, self.waiting[0].arrival_s - self.now()))
+                time.sleep(min(max(0.0, self.waiting[0].arrival_s - self.now()), MAX_SLEEP_S))
             for rid, tokens in self.step().items():
                 for token in tokens:
                     yield rid, token
