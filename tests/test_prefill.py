@@ -108,7 +108,8 @@ def test_prompt_products_switch_only_long_prompts_and_only_inside():
         assert prompt_dtype(100) == torch.float32
 
 
-@pytest.mark.skipif(not cpu_kernel._ONEDNN or kernel_build.compiler() is None, reason="needs oneDNN and the C kernel")
+@pytest.mark.skipif(not cpu_kernel._ONEDNN_BF16 or kernel_build.compiler() is None,
+                    reason="needs oneDNN with bf16 GEMMs (AVX-512 or AMX) and the C kernel")
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8", "int4"])
 def test_bf16_products_are_the_bf16_rounded_inputs_summed_in_fp32(weights):
     """bf16_linear against fp64 sums of the bf16-rounded inputs: each output within its own bf16

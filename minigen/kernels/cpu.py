@@ -145,6 +145,9 @@ def matmul_rows(x: Tensor, w: Tensor) -> Tensor | None:
 # for linear layers. F.linear reaches MKL's sgemm, which on this AMD CPU ran a 256-row prompt's
 # products at 50-66 multiply-adds per ns where oneDNN ran them at 79-86 (SmolLM2's shapes, 2 threads).
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+# oneDNN's bf16 GEMM needs AVX-512 (AVX512-BF16 or AVX512-core, emulated) or AMX: on an AVX2 CPU (the
+# AMD EPYC Zen 3 of one session) it refuses the primitive, and the reference's F.linear runs instead.
+_ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor | None:
@@ -209,7 +212,7 @@ def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:
     whole), or int8 / int4 codes (turned into bf16 a tile of rows at a time). None where it does not
     apply (the rules of `linear`; codes need the C kernel built)."""
     quantized = isinstance(w, QuantizedWeight)
-    if not (_ONEDNN and x.dtype == torch.float32 and x.shape[-1] == w.shape[1]
+    if not (_ONEDNN_BF16 and x.dtype == torch.float32 and x.shape[-1] == w.shape[1]
             and w.dtype in (torch.float32, torch.bfloat16) and (quantized or w.dim() == 2)
             and _takes(x, w.codes if quantized else w, built=quantized)):
         return None
