@@ -261,8 +261,8 @@ def _group_fix(c: "GenerationConfig", r: Run) -> str:
 
 # feature -> (the Run fields a rule reads, whether it refuses, the message with the fix). check_run
 # applies the rules of every feature a config switches on; fused_decode="auto" runs the fused step
-# exactly where none of fused_decode's rules refuses (steps/choose.py). Every rule reads some Run field: one
-# that reads only the config is checked when the config is built (check_combinations).
+# exactly where none of fused_decode's rules refuses (steps/choose.py). A rule that reads only the
+# config is checked when the config is built (check_combinations).
 RunRule = tuple[str, tuple[str, ...], Callable[["GenerationConfig", Run], bool],
                 Callable[["GenerationConfig", Run], str]]
 RUN_RULES: tuple[RunRule, ...] = (
@@ -402,13 +402,11 @@ def check_combinations(c: "GenerationConfig") -> None:
         if clash(c):
             raise ConfigError(f"{key}={getattr(c, key)!r} and {other}={getattr(c, other)!r} do not combine: "
                               f"{why}. Fix: {fix}.")
-    # Keys per channel are grouped over the tokens of one block, so a block holds whole groups. This
-    # needs no model, so it is checked here, when the config is built, not when a cache is made.
-    bs, G = c.cache_chunk_size, c.quant_group_size
+    bs, G = c.cache_chunk_size, c.quant_group_size  # keys per channel: grouped over one block's tokens
     if c.quant_bits is not None and bs is not None and c.quant_key_axis == "channel" and bs % G:
+        fix = f"use cache_chunk_size={G * -(-bs // G)}, or quant_key_axis='token'"
         raise ConfigError(f"cache_chunk_size={bs} is not a multiple of quant_group_size={G}: keys are quantized "
-                          f"per channel over {G} tokens of one block, so use cache_chunk_size={G * -(-bs // G)}, "
-                          "or quant_key_axis='token'")
+                          f"per channel over {G} tokens of one block, so {fix}")
 
 
 def _describe(c: "GenerationConfig", feature: str) -> str:

@@ -11,21 +11,17 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
-import struct
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
-from .hardware import check_device
 from .kernels import dispatch
 from .model import Model, ModelConfig
-from .paths import cache_dir, digest_mismatch, locked, read_digest, unwritable_dir, write_digest
+from . import paths
+from .paths import bar, cache_dir, check_device, locked, read_digest, unwritable_dir, write_converted, write_digest
 from .numerics import w8a8
 from .numerics.precision import Precision, dtype_of
 from .numerics.weight_quant import check_weight_bits, quantize_weights
@@ -188,7 +184,7 @@ def from_hf(hf_model, dtype: torch.dtype | str | None = None) -> Model:
 
 def read_safetensors(folder: Path) -> dict[str, Tensor]:
     """A folder's *.safetensors -> one state dict. A file with a digest beside it (the model cache's
-    conversions) is checked against it first (`damaged`): a corrupt cache never produces output."""
+    conversions) is checked against it first (`paths.converted_file_damaged`): a corrupt cache never produces output."""
     from safetensors.torch import load_file
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -196,7 +192,7 @@ def read_safetensors(folder: Path) -> dict[str, Tensor]:
                              "or GGUF (never pickled .bin files); convert the checkpoint to safetensors.")
     state: dict[str, Tensor] = {}
     for f in files:
-        why = damaged(f) if read_digest(f) is not None else None
+        why = paths.converted_file_damaged(f) if read_digest(f) is not None else None
         if why:
             raise ModelLoadError(f"{f} is corrupt: {why}. {_redo(folder)}")
         try:
@@ -210,42 +206,7 @@ def read_safetensors(folder: Path) -> dict[str, Tensor]:
 
 
 # ---------------------------------------------------------------- what the cache holds, checked
-# Each converted file has `<name>.digest.json` beside it (size and sha256, paths.write_digest). The
-# size is checked at every load; the sha256 (0.7 to 0.8 s for SmolLM2's 538 MB on this course's
-# CPU) once per process and file, then again only if the file's size or mtime changed.
-_hashed: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) whose sha256 matched here
-
-
-def damaged(weights: Path) -> str | None:
-    """Why a converted weights file does not hold what was written, or None. Without a digest (a
-    cache from an older minigen), the size its own header implies is checked instead."""
-    record = read_digest(weights)
-    if record is None:
-        return _header_size_mismatch(weights)
-    st = weights.stat()
-    key = (str(weights), st.st_size, st.st_mtime_ns)
-    why = digest_mismatch(weights, record, hash_it=key not in _hashed)
-    if why is None:
-        _hashed.add(key)
-    return why
-
-
-def _header_size_mismatch(weights: Path) -> str | None:
-    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes, whose
-    last offset the header gives: a file of another size was cut or appended to."""
-    size = weights.stat().st_size
-    try:
-        with open(weights, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n)) if n <= size else None
-        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-    except Exception:  # short, not JSON, no tensors: all mean the same here
-        return f"its header is unreadable ({size:,} bytes)"
-    if 8 + n + end != size:
-        return f"it has {size:,} bytes, but its header describes {8 + n + end:,}"
-    return None
-
-
+# Each converted file has `<name>.digest.json` beside it, checked by paths.converted_file_damaged.
 def _trust_once(weights: Path) -> None:
     """Record a digest for a file that predates digests (trust on first use, after a whole read)."""
     with contextlib.suppress(OSError):  # a read-only cache still loads, unchecked
@@ -295,7 +256,6 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
     state = {}
-    from .progress import bar
     for t in bar(reader.tensors, desc="prepare: converting", unit="tensor"):  # 7-40 s
         parts = t.name.split(".")  # "blk.3.attn_q.weight" or "token_embd.weight"
         if parts[0] == "blk":
@@ -331,16 +291,16 @@ def prepare_default(force: bool = False, repair: bool = False) -> Path:
     Safe to interrupt and to run twice at once: the conversion is written into a hidden
     `.convert-<pid>-*` folder and renamed into place under a lock, so a second run waits and then
     finds the finished folder, and a later run removes what a killed conversion left behind.
-    repair=True (`python -m minigen prepare`) checks a finished conversion (`damaged`) and converts
+    repair=True (`python -m minigen prepare`) checks a finished conversion (`paths.converted_file_damaged`) and converts
     again when it is cut or corrupt; `load` leaves that check to `read_safetensors`, which names the command.
     """
     root = cache_dir()
     folder = root / DEFAULT_MODEL
     if root.is_dir():
-        remove_stale_conversions(root)
+        paths.remove_stale_conversions(root)
     weights = folder / "model.safetensors"
     if weights.exists() and not force:
-        why = damaged(weights) if repair else None
+        why = paths.converted_file_damaged(weights) if repair else None
         if why is None:
             return folder
         print(f"{weights} is corrupt ({why}): converting it again", file=sys.stderr)
@@ -362,90 +322,10 @@ def _convert(gguf: Path, folder: Path) -> None:
     from gguf import GGUFReader
     from transformers import AutoTokenizer
     # refused before the seconds of dequantizing: every tensor becomes fp32 (4 bytes an element)
-    _check_space(folder, 4 * sum(int(t.n_elements) for t in GGUFReader(str(gguf)).tensors))
+    paths.check_conversion_space(folder, 4 * sum(int(t.n_elements) for t in GGUFReader(str(gguf)).tensors))
     hf_cfg, state = read_gguf(gguf)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     write_converted(folder, hf_cfg, state, tokenizer.save_pretrained)
-
-
-# config.json, the tokenizer (3.5 MB for SmolLM2) and the safetensors header, above the tensors' bytes
-CONVERSION_SLACK_BYTES = 64 * 2**20
-
-
-def write_converted(folder: Path, hf_cfg: dict, state: dict[str, Tensor],
-                    save_tokenizer: Callable[[str], object]) -> None:
-    """Write a converted model (config.json, model.safetensors and its digest, the tokenizer) as
-    `folder`: into a hidden folder beside it, renamed into place, so an interrupted or failed run
-    leaves nothing half-done. Refused before writing when the disk cannot hold it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-    root = folder.parent
-    need = _check_space(folder, sum(t.numel() * t.element_size() for t in state.values()))
-    # the pid in the name lets a later run tell a conversion in progress from one that was killed
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".convert-{os.getpid()}-"))
-    failed = None
-    try:
-        new = tmp / folder.name
-        new.mkdir()
-        (new / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-        save_file({k: v.contiguous() for k, v in state.items()}, str(new / "model.safetensors"))
-        write_digest(new / "model.safetensors")  # after the file: a digest means the file is whole
-        save_tokenizer(str(new))
-        if folder.exists():  # force=True, or a damaged copy: move it aside, to be removed with tmp
-            folder.rename(tmp / "old")
-        new.rename(folder)
-    except (OSError, SafetensorError) as e:  # the disk filled up anyway (another writer), or went read-only
-        failed = e
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if failed is not None:
-        raise ModelLoadError(f"writing the converted {folder.name!r} failed ({_short(failed)}); nothing was "
-                             f"kept. {_no_space(folder, need)}") from None
-
-
-def _check_space(folder: Path, tensor_bytes: int) -> int:
-    """Refuse a conversion whose tensors (plus CONVERSION_SLACK_BYTES) the disk cannot hold -> the bytes needed."""
-    need = tensor_bytes + CONVERSION_SLACK_BYTES
-    if shutil.disk_usage(folder.parent).free < need:
-        raise ModelLoadError(f"cannot convert {folder.name!r}: {_no_space(folder, need)}")
-    return need
-
-
-def _no_space(folder: Path, need: int) -> str:
-    free = shutil.disk_usage(folder.parent).free
-    return (f"it needs {need / 1e6:,.0f} MB in the model cache {folder.parent}, which has {free / 1e6:,.0f} MB "
-            "free: free some space there, or point MINIGEN_CACHE at a folder on a larger disk "
-            "(export MINIGEN_CACHE=/path/with/space)")
-
-
-def _short(e: Exception) -> str:
-    return getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
-
-
-def remove_stale_conversions(root: Path) -> list[Path]:
-    """Remove the `.convert-<pid>-*` folders whose process is gone (a conversion killed with
-    SIGKILL or by a power cut leaves one: 538 MB for SmolLM2) -> the folders removed. Needs no
-    lock: a live conversion's folder is never touched."""
-    stale = []
-    for tmp in root.glob(".convert-*"):
-        pid = tmp.name.split("-")[1]
-        if not (pid.isdigit() and _alive(int(pid))):  # a name without a pid predates this naming
-            shutil.rmtree(tmp, ignore_errors=True)  # in a read-only cache it stays, and so be it
-            if not tmp.exists():
-                stale.append(tmp)
-    return stale
-
-
-def _alive(pid: int) -> bool:
-    if sys.platform == "win32":  # os.kill(pid, 0) would send CTRL_C_EVENT there: never remove
-        return True
-    try:
-        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists, under another user
-        return True
-    return True
 
 
 # ---------------------------------------------------------------- load
@@ -511,7 +391,7 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | s
 
     dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16").
     weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype.
-    device: one this machine has (hardware.devices()), else ConfigError."""
+    device: one this machine has (paths.devices()), else ConfigError."""
     if not isinstance(name_or_path, (str, os.PathLike)):  # os.fspath's TypeError, before anything
         raise ConfigError(f"name_or_path={name_or_path!r} is invalid: pass {DEFAULT_MODEL!r}, a local folder "
                           "(str or pathlib.Path) or a Hugging Face hub id (str)")

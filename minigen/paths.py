@@ -1,11 +1,16 @@
-"""Where minigen keeps files it makes: converted models and built kernels; whether it can write there.
+"""What minigen meets of this machine: the files it keeps and writes, its memory and devices, its terminal.
 
 The one place that reads `$MINIGEN_CACHE`; it imports nothing from the package but its errors, so
-every module (loading, the C kernel, bench) can import it at the top. The checks here return the
-reason a place cannot be written (None when it can); each caller raises its own error with its own
-fix. Every file the command line writes goes through `check_output_path` (before the run) and
-`write_atomically` / `atomic_path` (after it); every file the cache holds has a digest beside it
-(`write_digest`, `digest_mismatch`).
+every module (loading, the C kernel, bench, the serving engine) can import it at the top.
+- Files: the checks here return the reason a place cannot be written (None when it can); each
+  caller raises its own error with its own fix. Every file the command line writes goes through
+  `check_output_path` (before the run) and `write_atomically` / `atomic_path` (after it); every file
+  the cache holds has a digest beside it (`write_digest`, `digest_mismatch`).
+- Memory and devices: a size past the machine's memory used to reach the allocator and come back as
+  a bare `MemoryError` (or numpy's `_ArrayMemoryError`); a device that does not exist came back as
+  torch's `AssertionError` or `RuntimeError`. `check_fits` and `check_device` say what was asked,
+  what there is, and the fix, in the caller's error class.
+- The terminal: `bar`, a progress bar for long work, drawn on stderr only when it is a terminal.
 """
 
 from __future__ import annotations
@@ -15,12 +20,20 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import stat
+import struct
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Iterable, TypeVar
 
-from .errors import MinigenError
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from .errors import ConfigError, MinigenError, ModelLoadError
 
 try:
     import fcntl  # Linux and macOS; Windows has none, and there we do without the lock
@@ -184,3 +197,188 @@ def locked(lock_file: Path):
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------- what the cache holds, checked
+# Each converted file has `<name>.digest.json` beside it (size and sha256, write_digest). The size
+# is checked at every load; the sha256 (0.7 to 0.8 s for SmolLM2's 538 MB on this course's CPU)
+# once per process and file, then again only if the file's size or mtime changed.
+_hashed: set[tuple[str, int, int]] = set()  # (path, size, mtime_ns) whose sha256 matched here
+
+
+def converted_file_damaged(weights: Path) -> str | None:
+    """Why a converted weights file does not hold what was written, or None. Without a digest (a
+    cache from an older minigen), the size its own header implies is checked instead."""
+    record = read_digest(weights)
+    if record is None:
+        return safetensors_size_mismatch(weights)
+    st = weights.stat()
+    key = (str(weights), st.st_size, st.st_mtime_ns)
+    why = digest_mismatch(weights, record, hash_it=key not in _hashed)
+    if why is None:
+        _hashed.add(key)
+    return why
+
+
+def safetensors_size_mismatch(weights: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, a JSON header, then the tensors' bytes, whose
+    last offset the header gives: a file of another size was cut or appended to."""
+    size = weights.stat().st_size
+    try:
+        with open(weights, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if n <= size else None
+        end = max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    except Exception:  # short, not JSON, no tensors: all mean the same here
+        return f"its header is unreadable ({size:,} bytes)"
+    if 8 + n + end != size:
+        return f"it has {size:,} bytes, but its header describes {8 + n + end:,}"
+    return None
+
+
+def remove_stale_conversions(root: Path) -> list[Path]:
+    """Remove the `.convert-<pid>-*` folders whose process is gone (a conversion killed with
+    SIGKILL or by a power cut leaves one: 538 MB for SmolLM2) -> the folders removed. Needs no
+    lock: a live conversion's folder is never touched."""
+    stale = []
+    for tmp in root.glob(".convert-*"):
+        pid = tmp.name.split("-")[1]
+        if not (pid.isdigit() and _alive(int(pid))):  # a name without a pid predates this naming
+            shutil.rmtree(tmp, ignore_errors=True)  # in a read-only cache it stays, and so be it
+            if not tmp.exists():
+                stale.append(tmp)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    if sys.platform == "win32":  # os.kill(pid, 0) would send CTRL_C_EVENT there: never remove
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, under another user
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- a converted model, written whole or not at all
+# config.json, the tokenizer (3.5 MB for SmolLM2) and the safetensors header, above the tensors' bytes
+CONVERSION_SLACK_BYTES = 64 * 2**20
+
+
+def write_converted(folder: Path, hf_cfg: dict, state: dict[str, Tensor],
+                    save_tokenizer: Callable[[str], object]) -> None:
+    """Write a converted model (config.json, model.safetensors and its digest, the tokenizer) as
+    `folder`: into a hidden folder beside it, renamed into place, so an interrupted or failed run
+    leaves nothing half-done. Refused before writing when the disk cannot hold it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+    root = folder.parent
+    need = check_conversion_space(folder, sum(t.numel() * t.element_size() for t in state.values()))
+    # the pid in the name lets a later run tell a conversion in progress from one that was killed
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".convert-{os.getpid()}-"))
+    failed = None
+    try:
+        new = tmp / folder.name
+        new.mkdir()
+        (new / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        save_file({k: v.contiguous() for k, v in state.items()}, str(new / "model.safetensors"))
+        write_digest(new / "model.safetensors")  # after the file: a digest means the file is whole
+        save_tokenizer(str(new))
+        if folder.exists():  # force=True, or a damaged copy: move it aside, to be removed with tmp
+            folder.rename(tmp / "old")
+        new.rename(folder)
+    except (OSError, SafetensorError) as e:  # the disk filled up anyway (another writer), or went read-only
+        failed = e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failed is not None:
+        raise ModelLoadError(f"writing the converted {folder.name!r} failed ({short_reason(failed)}); nothing was "
+                             f"kept. {no_space_message(folder, need)}") from None
+
+
+def check_conversion_space(folder: Path, tensor_bytes: int) -> int:
+    """Refuse a conversion whose tensors (plus CONVERSION_SLACK_BYTES) the disk cannot hold -> the bytes needed."""
+    need = tensor_bytes + CONVERSION_SLACK_BYTES
+    if shutil.disk_usage(folder.parent).free < need:
+        raise ModelLoadError(f"cannot convert {folder.name!r}: {no_space_message(folder, need)}")
+    return need
+
+
+def no_space_message(folder: Path, need: int) -> str:
+    free = shutil.disk_usage(folder.parent).free
+    return (f"it needs {need / 1e6:,.0f} MB in the model cache {folder.parent}, which has {free / 1e6:,.0f} MB "
+            "free: free some space there, or point MINIGEN_CACHE at a folder on a larger disk "
+            "(export MINIGEN_CACHE=/path/with/space)")
+
+
+def short_reason(e: Exception) -> str:
+    return getattr(e, "strerror", None) or str(e).splitlines()[0][:200]
+
+
+# ---------------------------------------------------------------- memory and devices
+GIB = 2**30
+
+
+def total_memory_bytes(device: torch.device | str = "cpu") -> int:
+    """All the memory of `device`: a CUDA device's, or the host's RAM (what is free is smaller)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(needed_bytes: int, what: str, fix: str, error: type[MinigenError] = ConfigError,
+               device: torch.device | str = "cpu") -> None:
+    """Raise `error` when `needed_bytes` exceed all the memory of `device`: a size no run could hold,
+    refused before it is allocated. `what` names the request (e.g. "num_blocks=10**12"); `fix` says what to do."""
+    total = total_memory_bytes(device)
+    if needed_bytes > total:
+        where = "this machine" if torch.device(device).type == "cpu" else f"{torch.device(device)}"
+        raise error(f"{what} needs {needed_bytes / GIB:,.1f} GiB; {where} has {total / GIB:,.1f} GiB. {fix}")
+
+
+def devices() -> list[str]:
+    """The devices torch can use here: 'cpu', then 'cuda:0'... and 'mps' where they exist."""
+    found = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        found.append("mps")
+    return found
+
+
+def check_device(device) -> torch.device:
+    """`device` (a str or torch.device) -> torch.device, or ConfigError naming the devices this machine
+    has: torch gave an AssertionError for 'cuda' on a CPU-only build and a RuntimeError for 'banana'."""
+    here = devices()
+    if isinstance(device, torch.device):
+        d = device
+    elif isinstance(device, str):
+        try:
+            d = torch.device(device)
+        except RuntimeError:
+            d = None
+    else:
+        d = None
+    if d is None:
+        raise ConfigError(f"device={device!r} is invalid: use a device name or torch.device; this machine "
+                          f"has {', '.join(map(repr, here))}")
+    index = 0 if d.index is None else d.index
+    name = d.type if d.type in ("cpu", "mps") else f"{d.type}:{index}"
+    if name not in here:
+        raise ConfigError(f"device={device!r} does not exist here: this machine has "
+                          f"{', '.join(map(repr, here))}; use one of them (e.g. device='cpu')")
+    return d
+
+
+# ---------------------------------------------------------------- the terminal: progress bars
+# A bar is drawn only when stderr is a terminal: piped or captured output (a test, a notebook's cell,
+# a CI log, `--json` redirected) stays free of carriage returns and half-drawn bars, and stdout,
+# where results and JSON go, never has one.
+T = TypeVar("T")
+
+
+def bar(iterable: Iterable[T] | None = None, **kwargs) -> tqdm:
+    """tqdm over `iterable` (or with total=... and .update()), drawn on stderr when it is a terminal."""
+    # tqdm.auto would draw a widget in a notebook, where the chapters' outputs are asserted and stored
+    return tqdm(iterable, file=sys.stderr, disable=not sys.stderr.isatty(), leave=False, **kwargs)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # a plain checkout works too, not only an install
 from minigen.course.book import Book, article_page, ledger_page, load_book, readme_chapter_list  # noqa: E402
 from minigen.course.ledger import load_claims  # noqa: E402
 from minigen.course.widgets import snapshot_html  # noqa: E402
-from minigen.progress import bar  # noqa: E402
+from minigen.paths import bar  # noqa: E402
 
 # Folders beside book.toml that chapters may read from (`../figures/x.png` from notebooks/).
 ASSET_DIRS = ("figures",)
@@ -131,7 +131,7 @@ def execute_chapters(book: Book, src: Path, execute: str, timeout: int, cache: P
     notebook and package are unchanged since the last build reuses that build's outputs."""
     chosen, digest = chosen_chapters(book, execute), package_digest()
     cache.mkdir(parents=True, exist_ok=True)
-    for c in bar(book.chapters, desc="book", unit="chapter"):  # a bar on a terminal only (minigen/progress.py)
+    for c in bar(book.chapters, desc="book", unit="chapter"):  # a bar on a terminal only (minigen.paths.bar)
         path = src / c.notebook
         if c.notebook not in chosen:
             continue  # rendered as written: code without outputs

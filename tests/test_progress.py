@@ -1,4 +1,4 @@
-"""Progress bars (minigen/progress.py): drawn on stderr when it is a terminal, never otherwise."""
+"""Progress bars (minigen.paths.bar): drawn on stderr when it is a terminal, never otherwise."""
 
 from __future__ import annotations
 

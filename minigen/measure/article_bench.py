@@ -27,7 +27,7 @@ from ..generate import generate
 from .machine import PeakRSS
 from ..evaluate import score
 from ..model import ModelConfig
-from ..progress import bar
+from ..paths import bar
 from .plan import activation_bytes, kv_cache_bytes, weights_bytes
 from .roofline import A100_80GB, GPT3_175B, LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M, Ceiling, streamed_params
 

@@ -166,7 +166,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     and, for "draft", the draft alone ("minigen draft"; `draft` is a drafts.parse spec such as
     "layers:20"), for the speed-up, alpha and the speed model's prediction. Every setting is checked
     before the weights load: the run sizes, then the model's context."""
-    from ..progress import bar
+    from ..paths import bar
     from ..combinations import Run, check_run
     from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)

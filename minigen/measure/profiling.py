@@ -43,7 +43,7 @@ from ..config import GenerationConfig
 from ..errors import BenchError, ConfigError
 from ..generate import GenerationStats, check_prompt, make_policy, stream
 from ..paths import atomic_path, check_output_path
-from ..progress import bar
+from ..paths import bar
 from ..sampling import sample
 
 CATEGORY_NAMES = ("matrix products", "attention", "norms", "RoPE", "cache update", "sampling", "rest")
@@ -198,7 +198,7 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
             logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy)
             pos += 1
 
-        progress = bar(total=total, desc="profile", unit="step")  # drawn on a terminal only (progress.py)
+        progress = bar(total=total, desc="profile", unit="step")  # drawn on a terminal only (paths.bar)
         for _ in range(warmup):  # compiles, fills buffers, warms the allocator
             one_step()
             progress.update(1)

@@ -34,8 +34,8 @@ from ..serving.engine import Engine
 from ..loading import load, load_tokenizer, resolve_folder
 from .machine import hardware_info
 from ..errors import BenchError
-from ..hardware import check_fits
-from ..progress import bar
+from ..paths import check_fits
+from ..paths import bar
 from ..serving.metrics import summarize
 from ..serving.workload import LengthDist, Workload, make_workload, replay, system_prompt_ids
 

@@ -43,7 +43,7 @@ from ..combinations import ENGINE_REFUSED, REQUEST_KEYS, check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
 from ..generate import check_prompt, make_policy
-from ..hardware import check_fits
+from ..paths import check_fits
 from ..numerics.precision import DTYPES, prompt_products
 from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
