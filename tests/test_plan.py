@@ -63,9 +63,10 @@ def test_the_answer_fits_and_costs_the_least_quality(tiny_llama):
     assert tight.fits and tight.total_bytes <= int8 - 1 < full
     assert tight.config in ({"quant_bits": 4, "quant_group_size": 8}, {"kv_dtype": "bfloat16"}), tight.config
     assert all(o.expected_loss_pct >= tight.expected_loss_pct for o in tight.options if o.fits)
-    # only the smallest option fits (a 64-token window in bf16 here): it is the answer
+    # only the smallest option fits (4-bit KV here: with 2-byte scales and zeros, a byte an element at
+    # head dim 8, below a 64-token window in bf16 over 128 tokens): it is the answer
     smallest = min(roomy.options, key=lambda o: o.total_bytes)
-    assert smallest.config == {"kv_dtype": "bfloat16", "window_size": 64}
+    assert smallest.config == {"quant_bits": 4, "quant_group_size": 8}
     assert planner.plan(cfg, batch=4, context=128, budget_bytes=smallest.total_bytes).config == smallest.config
     # nothing fits, but the weights do: fits False and the smallest budget that would
     none = planner.plan(cfg, batch=4, context=128, budget_bytes=roomy.weights_bytes)
