@@ -127,14 +127,18 @@ def package_digest() -> str:
 
 def execute_chapters(book: Book, src: Path, execute: str, timeout: int, cache: Path) -> None:
     """Run the chosen chapters in `src` (each in its own folder, as in JupyterLab), keeping the
-    widget state, then replace every widget panel with its snapshot. With "cache", a chapter whose
+    widget state, then replace every widget panel with its snapshot (in every chapter, including those
+    rendered with the outputs stored in them). With "cache", a chapter whose
     notebook and package are unchanged since the last build reuses that build's outputs."""
     chosen, digest = chosen_chapters(book, execute), package_digest()
     cache.mkdir(parents=True, exist_ok=True)
     for c in bar(book.chapters, desc="book", unit="chapter"):  # a bar on a terminal only (minigen.paths.bar)
         path = src / c.notebook
-        if c.notebook not in chosen:
-            continue  # rendered as written: code without outputs
+        if c.notebook not in chosen:  # rendered as written, with any outputs stored in it
+            nb = nbformat.read(path, as_version=4)
+            if snapshot_widgets(nb):  # stored widget panels would load their JavaScript from a CDN
+                nbformat.write(nb, path)
+            continue
         key = hashlib.sha256(path.read_bytes() + digest.encode()).hexdigest()
         cached, stamp = cache / Path(c.notebook).name, cache / (Path(c.notebook).name + ".sha256")
         if execute == "cache" and stamp.is_file() and stamp.read_text() == key:
