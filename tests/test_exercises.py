@@ -417,3 +417,17 @@ def test_ch16_visible_tiles_checker_takes_the_solution_and_names_the_usual_mista
             ch16.check_visible_tiles(wrong)
     with pytest.raises(ExerciseFailed, match="calls this module's worked solution"):
         ch16.check_visible_tiles(lambda *args: ch16.solution_visible_tiles(*args))
+
+
+# ---------------------------------------------------------------- the rule every checker follows
+def test_forbidding_catches_an_answer_that_calls_the_solution_by_any_name():
+    from minigen.course.exercises import forbidding
+    from minigen.numerics import weight_quant
+    codes = torch.arange(64, dtype=torch.uint8) % 16
+    alias = weight_quant.pack4
+    for answer in (alias, lambda c: alias(c), lambda c: weight_quant.pack4(c.clone())):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own pack4"), forbidding(weight_quant.pack4):
+            answer(codes)
+    assert torch.equal(alias(codes), weight_quant.pack4(codes))  # restored afterwards
+    with pytest.raises(ValueError), forbidding(weight_quant.pack4):  # other errors pass through untouched
+        raise ValueError("the answer's own mistake")
