@@ -72,3 +72,26 @@ def test_readme_numbers_say_the_run_they_come_from():
     assert not unstamped, ("README sections quote measured numbers without the run's date and machine "
                            "(write 'Measured on YYYY-MM-DD, <machine>' in the section, or generate "
                            "the block from a committed run):\n  " + "\n  ".join(unstamped))
+
+
+def headings(path: Path) -> list[str]:
+    return [line for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "markdown"
+            for line in cell.source.splitlines() if line.startswith("## ")]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+def test_every_chapter_has_the_same_parts_in_the_same_order(path):
+    """Goals, numbered sections, what the chapter showed, exercises (issue 26)."""
+    first = nbformat.read(path, as_version=4).cells[0].source
+    assert re.match(rf"# {int(path.stem[:2])} · ", first) and "**What you will learn**" in first, \
+        f"{path.name}: the first cell is the title and the goals ('**What you will learn**')"
+    hs = headings(path)
+    showed = [i for i, h in enumerate(hs) if h.startswith("## What this chapter showed")]
+    exercises = [i for i, h in enumerate(hs) if re.match(r"## Exercises?\b", h)]
+    assert len(showed) == 1 and len(exercises) == 1, f"{path.name}: one 'What this chapter showed' and one " \
+                                                     f"'Exercise(s)' heading, not {hs}"
+    assert showed[0] == len(hs) - 2 and exercises[0] == len(hs) - 1, \
+        f"{path.name}: the sections, then 'What this chapter showed', then the exercises last: {hs}"
+    numbers = [int(m.group(1)) for h in hs[:showed[0]] if (m := re.match(r"## (\d+)\. ", h))]
+    assert numbers == list(range(1, len(numbers) + 1)) and len(numbers) == showed[0], \
+        f"{path.name}: the sections are numbered 1, 2, 3... with no gap and no unnumbered one: {hs[:showed[0]]}"
