@@ -308,7 +308,7 @@ def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
     with pytest.raises(ExerciseFailed, match="sort the requests by length"):
         ch10.check_group(arrival_order)
     with pytest.raises(ExerciseFailed, match="never drops a request"):
-        ch10.check_group(lambda lengths, b: ch10.solution_group(lengths, b)[:-1])
+        ch10.check_group(lambda lengths, b: arrival_order(lengths, b)[:-1])
     with pytest.raises(ExerciseFailed, match="runs alone"):
         ch10.check_group(lambda lengths, b: [sorted(range(len(lengths)), key=lambda i: lengths[i])[j:j + b]
                                              for j in range(0, len(lengths), b)])
@@ -488,3 +488,24 @@ def test_ch09_merge_kernel_checker_takes_the_solution_and_names_the_usual_mistak
         ch09.check_merge_splits(CallsMinigensMerge())
     with pytest.raises(ExerciseFailed, match="the @triton.jit kernel itself"):
         ch09.check_merge_splits(lambda *args: None)
+
+
+def test_ch10_checkers_refuse_answers_that_call_minigens_batcher_or_admission_rule():
+    """Issue 26's cheats: exercise 1 passed with batching.group_by_length, and chapter 10 printed
+    scheduler.can_admit, exercise 2's exact answer, before asking for it."""
+    from minigen.course.exercises import ch10
+    from minigen.serving import batching, scheduler
+    from minigen.serving.batching import group_by_length
+    for cheat in (group_by_length, lambda lengths, b: batching.group_by_length(lengths, b)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own group_by_length"):
+            ch10.check_group(cheat)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_group"):
+        ch10.check_group(lambda lengths, b: ch10.solution_group(lengths, b))
+    for cheat in (scheduler.can_admit, lambda *args: scheduler.can_admit(*args), ch10.engine_can_admit):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own can_admit"):
+            ch10.check_can_admit(cheat)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_can_admit"):
+        ch10.check_can_admit(lambda *args: ch10.solution_can_admit(*args))
+    # the worked solutions still pass, and the package's functions are back
+    assert ch10.check_group(ch10.solution_group) and ch10.check_can_admit(ch10.solution_can_admit)
+    assert batching.group_by_length([3, 1], 2) == [[1, 0]] and scheduler.can_admit(1, 2, 0, 0, 1)
