@@ -308,7 +308,7 @@ def test_ch10_group_checker_takes_the_solution_and_names_the_usual_mistakes():
     with pytest.raises(ExerciseFailed, match="sort the requests by length"):
         ch10.check_group(arrival_order)
     with pytest.raises(ExerciseFailed, match="never drops a request"):
-        ch10.check_group(lambda lengths, b: ch10.solution_group(lengths, b)[:-1])
+        ch10.check_group(lambda lengths, b: arrival_order(lengths, b)[:-1])
     with pytest.raises(ExerciseFailed, match="runs alone"):
         ch10.check_group(lambda lengths, b: [sorted(range(len(lengths)), key=lambda i: lengths[i])[j:j + b]
                                              for j in range(0, len(lengths), b)])
@@ -431,3 +431,81 @@ def test_forbidding_catches_an_answer_that_calls_the_solution_by_any_name():
     assert torch.equal(alias(codes), weight_quant.pack4(codes))  # restored afterwards
     with pytest.raises(ValueError), forbidding(weight_quant.pack4):  # other errors pass through untouched
         raise ValueError("the answer's own mistake")
+
+
+# ================================================================ chapters 9 and 10 (issue 26)
+# Each exercise's worked solution passes, each known and planted wrong answer fails with its hint, and
+# an answer that calls minigen's own solution fails, however it is reached.
+def test_ch09_dequantize_on_load_refuses_an_answer_that_calls_quants_own():
+    from minigen.course.exercises import ch09
+    from minigen.numerics import quant
+    from minigen.numerics.quant import QuantizedTensor
+
+    def through_dequantize(codes, scales, zeros, channel, G):
+        q = QuantizedTensor(codes, scales, zeros, 4, G, -1, torch.float32)
+        return quant.dequantize(q)[..., channel]
+
+    def through_unpack(codes, scales, zeros, channel, G):
+        code = quant.unpack(codes, 4)[..., channel].float()
+        return zeros[..., channel // G].float() + code * scales[..., channel // G].float()
+
+    label, args, want = ch09._cases()[1]
+    assert torch.equal(through_dequantize(*args), want) and torch.equal(through_unpack(*args), want)  # right, unforbidden
+    for cheat, name in ((through_dequantize, "dequantize"), (through_unpack, "unpack"),
+                        (lambda *args: ch09.solution_dequantize_on_load(*args), "solution_dequantize_on_load")):
+        with pytest.raises(ExerciseFailed, match=f"calls minigen's own {name}"):
+            ch09.check_dequantize_on_load(cheat)
+    assert ch09.check_dequantize_on_load(ch09.solution_dequantize_on_load)  # restored
+
+
+def test_ch09_merge_kernel_checker_takes_the_solution_and_names_the_usual_mistakes():
+    from minigen.course.exercises import ch09
+    from minigen.kernels import triton_attention
+    from minigen.kernels.triton_attention import tl, triton
+    assert ch09.check_merge_splits(ch09.solution_merge_kernel)
+    for wrong, hint in ch09.MERGE_MISTAKES:  # forgetting the rescale, dividing first, no max, off by one, wrong axis...
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch09.check_merge_splits(wrong)
+
+    @triton.jit
+    def does_nothing(m_ptr, l_ptr, o_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        row = tl.program_id(0)  # noqa: F841
+
+    @triton.jit
+    def wraps_the_solution(m_ptr, l_ptr, o_ptr, out_ptr, P, D, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        # a kernel runs with its module's globals: minigen is imported at the top of this file
+        minigen.course.exercises.ch09.solution_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, P, D, BLOCK_P, BLOCK_D)
+
+    class CallsMinigensMerge(triton.runtime.KernelInterface):  # launched like a kernel, merges in torch
+        def run(self, m, l, o, out, P, D, grid, warmup, **constants):
+            out.copy_(triton_attention.merge_splits(o / l[..., None], m + l.log()))
+
+    with pytest.raises(ExerciseFailed, match="stored nothing"):
+        ch09.check_merge_splits(does_nothing)
+    with pytest.raises(ExerciseFailed, match="calls this module's worked solution"):
+        ch09.check_merge_splits(wraps_the_solution)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own merge_splits"):
+        ch09.check_merge_splits(CallsMinigensMerge())
+    with pytest.raises(ExerciseFailed, match="the @triton.jit kernel itself"):
+        ch09.check_merge_splits(lambda *args: None)
+
+
+def test_ch10_checkers_refuse_answers_that_call_minigens_batcher_or_admission_rule():
+    """Issue 26's cheats: exercise 1 passed with batching.group_by_length, and chapter 10 printed
+    scheduler.can_admit, exercise 2's exact answer, before asking for it."""
+    from minigen.course.exercises import ch10
+    from minigen.serving import batching, scheduler
+    from minigen.serving.batching import group_by_length
+    for cheat in (group_by_length, lambda lengths, b: batching.group_by_length(lengths, b)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own group_by_length"):
+            ch10.check_group(cheat)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_group"):
+        ch10.check_group(lambda lengths, b: ch10.solution_group(lengths, b))
+    for cheat in (scheduler.can_admit, lambda *args: scheduler.can_admit(*args), ch10.engine_can_admit):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own can_admit"):
+            ch10.check_can_admit(cheat)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_can_admit"):
+        ch10.check_can_admit(lambda *args: ch10.solution_can_admit(*args))
+    # the worked solutions still pass, and the package's functions are back
+    assert ch10.check_group(ch10.solution_group) and ch10.check_can_admit(ch10.solution_can_admit)
+    assert batching.group_by_length([3, 1], 2) == [[1, 0]] and scheduler.can_admit(1, 2, 0, 0, 1)

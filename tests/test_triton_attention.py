@@ -303,3 +303,20 @@ def test_the_step_kernel_of_a_prompt_is_flash_attention(T, causal, block_m, bloc
     M, N = math.ceil(T / block_m), math.ceil(T / block_n)
     want = [math.ceil(min((i + 1) * block_m, T) / block_n) if causal else N for i in range(M)]
     assert visits.tolist() == [want, want], visits
+
+
+def test_merge_splits_is_the_softmax_of_the_whole_row():
+    """triton_attention.merge_splits (flash-decoding's reduction, chapter 9's exercise checks against it):
+    the splits' normalised results and log-sum-exps merge into softmax(s) v over every position, also
+    with scores large enough that exp alone overflows and with a split that saw no key (lse = -inf)."""
+    g = torch.Generator().manual_seed(9)
+    s, v = 60 * torch.randn(3, 40, generator=g, dtype=torch.float64), torch.randn(3, 40, 8, generator=g, dtype=torch.float64)
+    bounds = [(0, 7), (7, 7), (7, 30), (30, 40)]  # the second split is empty
+    out = torch.zeros(3, len(bounds), 8, dtype=torch.float64)
+    lse = torch.full((3, len(bounds)), float("-inf"), dtype=torch.float64)
+    for p, (a, b) in enumerate(bounds):
+        if b > a:
+            out[:, p] = (s[:, a:b].softmax(-1)[..., None] * v[:, a:b]).sum(1)
+            lse[:, p] = s[:, a:b].logsumexp(-1)
+    merged = triton_attention.merge_splits(out, lse)
+    torch.testing.assert_close(merged, (s.softmax(-1)[..., None] * v).sum(1))

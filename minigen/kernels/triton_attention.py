@@ -202,8 +202,13 @@ def decode_attention(q: Tensor, view: BlockView, window_size: int | None = None,
         split_len, window_size if window_size is not None else max_len, sink_tokens, 1 / math.sqrt(Dh),
         G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D_PAD=max(MIN_DOT, triton.next_power_of_2(Dh)),
         BLOCK_N=BLOCK_N, GROUP=max(k_group, v_group), K_BITS=k_bits, V_BITS=v_bits, K_ALONG_SLOTS=k_along_slots)
-    # Merge the splits (flash-decoding's reduction): weight each split's result by its share of the
-    # softmax's denominator, exp(lse_p - max lse).
-    weights = torch.exp(lse - lse.amax(dim=-1, keepdim=True))  # [B, H, P]; 0 for a split that saw nothing
-    merged = (weights[..., None] * out).sum(dim=2) / weights.sum(dim=-1)[..., None]  # [B, H, Dh]
-    return merged.to(q.dtype)
+    return merge_splits(out, lse).to(q.dtype)
+
+
+def merge_splits(out: Tensor, lse: Tensor) -> Tensor:
+    """Flash-decoding's reduction: out [..., P, Dh] (each split's softmax-weighted values) and lse
+    [..., P] (each split's log-sum-exp, -inf for a split that saw no key) -> [..., Dh] in fp32."""
+    # A split's share of the softmax's denominator is exp(lse_p), taken relative to the largest so
+    # that exp never overflows
+    weights = torch.exp(lse - lse.amax(dim=-1, keepdim=True))  # [..., P]; 0 for a split that saw nothing
+    return (weights[..., None] * out).sum(dim=-2) / weights.sum(dim=-1)[..., None]

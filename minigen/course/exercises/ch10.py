@@ -7,15 +7,19 @@
    admission rule. Does a waiting request join this step's batch? It needs a batch slot, and the
    blocks its prompt takes must fit in the free blocks that the running sequences' next tokens
    have not already reserved. Checked against the Engine's own rule, scheduler.can_admit.
+
+Each checker fails an answer that calls minigen's own piece (batching.group_by_length,
+scheduler.can_admit, or this module's worked solution): the exercise is to build it.
 """
 
 from __future__ import annotations
 
 import random
 
+from ...serving import batching, scheduler
 from ...serving.batching import PAD_CAP, group_by_length, padding_waste
 from ...serving.scheduler import can_admit as engine_can_admit
-from . import ExerciseFailed, known_mistake
+from . import ExerciseFailed, forbidding, known_mistake
 
 
 # ---------------------------------------------------------------- 1. grouping by length
@@ -37,8 +41,13 @@ def _cases() -> list[tuple[str, list[int], int]]:
 
 def check_group(fn) -> bool:
     """fn(lengths, max_batch_size) -> list of batches (lists of indices into lengths)."""
-    for label, lengths, b in _cases():
-        got = fn(list(lengths), b)
+    # grouping by length's padding first: the answer then runs with minigen's grouping forbidden
+    cases = [(label, lengths, b, padding_waste(lengths, group_by_length(lengths, b)).pad_slots)
+             for label, lengths, b in _cases()]
+    forbidden = [batching.group_by_length] + ([solution_group] if fn is not solution_group else [])
+    for label, lengths, b, ref in cases:
+        with forbidding(*forbidden):
+            got = fn(list(lengths), b)
         if got is None:
             raise ExerciseFailed(f"group: for {label} your function returned None: return a list of batches")
         flat = sorted(i for batch in got for i in batch)
@@ -54,11 +63,10 @@ def check_group(fn) -> bool:
             raise ExerciseFailed(f"group: for {label} batch {long_mixed[0]} pads other prompts up to one longer "
                                  f"than the cap of {PAD_CAP}: a prompt past the cap runs alone")
         yours = padding_waste(lengths, got).pad_slots
-        ref = padding_waste(lengths, group_by_length(lengths, b)).pad_slots
         if yours > ref:
             raise ExerciseFailed(f"group: for {label} your batches pad {yours} slots, grouping by length pads {ref}. "
                                  "Hint: sort the requests by length before cutting the batches")
-    print(f"✓ group: all {len(_cases())} cases lose nothing and pad no more than grouping by length")
+    print(f"✓ group: all {len(cases)} cases lose nothing and pad no more than grouping by length")
     return True
 
 
@@ -78,7 +86,7 @@ def check_can_admit(fn) -> bool:
         cases.append((f"need {need} blocks, {free} free, {reserved} reserved, {running} running, batch of {b}",
                       (need, free, reserved, running, b), engine_can_admit(need, free, reserved, running, b)))
 
-    def hints(args, got):
+    def hints(args, got, expected):
         need, free, reserved, running, b = args
         return known_mistake(bool(got), [
             (running < b and need <= free,
@@ -86,12 +94,14 @@ def check_can_admit(fn) -> bool:
             (need <= free - reserved, "a request also needs a batch slot: running < max_batch_size"),
             (running <= b and need <= free - reserved, "running == max_batch_size means the batch is full"),
             (running < b and need < free - reserved, "a prompt that exactly fits the blocks left is admitted (<=)"),
-        ]) if bool(got) != engine_can_admit(*args) else ""
+        ]) if bool(got) != expected else ""
 
+    forbidden = [scheduler.can_admit] + ([solution_can_admit] if fn is not solution_can_admit else [])
     for label, args, expected in cases:
-        got = fn(*args)
+        with forbidding(*forbidden):
+            got = fn(*args)
         if got is None or bool(got) != expected:
-            hint = hints(args, got) if got is not None else "return True or False"
+            hint = hints(args, got, expected) if got is not None else "return True or False"
             raise ExerciseFailed(f"can_admit: for {label} the Engine says {expected}, yours {got}"
                                  + (f". Hint: {hint}" if hint else ""))
     print(f"✓ can_admit: all {len(cases)} cases agree with the Engine's rule (scheduler.can_admit)")
