@@ -4,7 +4,9 @@ with their hint, and the package formulas the checkers trust match an independen
 
 from __future__ import annotations
 
+import math
 import re
+import types
 
 import pytest
 import torch
@@ -62,15 +64,26 @@ def test_forward_flops_matches_counted_matmuls(arch, monkeypatch):
 
 
 # ---------------------------------------------------------------- chapter 1
+def copy_of(solution):
+    """The worked solution's code in a new function object: a wrong answer built on it is not refused
+    as 'calls minigen's own' (the checkers forbid the solution object itself)."""
+    return types.FunctionType(solution.__code__, solution.__globals__, solution.__name__, solution.__defaults__)
+
+
+naive_flops, crossover = copy_of(ch01.solution_naive_step_flops), copy_of(ch01.solution_crossover_length)
+kv_bytes = copy_of(ch02.solution_kv_cache_bytes)
+
+
 def test_naive_step_flops_solution_passes():
     assert ch01.check_naive_step_flops(ch01.solution_naive_step_flops)
 
 
 @pytest.mark.parametrize("wrong, hint", [
-    (lambda cfg, n: ch01.solution_naive_step_flops(cfg, n) // 2, "multiply-add"),
-    (lambda cfg, n: ch01.solution_naive_step_flops(cfg, n) - 2 * cfg.dim * cfg.vocab_size, "output head"),
-    (lambda cfg, n: cfg.forward_flops(n, 0), "attention itself"),
-    (lambda cfg, n: ch01.solution_naive_step_flops(cfg, n) + 1, None),
+    (lambda cfg, n: naive_flops(cfg, n) // 2, "multiply-add"),
+    (lambda cfg, n: naive_flops(cfg, n) - 2 * cfg.dim * cfg.vocab_size, "output head"),
+    (lambda cfg, n: naive_flops(cfg, n) - 4 * cfg.n_layers * n * n * cfg.n_heads * cfg.head_dim,
+     "attention itself"),
+    (lambda cfg, n: naive_flops(cfg, n) + 1, None),
 ])
 def test_naive_step_flops_wrong_answers_fail(wrong, hint):
     with pytest.raises(ExerciseFailed) as err:
@@ -82,7 +95,7 @@ def test_naive_step_flops_wrong_answers_fail(wrong, hint):
 def test_naive_step_flops_ignoring_gqa_gets_the_hint():
     def no_gqa(cfg, n):
         full = ModelConfig(**{**cfg.__dict__, "n_kv_heads": cfg.n_heads})
-        return ch01.solution_naive_step_flops(full, n)
+        return naive_flops(full, n)
     with pytest.raises(ExerciseFailed, match="grouped-query"):
         ch01.check_naive_step_flops(no_gqa)
 
@@ -91,9 +104,9 @@ def test_crossover_length():
     assert ch01.check_crossover_length(ch01.solution_crossover_length)
     assert ch01.solution_crossover_length(ch01.SMOLLM2_135M) == 3072  # 7,077,888 / (4·9·64)
     with pytest.raises(ExerciseFailed, match="two products"):
-        ch01.check_crossover_length(lambda cfg: 2 * ch01.solution_crossover_length(cfg))
+        ch01.check_crossover_length(lambda cfg: 2 * crossover(cfg))
     with pytest.raises(ExerciseFailed):
-        ch01.check_crossover_length(lambda cfg: 1.05 * ch01.solution_crossover_length(cfg))
+        ch01.check_crossover_length(lambda cfg: 1.05 * crossover(cfg))
 
 
 # ---------------------------------------------------------------- chapter 2
@@ -102,7 +115,7 @@ def test_kv_cache_bytes():
     # Llama-2-7B, fp16: 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB per token (a known figure).
     assert ch02.solution_kv_cache_bytes(ch02.LLAMA2_7B, 1) == 512 * 1024
     with pytest.raises(ExerciseFailed, match="factor 2"):
-        ch02.check_kv_cache_bytes(lambda cfg, t, b, e: ch02.solution_kv_cache_bytes(cfg, t, b, e) // 2)
+        ch02.check_kv_cache_bytes(lambda cfg, t, b, e: kv_bytes(cfg, t, b, e) // 2)
     with pytest.raises(ExerciseFailed, match="n_kv_heads"):
         ch02.check_kv_cache_bytes(lambda cfg, t, b, e: 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * e * t * b)
 
@@ -111,9 +124,13 @@ def test_max_cached_tokens():
     assert ch02.check_max_cached_tokens(ch02.solution_max_cached_tokens)
     with pytest.raises(ExerciseFailed, match="round down"):
         ch02.check_max_cached_tokens(
-            lambda cfg, m, b, e: m / (b * cfg.kv_bytes_per_token(e)))
+            lambda cfg, m, b, e: m / (b * kv_per_token(cfg, e)))
     with pytest.raises(ExerciseFailed, match="divide by batch"):
-        ch02.check_max_cached_tokens(lambda cfg, m, b, e: m // cfg.kv_bytes_per_token(e))
+        ch02.check_max_cached_tokens(lambda cfg, m, b, e: m // kv_per_token(cfg, e))
+
+
+def kv_per_token(cfg, e):  # written out: the checkers forbid the package's kv_bytes_per_token
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * e
 
 
 # ---------------------------------------------------------------- chapter 0
@@ -509,3 +526,111 @@ def test_ch10_checkers_refuse_answers_that_call_minigens_batcher_or_admission_ru
     # the worked solutions still pass, and the package's functions are back
     assert ch10.check_group(ch10.solution_group) and ch10.check_can_admit(ch10.solution_can_admit)
     assert batching.group_by_length([3, 1], 2) == [[1, 0]] and scheduler.can_admit(1, 2, 0, 0, 1)
+# ---------------------------------------------------------------- chapters 0-3 (issue 26): the reader builds
+def test_ch00_greedy_checker_refuses_an_answer_that_calls_minigens_loop():
+    from minigen.course.exercises import ch00
+    model, ids = tiny_model("llama", std=0.5), torch.tensor([[3, 14, 15, 9, 2, 6]])
+    for cheat in (lambda m, i, n: minigen.generate(m, i, max_new_tokens=n, stop_token_ids=[]).tokens,
+                  lambda m, i, n: ch00.solution_greedy_by_hand(m, i, n)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch00.check_greedy_by_hand(cheat, model, ids, n=4)
+
+
+@pytest.mark.parametrize("cheat", [
+    lambda cfg, n: cfg.forward_flops(n, n),
+    lambda cfg, n: ch01.solution_naive_step_flops(cfg, n),
+], ids=["package", "solution"])
+def test_ch01_naive_step_checker_refuses_the_packages_count(cheat):
+    with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+        ch01.check_naive_step_flops(cheat)
+
+
+def test_ch01_crossover_checker_refuses_the_packages_count():
+    # what the chapter's section 4 does with forward_flops: the answer the reader must not copy
+    def read_off(cfg):
+        return (cfg.forward_flops(1, 0) - cfg.forward_flops(0, 0)) / (cfg.forward_flops(1, 1) - cfg.forward_flops(1, 0))
+    for cheat in (read_off, lambda cfg: ch01.solution_crossover_length(cfg)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch01.check_crossover_length(cheat)
+    with pytest.raises(ExerciseFailed, match="per-token"):  # planted: half of it
+        ch01.check_crossover_length(lambda cfg: crossover(cfg) / 2)
+
+
+def test_ch02_checkers_refuse_the_packages_count_and_name_planted_mistakes():
+    for cheat in (lambda cfg, t, b, e: cfg.kv_bytes_per_token(e) * t * b,
+                  lambda cfg, t, b, e: ch02.solution_kv_cache_bytes(cfg, t, b, e)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch02.check_kv_cache_bytes(cheat)
+    for cheat in (lambda cfg, m, b, e: m // (b * cfg.kv_bytes_per_token(e)),
+                  lambda cfg, m, b, e: m // ch02.solution_kv_cache_bytes(cfg, 1, b, e),
+                  lambda cfg, m, b, e: ch02.solution_max_cached_tokens(cfg, m, b, e)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch02.check_max_cached_tokens(cheat)
+    for wrong, hint in ((lambda cfg, t, b, e: kv_per_token(cfg, e) * t, "every sequence"),  # batch forgotten
+                        (lambda cfg, t, b, e: kv_per_token(cfg, e) * t * b * 8, "not bits"),
+                        (lambda cfg, t, b, e: kv_per_token(cfg, e) * t * b // cfg.n_layers, "every layer")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch02.check_kv_cache_bytes(wrong)
+    with pytest.raises(ExerciseFailed, match="round down, not up"):  # planted: off by one
+        ch02.check_max_cached_tokens(lambda cfg, m, b, e: m // (b * kv_per_token(cfg, e)) + 1)
+
+
+def ch03_write(variant):
+    """The allocator's write with one planted mistake (see ch03's docstring for the rule)."""
+    import math
+
+    def write(alloc, seq, start, end):
+        bs, table, copies = alloc.block_size, alloc.tables[seq], []
+        last = end // bs if variant == "floor" else math.ceil(end / bs)  # "floor": off by one block
+        for j in range(start // bs, last):
+            if j >= len(table):
+                table.append(alloc._take())
+            elif variant != "never copies" and (alloc.refs[table[j]] > 1 or variant == "always copies"):
+                src, dst = table[j], alloc._take()
+                if variant != "keeps the count":
+                    alloc.refs[src] -= 1
+                if variant != "empty copy":
+                    alloc.fill[dst] = alloc.fill[src]
+                table[j] = dst
+                copies.append((dst, src) if variant == "swapped" else (src, dst))
+            alloc.fill[table[j]] = max(alloc.fill[table[j]], min(bs, end - j * bs))
+        if variant != "no length":
+            alloc.lengths[seq] = max(alloc.lengths[seq], end)
+        return copies
+    return write
+
+
+def test_ch03_write_checker_takes_the_solution_and_a_rewrite():
+    assert ch03.check_write(ch03.solution_write)
+    assert ch03.check_write(ch03_write("correct"))  # written independently of the solution
+
+
+@pytest.mark.parametrize("variant, hint", [
+    ("never copies", "must be copied before it is written"),
+    ("always copies", "last holder"),
+    ("keeps the count", "decrement its reference count"),
+    ("empty copy", "its fill starts at the source's"),
+    ("floor", "round end / block_size up"),
+    ("swapped", "(src, dst) pairs"),
+    ("no length", "new length"),
+])
+def test_ch03_write_checker_names_each_planted_mistake(variant, hint):
+    with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+        ch03.check_write(ch03_write(variant))
+
+
+def test_ch03_checkers_refuse_minigens_own():
+    from minigen.caches.blocks import BlockAllocator
+    for cheat in (lambda alloc, seq, start, end: alloc.write(seq, start, end), BlockAllocator.write,
+                  lambda *args: ch03.solution_write(*args)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch03.check_write(cheat)
+    for cheat in (ch03._slot_by_package, lambda *args: ch03.solution_slot_of(*args)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch03.check_slot_of(cheat)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+        ch03.check_blocks_held(lambda *args: ch03.solution_blocks_held(*args))
+    with pytest.raises(ExerciseFailed, match="multiply the physical block"):  # planted: wrong scale
+        ch03.check_slot_of(lambda table, p, bs: table[p // bs] + p % bs)
+    with pytest.raises(ExerciseFailed, match="partly filled block is copied"):  # planted: partial block shared
+        ch03.check_blocks_held(lambda T, w, n, bs: math.ceil(T / bs) + n * (math.ceil((T + w) / bs) - math.ceil(T / bs)))

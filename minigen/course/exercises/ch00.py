@@ -3,6 +3,8 @@
 `greedy_by_hand(model, input_ids, n)`: return input_ids [1, T] followed by n greedy tokens,
 [1, T + n], using only `make_cache`, `prefill`, `decode_step` and `sample` from minigen.generate
 (and a GenerationConfig). Decode steps feed one token [1, 1] at its position, a tensor [1].
+The checker runs your function with minigen's own loops (`generate`, `stream`, `parallel_sample`,
+`run_steps`) patched to raise: the exercise is to write the loop, not to call it.
 """
 
 from __future__ import annotations
@@ -11,11 +13,11 @@ import torch
 
 from ...config import GenerationConfig
 from ...caches.make import make_cache
-from ...generate import generate
+from ...generate import generate, parallel_sample, run_steps, stream
 from ...sampling import sample
 from ...steps.eager import decode_step, prefill
 from ...model import Model
-from . import ExerciseFailed
+from . import ExerciseFailed, forbidding
 
 
 def solution_greedy_by_hand(model: Model, input_ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -37,7 +39,10 @@ def solution_greedy_by_hand(model: Model, input_ids: torch.Tensor, n: int) -> to
 def check_greedy_by_hand(fn, model: Model, input_ids: torch.Tensor, n: int = 8) -> bool:
     """fn(model, input_ids, n) -> [1, T + n], token-identical to minigen.generate (greedy, no stop)."""
     want = generate(model, input_ids, max_new_tokens=n, stop_token_ids=[]).tokens
-    got = fn(model, input_ids, n)
+    loops = (generate, stream, parallel_sample, run_steps) + (() if fn is solution_greedy_by_hand
+                                                             else (solution_greedy_by_hand,))
+    with forbidding(*loops):  # the package's loops raise while your answer runs
+        got = fn(model, input_ids, n)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
         raise ExerciseFailed(f"greedy_by_hand: expected a tensor of shape {tuple(want.shape)} "

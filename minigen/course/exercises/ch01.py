@@ -8,12 +8,15 @@
 2. `crossover_length(cfg)`: the sequence length n at which the attention products of a naive step
    cost as many FLOPs as the projections and the MLP together (the output head left out). Past it,
    the naive loop's total cost grows as N³ rather than N².
+
+The checkers run your function with `ModelConfig.forward_flops` (the package's count) patched to
+raise: write the count from the architecture's numbers, do not read it off the package.
 """
 
 from __future__ import annotations
 
 from ...model import ModelConfig
-from . import compare, known_mistake
+from . import compare, forbidding, known_mistake
 
 # Architecture constants of published checkpoints (their config.json on the Hugging Face hub).
 SMOLLM2_135M = ModelConfig(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3,
@@ -23,6 +26,15 @@ LLAMA2_7B = ModelConfig(arch="llama", vocab_size=32000, dim=4096, n_layers=32, n
 GPT2_SMALL = ModelConfig(arch="gpt2", vocab_size=50257, dim=768, n_layers=12, n_heads=12, n_kv_heads=12,
                          head_dim=64, hidden_dim=3072, max_seq_len=1024)
 CONFIGS = {"SmolLM2-135M": SMOLLM2_135M, "Llama-2-7B": LLAMA2_7B, "GPT-2 small": GPT2_SMALL}
+
+
+def answers(fn, cases, solution):
+    """fn(*args) for each case, with the package's FLOP count (and the worked solution, unless fn is
+    it) patched to raise; the checker then compares them, hints included, outside the patch."""
+    forbidden = (ModelConfig.forward_flops,) + (() if fn is solution else (solution,))
+    with forbidding(*forbidden):
+        got = [fn(*args) for _, args, _ in cases]
+    return iter(got)
 
 
 # ---------------------------------------------------------------- 1. one naive step
@@ -58,7 +70,8 @@ def check_naive_step_flops(fn) -> bool:
     """fn(cfg: ModelConfig, n: int) -> int, compared exactly with ModelConfig.forward_flops(n, n)."""
     cases = [(f"{name}, n={n}", (cfg, n), cfg.forward_flops(n, n))
              for name, cfg in CONFIGS.items() for n in (1, 7, 512)]
-    return compare("naive_step_flops", cases, fn, _naive_step_hints)
+    got = answers(fn, cases, solution_naive_step_flops)
+    return compare("naive_step_flops", cases, lambda *args: next(got), _naive_step_hints)
 
 
 # ---------------------------------------------------------------- 2. the N² -> N³ crossover
@@ -88,4 +101,5 @@ def check_crossover_length(fn) -> bool:
             return "compare per-token costs: attention 4·n·H·Dh against projections + MLP"
         return ""
 
-    return compare("crossover_length", cases, fn, hints, rel_tol=0.01)
+    got = answers(fn, cases, solution_crossover_length)
+    return compare("crossover_length", cases, lambda *args: next(got), hints, rel_tol=0.01)
