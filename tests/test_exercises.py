@@ -381,8 +381,16 @@ def test_ch15_accept_checker_takes_the_solution_and_refuses_wrong_rules():
     exact = distributions.continuation_probabilities(model, prompt, ch15.NEW, case["config"]).sum(0)
     assert distributions.chi_square(counts, exact)[2] > ch15.P_MIN
 
-    def ignores_the_config(logits, proposal, q, config, generator):  # softmax of the raw logits
-        return ch15.solution_accept_sampled(logits, proposal, q, minigen.GenerationConfig(do_sample=True), generator)
+    def ignores_the_config(logits, proposal, q, config, generator):  # the rule on softmax of the raw logits
+        p = torch.softmax(logits.double(), dim=-1)
+        for i, x in enumerate(proposal):
+            q_x = 1.0 if q is None else float(q[i, x])
+            if float(torch.rand((), generator=generator)) * q_x >= float(p[i, x]):
+                residual = p[i].clone() if q is None else (p[i] - q[i]).clamp(min=0)
+                if q is None:
+                    residual[x] = 0
+                return list(proposal[:i]) + [int(torch.multinomial(residual, 1, generator=generator))]
+        return list(proposal) + [int(torch.multinomial(p[len(proposal)], 1, generator=generator))]
 
     def never_keeps(logits, proposal, q, config, generator):
         return [int(torch.multinomial(probabilities(logits, config)[0], 1, generator=generator))]
@@ -432,7 +440,7 @@ def test_ch16_visible_tiles_checker_takes_the_solution_and_names_the_usual_mista
                         (lambda *args: None, "returned None")):
         with pytest.raises(ExerciseFailed, match=hint):
             ch16.check_visible_tiles(wrong)
-    with pytest.raises(ExerciseFailed, match="calls this module's worked solution"):
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_visible_tiles"):
         ch16.check_visible_tiles(lambda *args: ch16.solution_visible_tiles(*args))
 
 
@@ -634,3 +642,33 @@ def test_ch03_checkers_refuse_minigens_own():
         ch03.check_slot_of(lambda table, p, bs: table[p // bs] + p % bs)
     with pytest.raises(ExerciseFailed, match="partly filled block is copied"):  # planted: partial block shared
         ch03.check_blocks_held(lambda T, w, n, bs: math.ceil(T / bs) + n * (math.ceil((T + w) / bs) - math.ceil(T / bs)))
+# ---------------------------------------------------------------- chapters 15 and 16: answers that call minigen's own
+# (issue 26) The checkers run the answer inside `forbidding`: the package's function that is the answer,
+# and the chapter's worked solution, raise by whatever name the answer reaches them.
+@pytest.mark.usefixtures("one_thread")
+def test_ch15_accept_checker_refuses_minigens_rule_and_the_worked_solution_by_any_name():
+    from minigen.course.exercises import ch15
+    from minigen.steps import speculative
+    rule, solution = speculative.accept_sampled, ch15.solution_accept_sampled
+    for calls, name in ((rule, "accept_sampled"), (lambda *args: rule(*args), "accept_sampled"),
+                        (lambda *args: solution(*args), "solution_accept_sampled"),
+                        (lambda *args: ch15.solution_accept_sampled(*args), "solution_accept_sampled")):
+        with pytest.raises(ExerciseFailed, match=f"calls minigen's own {name}"):
+            ch15.check_accept_sampled(calls)
+    # both are themselves again afterwards (their code was swapped only while the answer ran)
+    assert speculative.accept_sampled is rule and rule.__code__.co_name == "accept_sampled"
+    logits, q = torch.zeros(2, 8), torch.full((1, 8), 1 / 8)
+    config = minigen.GenerationConfig(do_sample=True)
+    assert len(solution(logits, [3], q, config, torch.Generator().manual_seed(0))) in (1, 2)
+
+
+def test_ch16_visible_tiles_checker_refuses_the_rule_pair_by_pair_and_the_worked_solution():
+    from minigen.course.exercises import ch16
+    alias = ch16.solution_visible_tiles
+    for calls, name in ((ch16.expected_tiles, "expected_tiles"), (lambda *args: ch16.expected_tiles(*args), "expected_tiles"),
+                        (lambda *args: alias(*args), "solution_visible_tiles"),
+                        (lambda *args: list(ch16.solution_visible_tiles(*args)), "solution_visible_tiles")):
+        with pytest.raises(ExerciseFailed, match=f"calls minigen's own {name}"):
+            ch16.check_visible_tiles(calls)
+    # restored afterwards: both still give the tiles
+    assert ch16.expected_tiles(96, 111, 16, 20, 4) == alias(96, 111, 16, 20, 4) == [0, 4, 5, 6]

@@ -11,7 +11,8 @@ The checker first gives your rule a draft whose q equals the target's p (every g
 kept), then installs it in minigen's speculative loop and generates thousands of rows of a tiny
 random model (8 tokens of vocabulary), once with a layer-skipping draft and once with prompt lookup,
 and compares how often each 3-token continuation came out with its exact probability (chi-square).
-It fails when your rule calls minigen's own accept_sampled.
+It fails when your rule calls minigen's own accept_sampled or this module's worked solution, by any
+name (`forbidding` swaps their code while your rule runs).
 
 `installed(rule)` is the same injection for the chapter's demonstrations; `keep_every_proposal` and
 `resample_from_target` are two planted mistakes.
@@ -20,7 +21,6 @@ It fails when your rule calls minigen's own accept_sampled.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Callable
 
 import torch
@@ -32,7 +32,7 @@ from ...generate import generate
 from ...sampling import probabilities
 from ...steps import speculative
 from ..distributions import chi_square, continuation_probabilities, outcome_counts, tiny_llama, total_variation
-from . import ExerciseFailed
+from . import ExerciseFailed, forbidding
 
 MINIGEN_RULE = speculative.accept_sampled  # the package's rule: an answer must not call it
 P_MIN = 1e-4  # a p-value below this fails: exact sampling strays that far once in 10,000 checks
@@ -95,29 +95,28 @@ _CALLS_MINIGEN = ("your rule calls minigen's own accept_sampled (minigen.steps.s
 
 
 class _Guard:
-    """Wraps an answer: refuses a call of minigen's rule from inside it (by name or by the function
-    object, seen by a profile hook) and checks the shape of what it returns."""
+    """Wraps an answer: refuses a call of minigen's rule through its module (installed, it is this
+    wrapper) and checks the shape of what the answer returns. A call of the function itself, by any
+    name, is refused by `forbidding` around the run (`_forbidden`)."""
 
     def __init__(self, fn: Callable):
-        self.fn, self.inside, self.called_minigen = fn, False, False
-
-    def _hook(self, frame, event, arg):
-        if event == "call" and frame.f_code is MINIGEN_RULE.__code__:
-            self.called_minigen = True
+        self.fn, self.inside = fn, False
 
     def __call__(self, logits, proposal, q, config, generator):
         if self.inside:  # the answer called speculative.accept_sampled, which is this wrapper now
             raise ExerciseFailed(_CALLS_MINIGEN)
-        self.inside, before = True, sys.getprofile()
-        sys.setprofile(self._hook)
+        self.inside = True
         try:
             got = self.fn(logits, proposal, q, config, generator)
         finally:
-            sys.setprofile(before)
             self.inside = False
-        if self.called_minigen:
-            raise ExerciseFailed(_CALLS_MINIGEN)
         return _checked(got, proposal)
+
+
+def _forbidden(fn: Callable):
+    """minigen's rule and the worked solution raise while the answer runs (the worked solution is
+    allowed only as the answer itself: the chapter checks it so that nbval passes)."""
+    return forbidding(MINIGEN_RULE, *([] if fn is solution_accept_sampled else [solution_accept_sampled]))
 
 
 def _checked(got, proposal: list[int]) -> list[int]:
@@ -165,7 +164,8 @@ def _keeps_what_the_target_would_draw(fn: Callable) -> None:
     q = probabilities(logits[:K], config)
     for _ in range(50):
         proposal = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(K)]
-        got = _Guard(fn)(logits.clone(), proposal, q.clone(), config, g)
+        with _forbidden(fn):
+            got = _Guard(fn)(logits.clone(), proposal, q.clone(), config, g)
         if got[:K] != proposal:
             raise ExerciseFailed(f"accept: with q equal to the target's p every guess must be kept (min(1, p / q) = 1), "
                                  f"yet for the proposal {proposal} yours emitted {got}. Hint: keep x when u < p(x) / q(x), "
@@ -190,7 +190,8 @@ def _check(fn: Callable) -> bool:
     for label, case, prompt in _cases():
         config, draft = case["config"], layer_skip(model, 1) if case["draft"] else None
         exact = continuation_probabilities(model, prompt, NEW, config).sum(0)  # [V, V, V]: the first token summed out
-        counts, stats = run_rule(_Guard(fn), model, prompt, config, draft)
+        with _forbidden(fn):  # the exact distribution above and the hints' runs below use minigen's own
+            counts, stats = run_rule(_Guard(fn), model, prompt, config, draft)
         stat, dof, p_value = chi_square(counts, exact)
         if p_value < P_MIN:
             _, right = run_rule(solution_accept_sampled, model, prompt, config, draft)

@@ -12,19 +12,20 @@ kernel must load. Every other tile can be skipped without changing a single outp
 The checker compares your tiles with minigen's own rule (attention.in_window, applied to every
 (query, key) pair of the case) on cases with and without a window, and with minigen's Triton
 prompt kernel (kernels/triton_prefill.py), which counts the tiles it loads, run in Triton's
-interpreter. It fails when your function calls this module's worked solution.
+interpreter. It fails when your function calls this module's worked solution or `expected_tiles`
+(the rule pair by pair, which is the answer too), by any name (`forbidding` swaps their code while
+your function runs).
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import Callable
 
 import torch
 
 from ...attention import in_window
-from . import ExerciseFailed
+from . import ExerciseFailed, forbidding
 
 # (label, (first, last, block_n, window_size, sink_tokens))
 CASES = [
@@ -84,27 +85,12 @@ def kernel_visits(tiles: int, block_n: int, window_size: int | None, sink_tokens
 
 
 # ---------------------------------------------------------------- the checker
-_CALLS_SOLUTION = ("your function calls this module's worked solution (solution_visible_tiles): write the rule "
-                   "yourself from the positions")
-
-
 def _guarded(fn: Callable, args: tuple) -> object:
-    """fn(*args), refusing a call of the worked solution from inside it (seen by a profile hook)."""
-    called = []
-
-    def hook(frame, event, arg):
-        if event == "call" and frame.f_code is solution_visible_tiles.__code__:
-            called.append(True)
-
-    before = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        got = fn(*args)
-    finally:
-        sys.setprofile(before)
-    if called and fn is not solution_visible_tiles:
-        raise ExerciseFailed(_CALLS_SOLUTION)
-    return got
+    """fn(*args) with the functions that are the answer made to raise: the worked solution (unless it
+    is the answer itself: the chapter checks it so that nbval passes) and expected_tiles."""
+    answers = [expected_tiles] + ([] if fn is solution_visible_tiles else [solution_visible_tiles])
+    with forbidding(*answers):
+        return fn(*args)
 
 
 def _hint(args: tuple, got: list[int], want: list[int]) -> str:
