@@ -190,24 +190,6 @@ def test_quantized_cache_bytes_counts_an_fp16_models_cache():
 
 
 # ---------------------------------------------------------------- chapter 7
-def test_round_to_bf16():
-    from minigen.course.exercises import ch07
-    assert ch07.check_round_to_bf16(ch07.solution_round_to_bf16)
-
-    def unsigned_top(x, bias):  # the top 16 bits after adding `bias`, as a bf16 tensor
-        top = ((ch07._as_unsigned(x) + bias) >> 16) & 0xFFFF
-        return torch.where(top >= 0x8000, top - 0x10000, top).to(torch.int16).view(torch.bfloat16)
-
-    with pytest.raises(ExerciseFailed, match="truncates"):
-        ch07.check_round_to_bf16(lambda x: unsigned_top(x, 0))
-    with pytest.raises(ExerciseFailed, match="ties away from zero"):  # NaN kept, so the tie case is the one to fail
-        ch07.check_round_to_bf16(lambda x: torch.where(x.isnan(), x.to(torch.bfloat16), unsigned_top(x, 0x8000)))
-    with pytest.raises(ExerciseFailed, match="NaN must stay NaN"):  # right rounding, NaN carried into the sign
-        ch07.check_round_to_bf16(lambda x: unsigned_top(x, 0x7FFF + ((ch07._as_unsigned(x) >> 16) & 1)))
-    with pytest.raises(ExerciseFailed, match="torch.bfloat16 tensor"):
-        ch07.check_round_to_bf16(lambda x: x.half())
-
-
 def test_round_mantissa_is_ieee_rounding():
     """round_mantissa against torch's own conversions: 7 bits is bf16 (whole fp32 range), 10 bits is
     fp16 inside fp16's normal range (TF32 has fp16's mantissa and fp32's exponent), 23 is the identity."""
@@ -221,30 +203,6 @@ def test_round_mantissa_is_ieee_rounding():
     assert torch.equal(ch07.round_mantissa(wide, 23), wide)
     assert ch07.bit_fields(1.0, torch.bfloat16) == "0 | 01111111 | 0000000"
     assert ch07.bit_fields(-2.0, torch.float16) == "1 | 10000 | 0000000000"
-
-
-# ---------------------------------------------------------------- chapter 8
-def test_step_without_syncs():
-    from minigen.course.exercises import ch08
-    args = ch08._cases()[1][1]
-    assert ch08.count_host_syncs(ch08.synced_step, *args) == 2  # .item() and the `if`
-    assert ch08.count_host_syncs(ch08.solution_step_without_syncs, *args) == 0
-    assert ch08.check_step_without_syncs(ch08.solution_step_without_syncs)
-    with pytest.raises(ExerciseFailed, match="reads 2 tensor value"):
-        ch08.check_step_without_syncs(ch08.synced_step)
-
-    def no_pad(logits, finished, pad_id, stop_ids):  # syncs removed, but finished rows not padded
-        return ch08.solution_step_without_syncs(logits, torch.zeros_like(finished), pad_id, stop_ids)
-
-    with pytest.raises(ExerciseFailed, match="tokens differ"):
-        ch08.check_step_without_syncs(no_pad)
-
-    def debug_print(logits, finished, pad_id, stop_ids):  # no sync, but a print leaves the graph
-        print("step")
-        return ch08.solution_step_without_syncs(logits, finished, pad_id, stop_ids)
-
-    with pytest.raises(ExerciseFailed, match=r"fullgraph=True\) refused.*print"):
-        ch08.check_step_without_syncs(debug_print)
 
 
 # ---------------------------------------------------------------- chapter 9
@@ -672,3 +630,115 @@ def test_ch16_visible_tiles_checker_refuses_the_rule_pair_by_pair_and_the_worked
             ch16.check_visible_tiles(calls)
     # restored afterwards: both still give the tiles
     assert ch16.expected_tiles(96, 111, 16, 20, 4) == alias(96, 111, 16, 20, 4) == [0, 4, 5, 6]
+# ================================================================ issue 26, chapters 07 and 08
+# ---------------------------------------------------------------- chapter 7: bf16 rounding from integer operations
+def _top_bits(x, bias):
+    """A planted answer's core: the top 16 bits of x's bits after adding `bias`, as int16."""
+    from minigen.course.exercises import ch07
+    top = ((ch07._as_unsigned(x) + bias) >> 16) & 0xFFFF
+    return torch.where(top >= 0x8000, top - 0x10000, top).to(torch.int16)
+
+
+def test_round_to_bf16_takes_integer_operations_only():
+    from minigen.course.exercises import ch07
+    assert ch07.check_round_to_bf16(ch07.solution_round_to_bf16)
+    # Known wrong answers (issue 26): torch's own conversion, however it is dressed up, and roundings
+    # done by floating-point hardware.
+    bf16 = "makes or uses a torch.bfloat16 tensor"
+    cheats = [
+        (lambda x: x.to(torch.bfloat16), bf16),
+        (lambda x: x.to(torch.bfloat16).view(torch.int16), bf16),
+        (lambda x: x.bfloat16().view(torch.int16), bf16),
+        (lambda x: (x.to(torch.bfloat16).float().view(torch.int32) >> 16).to(torch.int16), bf16),
+        (lambda x: (x.to(dtype=torch.bfloat16).float().view(torch.int32) >> 16).to(torch.int16), bf16),
+        (lambda x: x.half().view(torch.int16), "converts between floating-point formats"),
+        (lambda x: (x.double().float().view(torch.int32) >> 16).to(torch.int16), "converts between floating-point"),
+        # Veltkamp's split: x * (2^16 + 1) rounds x to 8 bits in fp32 arithmetic
+        (lambda x: ((x * 65537.0 - (x * 65537.0 - x)).view(torch.int32) >> 16).to(torch.int16), "floating-point arithmetic"),
+        (lambda x: (torch.round(x * 128) / 128).view(torch.int32).to(torch.int16), "floating-point arithmetic"),
+        (lambda x: (x.__iadd__(0.0).view(torch.int32) >> 16).to(torch.int16), "floating-point arithmetic"),
+        (lambda x: (torch.tensor(x.tolist()).view(torch.int32) >> 16).to(torch.int16), r"calls \.tolist\(\)"),
+    ]
+    for cheat, hint in cheats:
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch07.check_round_to_bf16(cheat)
+    # Answers that call minigen's own rounding, by any name.
+    with pytest.raises(ExerciseFailed, match="calls minigen's own round_mantissa"):
+        ch07.check_round_to_bf16(lambda x: (ch07.round_mantissa(x, 7).view(torch.int32) >> 16).to(torch.int16))
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_round_to_bf16"):
+        ch07.check_round_to_bf16(lambda x: ch07.solution_round_to_bf16(x))
+    # Planted wrong answers of each kind: truncation, ties away from zero, NaN lost, a signed shift.
+    with pytest.raises(ExerciseFailed, match="truncates"):
+        ch07.check_round_to_bf16(lambda x: _top_bits(x, 0))
+    with pytest.raises(ExerciseFailed, match="ties away from zero"):  # NaN kept, so the tie case is the one to fail
+        ch07.check_round_to_bf16(lambda x: torch.where(x.isnan(), torch.full(x.shape, 0x7FC0, dtype=torch.int16),
+                                                       _top_bits(x, 0x8000)))
+    with pytest.raises(ExerciseFailed, match="NaN must stay NaN"):  # right rounding, NaN carried into the sign
+        ch07.check_round_to_bf16(lambda x: _top_bits(x, 0x7FFF + ((ch07._as_unsigned(x) >> 16) & 1)))
+    with pytest.raises(ExerciseFailed, match="NaN must stay NaN"):  # NaN kept apart, but as its truncated bits
+        ch07.check_round_to_bf16(lambda x: torch.where(
+            x.isnan(), _top_bits(x, 0), _top_bits(x, 0x7FFF + ((ch07._as_unsigned(x) >> 16) & 1))))
+    with pytest.raises(ExerciseFailed, match="int16 tensor"):
+        ch07.check_round_to_bf16(lambda x: x.view(torch.int32))
+
+
+def test_round_to_bf16_sees_infinities_and_overflow():
+    """The checker's cases hold what the exercise states: infinities stay, fp32's largest rounds to
+    infinity, bf16's largest stays, and the worked solution returns int16 bits."""
+    from minigen.course.exercises import ch07
+    x = torch.tensor([float("inf"), float("-inf"), 3.4028235e38, 3.3895314e38, float("nan")])
+    bits = ch07.solution_round_to_bf16(x).to(torch.int64) & 0xFFFF
+    assert bits[:4].tolist() == [0x7F80, 0xFF80, 0x7F80, 0x7F7F] and ch07._is_nan16(bits[4:]).all()
+
+
+# ---------------------------------------------------------------- chapter 8: a decode step without host syncs
+def _planted_step(logits, finished, pad_id, stop_ids, sync=None, pad=True, side_effect=False):
+    """A sync-free greedy tail written apart from the package, with one planted mistake at a time:
+    sync names a host sync left in it, pad=False forgets the finished rows, side_effect prints."""
+    top = logits.max().item() if sync == "item" else logits.amax(dim=-1, keepdim=True)
+    shifted = logits - top
+    logprobs = shifted - shifted.exp().sum(dim=-1, keepdim=True).log()
+    tokens = logits.argmax(dim=-1)
+    if sync == "tolist":
+        tokens = torch.tensor(tokens.tolist())
+    if sync == "int":
+        pad_id = torch.full_like(tokens, int(finished.sum() * 0 + pad_id))
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    if sync == "if":
+        if finished.any():
+            tokens, chosen = tokens.masked_fill(finished, pad_id), chosen.masked_fill(finished, 0.0)
+    elif pad:
+        tokens = torch.where(finished, torch.full_like(tokens, pad_id) if isinstance(pad_id, int) else pad_id, tokens)
+        chosen = torch.where(finished, torch.zeros_like(chosen), chosen)
+    if side_effect:
+        print("step")
+    return tokens, chosen, finished | torch.isin(tokens, stop_ids)
+
+
+def test_step_without_syncs_refuses_every_host_sync():
+    from minigen.course.exercises import ch08
+    args = ch08._cases()[1][1]
+    assert ch08.count_host_syncs(ch08.synced_step, *args) == 2  # .item() and the `if`
+    assert ch08.count_host_syncs(ch08.solution_step_without_syncs, *args) == 0
+    assert ch08.count_host_syncs(_planted_step, *args) == 0
+    assert ch08.check_step_without_syncs(ch08.solution_step_without_syncs)
+    assert ch08.check_step_without_syncs(_planted_step)  # written apart from the package: it passes
+    with pytest.raises(ExerciseFailed, match="reads 2 tensor value"):
+        ch08.check_step_without_syncs(ch08.synced_step)
+    for sync in ("item", "tolist", "int", "if"):  # one planted sync of each kind
+        with pytest.raises(ExerciseFailed, match="reads 1 tensor value"):
+            ch08.check_step_without_syncs(lambda *a, sync=sync: _planted_step(*a, sync=sync))
+    with pytest.raises(ExerciseFailed, match="tokens differ"):  # syncs removed, finished rows not padded
+        ch08.check_step_without_syncs(lambda *a: _planted_step(*a, pad=False))
+    with pytest.raises(ExerciseFailed, match=r"fullgraph=True\) refused.*print"):  # no sync; a print leaves the graph
+        ch08.check_step_without_syncs(lambda *a: _planted_step(*a, side_effect=True))
+    with pytest.raises(ExerciseFailed, match="calls minigen's own solution_step_without_syncs"):
+        ch08.check_step_without_syncs(lambda *a: ch08.solution_step_without_syncs(*a))
+
+
+def test_count_host_syncs_sees_copies_to_the_host():
+    from minigen.course.exercises import ch08
+    t = torch.arange(4.0)
+    assert [ch08.count_host_syncs(f) for f in (lambda: t.tolist(), lambda: t.numpy(), lambda: t.cpu(),
+                                               lambda: t.sum().item(), lambda: t + 1)] == [1, 1, 1, 1, 0]
+

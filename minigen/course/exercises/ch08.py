@@ -5,8 +5,10 @@
    tensor's value: `.item()`, `int(t)`, `float(t)`, `bool(t)`, or an `if` on a tensor. On a GPU
    each one waits for the device to finish; in a compiled step it breaks the graph (fullgraph=True
    refuses it); in a CUDA graph it cannot be recorded at all. The checker counts the syncs of your
-   step (they all go through one op, aten._local_scalar_dense), compiles it with
-   torch.compile(fullgraph=True), and compares its outputs with the reference.
+   step (a scalar read goes through one op, aten._local_scalar_dense; `.tolist()`, `.numpy()` and
+   `.cpu()` copy a whole tensor to the host and are counted too), compiles it with
+   torch.compile(fullgraph=True), and compares its outputs with the reference. An answer that
+   calls this module's worked solution fails.
 
 `count_host_syncs(fn, *args)` is the counter, for the chapter's own use too.
 """
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import ExerciseFailed
+from . import ExerciseFailed, forbidding
 
 
 def synced_step(logits: Tensor, finished: Tensor, pad_id: int, stop_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -52,11 +55,25 @@ class _SyncCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _CopyOutCounter(TorchFunctionMode):
+    """Counts the calls that copy a whole tensor to the host: .tolist(), .numpy(), .cpu() (on a CPU
+    tensor they copy nothing, and dispatch no op the counter above would see; on a GPU each waits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("tolist", "numpy", "cpu"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 def count_host_syncs(fn, *args, **kwargs) -> int:
     """How many times fn(*args) reads a tensor's value into Python (run eagerly, once)."""
-    with torch.no_grad(), _SyncCounter() as counter:
+    with torch.no_grad(), _CopyOutCounter() as copies, _SyncCounter() as counter:
         fn(*args, **kwargs)
-    return counter.count
+    return counter.count + copies.count
 
 
 # ---------------------------------------------------------------- 1. the step without syncs
@@ -84,22 +101,25 @@ def _cases() -> list[tuple[str, tuple]]:
 
 
 SYNC_HINT = ("keep every value on the device: logits.amax(dim=-1, keepdim=True) (a tensor) instead of "
-             "logits.max().item(), and torch.where(finished, pad, tokens) on every row instead of "
-             "`if finished.any():`")
+             "logits.max().item(), torch.where(finished, pad, tokens) on every row instead of "
+             "`if finished.any():`, and tensors instead of Python numbers or lists (no int(), .tolist())")
 
 
 def check_step_without_syncs(fn) -> bool:
     """fn(logits, finished, pad_id, stop_ids) -> (tokens, log-probabilities, finished): no host sync,
     compiles with fullgraph=True, and equals the reference (`synced_step`) on every case."""
     cases = _cases()
-    syncs = count_host_syncs(fn, *cases[1][1])
+    wants = [synced_step(*args) for _, args in cases]  # the reference, before the solution is forbidden
+    forbidden = [] if fn is solution_step_without_syncs else [solution_step_without_syncs]  # (checked as itself)
+    with forbidding(*forbidden):  # the eager run: a call of the solution raises here
+        syncs = count_host_syncs(fn, *cases[1][1])
     if syncs:
         raise ExerciseFailed(f"step_without_syncs: your step still reads {syncs} tensor value(s) into Python "
-                             f"(.item(), int(), float(), bool() or an `if` on a tensor). Hint: {SYNC_HINT}")
+                             f"(.item(), int(), float(), bool(), .tolist() or an `if` on a tensor). Hint: {SYNC_HINT}")
     # backend="eager": dynamo traces the step into one graph, as inductor and CUDA graphs need it, but
     # generates no code, so the check takes a second instead of a C++ compile.
     compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
-    for label, args in cases:
+    for (label, args), want in zip(cases, wants):
         try:
             got = compiled(*args)
         except Exception as err:  # dynamo's errors are many classes; the first line names the cause
@@ -107,7 +127,6 @@ def check_step_without_syncs(fn) -> bool:
                                  f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}. Hint: a "
                                  "compiled step is one graph of tensor ops, so no print or other Python side "
                                  f"effect, and no Python decision on a tensor's value; {SYNC_HINT}") from None
-        want = synced_step(*args)
         if not (isinstance(got, tuple) and len(got) == 3):
             raise ExerciseFailed("step_without_syncs: return (tokens, log-probabilities, finished), like synced_step")
         for name, g_, w in zip(("tokens", "log-probabilities", "finished"), got, want):
