@@ -123,7 +123,7 @@ def test_a_broken_deployment_is_refused_with_the_key(edit, fragment):
 def test_the_hpa_scales_on_llm_load_not_gpu_utilisation():
     hpa, = deploy.load_manifests(DEPLOY / "k8s" / "hpa.yaml")
     names = {m.pods.metric.name for m in hpa.spec.metrics if m.type == "Pods"}
-    assert names == {"vllm_num_requests_waiting", "vllm_gpu_cache_usage_perc"}
+    assert names == {"vllm_num_requests_waiting", "vllm_kv_cache_usage_perc"}
     assert deploy.review_hpa(hpa) == []
     rules = yaml.safe_load(deploy.load_manifests(DEPLOY / "k8s" / "prometheus-adapter.yaml")[0].data["config.yaml"])
     assert {r["name"]["as"] for r in rules["rules"]} == names  # the adapter serves exactly those names
@@ -265,3 +265,11 @@ def test_busy_fraction_saturates_while_the_queue_grows():
     # scale-free: the same ratios of step times give the same run
     slower = deploy.simulate_server([10 * s for s in step_s], 0.9, lifetimes=50, seed=0)
     assert abs(slower.busy_fraction - runs[0.9].busy_fraction) < 1e-9 and slower.finished == runs[0.9].finished
+
+
+def test_no_deploy_file_reads_vllms_deprecated_cache_gauge():
+    """vLLM renamed vllm:gpu_cache_usage_perc to vllm:kv_cache_usage_perc (PR 18354) and stopped emitting the
+    old name by default (PR 29330): an HPA on it would read nothing (issue 26)."""
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.suffix in {".yaml", ".pbtxt", ".json"}:
+            assert "gpu_cache_usage_perc" not in path.read_text(), path

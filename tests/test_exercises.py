@@ -236,40 +236,95 @@ def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
         ch14.check_unpack4(unmasked)
 
 
-# ---------------------------------------------------------------- chapter 12
-def test_ch12_roofline_checkers_take_the_solutions_and_name_the_usual_mistakes():
+# ---------------------------------------------------------------- chapters 12 and 13 (issue 26, part 5)
+def test_ch12_the_reader_builds_a_roofline_point_and_wrong_or_copied_answers_fail():
     from minigen.course.exercises import ch12
-    from minigen.measure.roofline import decode_point, streamed_params
-    assert ch12.check_decode_intensity(ch12.solution_decode_intensity)
-    assert ch12.check_predict_tokens_per_s(ch12.solution_predict_tokens_per_s)
-    with pytest.raises(ExerciseFailed, match="read once for the whole batch"):
-        ch12.check_decode_intensity(lambda cfg, b, n, wb, kb: b * cfg.forward_flops(1, n) / (
-            b * streamed_params(cfg) * wb + b * n * cfg.kv_bytes_per_token(kb)))
-    with pytest.raises(ExerciseFailed, match="keys and values"):
-        ch12.check_decode_intensity(lambda cfg, b, n, wb, kb: b * cfg.forward_flops(1, n) / (streamed_params(cfg) * wb))
-    with pytest.raises(ExerciseFailed, match="multiply by batch"):
-        ch12.check_predict_tokens_per_s(lambda g, cfg, b, n: ch12.solution_predict_tokens_per_s(g, cfg, b, n) / b)
-    with pytest.raises(ExerciseFailed, match="bound by compute"):
-        ch12.check_predict_tokens_per_s(lambda g, cfg, b, n: b * g.bandwidth / decode_point(cfg, b, n).bytes)
-
-
-# ---------------------------------------------------------------- chapter 13
-def test_ch13_cheapest_fit_agrees_with_the_planner_and_names_the_usual_mistakes():
-    from minigen.course.exercises import ch13
-    assert ch13.check_cheapest_fit(ch13.solution_cheapest_fit)
-    # a tie in loss and bytes (bf16 against fp16 storage, one of the cases) accepts either
-    assert any(want and "kv_dtype" in want for _, _, _, want in ch13._cases())
-    assert ch13.check_cheapest_fit(lambda opts, b: ch13.solution_cheapest_fit(opts[::-1], b))
-    fewest = lambda opts, b: min(opts, key=lambda o: o["total_bytes"])["config"]  # noqa: E731
-    least_loss = lambda opts, b: min(opts, key=lambda o: o["expected_loss_pct"])["config"]  # noqa: E731
-    most_bytes = lambda opts, b: min((o for o in opts if o["total_bytes"] <= b),  # noqa: E731
-                                     key=lambda o: (o["expected_loss_pct"], -o["total_bytes"]))["config"]
-    never_none = lambda opts, b: ch13.solution_cheapest_fit(opts, b) or {}  # noqa: E731
-    for wrong, hint in ((fewest, "rank by expected_loss_pct first"), (least_loss, "more than the budget"),
-                        (most_bytes, "fewest bytes"),
-                        (never_none, "return None"), (lambda opts, b: None, "some options fit")):
+    from minigen.measure.roofline import decode_point, streamed_params, tokens_per_s
+    assert ch12.check_decode_step(ch12.solution_decode_step)
+    assert ch12.check_bound_tokens_per_s(ch12.solution_bound_tokens_per_s)
+    # a reader's own right answer passes (not the worked solution: the package's functions are forbidden)
+    assert ch12.check_decode_step(lambda c, b, n, wb, kb: (
+        b * c.forward_flops(1, n), streamed_params(c) * wb + b * n * c.kv_bytes_per_token(kb)))
+    assert ch12.check_bound_tokens_per_s(lambda g, f, nb, b: b / max(f / g.peak_flops, nb / g.bandwidth))
+    # the known wrong answers (issue 26: the formula was in the docstring) and one planted of each kind
+    for wrong, hint in (
+            (lambda c, b, n, wb, kb: (b * c.forward_flops(1, n), b * streamed_params(c) * wb
+                                      + b * n * c.kv_bytes_per_token(kb)), "read once for the whole batch"),
+            (lambda c, b, n, wb, kb: (b * c.forward_flops(1, n), streamed_params(c) * wb), "keys and values"),
+            (lambda c, b, n, wb, kb: (c.forward_flops(1, n), streamed_params(c) * wb + b * n * c.kv_bytes_per_token(kb)),
+             "the batch multiplies the FLOPs"),  # wrong axis: the batch left out of the FLOPs
+            (lambda c, b, n, wb, kb: (b * c.forward_flops(1, n), streamed_params(c) * wb
+                                      + b * n * c.kv_bytes_per_token(wb)), "stored at kv_bytes"),  # wrong width
+            (lambda c, b, n, wb, kb: (b * c.forward_flops(1, n), streamed_params(c) * wb
+                                      + b * (n - 1) * c.kv_bytes_per_token(kb)), "expected"),  # off by one position
+            (lambda c, b, n, wb, kb: b * c.forward_flops(1, n), "return a pair")):
         with pytest.raises(ExerciseFailed, match=hint):
-            ch13.check_cheapest_fit(wrong)
+            ch12.check_decode_step(wrong)
+    for wrong, hint in ((lambda g, f, nb, b: 1 / max(f / g.peak_flops, nb / g.bandwidth), "every row of the batch"),
+                        (lambda g, f, nb, b: b * g.bandwidth / nb, "bound by compute"),
+                        (lambda g, f, nb, b: b / (f / g.peak_flops + nb / g.bandwidth), "not their sum"),
+                        (lambda g, f, nb, b: b / min(f / g.peak_flops, nb / g.bandwidth), "max, not min")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch12.check_bound_tokens_per_s(wrong)
+    # answers that call minigen's own, by any name
+    for copied in (lambda c, b, n, wb, kb: (decode_point(c, b, n, wb, kb).flops, decode_point(c, b, n, wb, kb).bytes),
+                   lambda c, b, n, wb, kb: ch12.solution_decode_step(c, b, n, wb, kb)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch12.check_decode_step(copied)
+    for copied in (lambda g, f, nb, b: b / g.step_seconds(f, nb),
+                   lambda g, f, nb, b: ch12.solution_bound_tokens_per_s(g, f, nb, b)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch12.check_bound_tokens_per_s(copied)
+    assert tokens_per_s(ch12.A100_80GB, decode_point(ch12.SHAPES["Llama-2-7B"], 1, 16)) > 0  # restored after
+
+
+def test_ch13_the_reader_builds_the_planners_rule_and_wrong_or_copied_answers_fail():
+    from minigen.course.exercises import ch13
+    planner = ch13.planner
+    assert ch13.check_plan_choice(ch13.solution_plan_choice)
+
+    def mine(rows, weights, budget, *, fits=lambda need, room: need <= room, order=None, rank=None,
+             count_weights=True, none=None):
+        """A reader's answer, with one part of the rule changed by the keyword given."""
+        room = budget - (weights if count_weights else 0)
+        found = []
+        for r in rows:
+            chunks = sorted((c for c in r["bytes"] if c is not None), reverse=True)
+            for chunk in (order(chunks) if order else [None, *chunks]):
+                kv, acts = r["bytes"][chunk]
+                if fits(kv + acts, room):
+                    found.append((r["expected_loss_pct"], weights + kv + acts,
+                                  dict(r["config"], **({"prefill_chunk_size": chunk} if chunk else {}))))
+                    break
+        if not found:
+            return none
+        return min(found, key=rank or (lambda f: (f[0], f[1])))[2]
+
+    assert ch13.check_plan_choice(mine)  # the reader's own right answer
+    assert ch13.check_plan_choice(lambda rows, w, b: mine(rows[::-1], w, b))  # ties go either way
+    for kwargs, hint in (
+            (dict(count_weights=False), "holds the weights too"),
+            (dict(order=lambda chunks: [None]), "run it in chunks"),
+            (dict(order=lambda chunks: [None, *chunks[::-1]]), "largest chunk first"),
+            (dict(order=lambda chunks: chunks), "take it wherever it fits"),
+            (dict(rank=lambda f: (f[1], f[0])), "rank by expected_loss_pct first"),  # the old "fewest bytes"
+            (dict(rank=lambda f: (f[0], -f[1])), "the fewest bytes"),
+            (dict(fits=lambda need, room: need < room), "exactly the budget fits"),  # off by one
+            (dict(none={}), "return None")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch13.check_plan_choice(lambda rows, w, b, kw=kwargs: mine(rows, w, b, **kw))
+    least_loss = lambda rows, w, b: min(rows, key=lambda r: (r["expected_loss_pct"],  # noqa: E731  fit ignored
+                                                             sum(r["bytes"][None])))["config"]
+    for wrong, hint in ((least_loss, "more than the budget"), (lambda rows, w, b: None, "some settings fit"),
+                        (lambda rows, w, b: {"quant_bits": 3}, "one of the rows")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch13.check_plan_choice(wrong)
+    # answers that call minigen's own planner or the worked solution
+    for copied in (lambda rows, w, b: ch13.solution_plan_choice(rows, w, b),
+                   lambda rows, w, b: planner.plan(ch13.SMOLLM2, batch=8, context=8192, budget_bytes=b).config):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch13.check_plan_choice(copied)
+    assert planner.plan(ch13.SMOLLM2, batch=8, context=8192, budget_bytes=6 * 2**30).fits  # restored after
 
 
 # ---------------------------------------------------------------- chapter 10

@@ -118,3 +118,20 @@ def test_show_source_refuses_a_stop_it_cannot_find(capsys):
     with pytest.raises(ValueError, match="no such line"):
         plots.show_source(plots.fit_power_law, stop="no such line")
     assert capsys.readouterr().out == ""
+
+
+def test_roofline_labels_never_stack_on_coincident_points():
+    """Chapter 12's roofline wrote "B=1B=1B=1" where three models' decode at batch 1 coincide (issue 26):
+    coincident points share one label, each batch named once, and labels stand apart on the axis."""
+    import matplotlib.pyplot as plt
+    from minigen.measure import roofline
+    points = roofline.roofline_points(batches=(1, 8, 64), context=1024, prompt=512)
+    labels = plots.point_labels([p for _, p in points])
+    assert all(len(set(text.split(", "))) == len(text.split(", ")) for text, _ in labels), labels
+    assert any(text == "B=1" for text, _ in labels)  # the batch-1 decodes of all three models: one label
+    xs = sorted(x for _, x in labels)
+    assert all(b / a > 1.2 for a, b in zip(xs, xs[1:])), xs
+    ax = plots.plot_roofline(list(roofline.GPUS), points, roofline.A100_80GB)
+    drawn = [t.get_text() for t in ax.texts]
+    assert sorted(drawn) == sorted(t for t, _ in labels) and not any("B=1B=1" in t for t in drawn)
+    plt.close(ax.figure)

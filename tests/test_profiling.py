@@ -34,6 +34,21 @@ def _check_the_sum(p: profiling.Profile) -> None:
     assert p.step_s > 0 and p.events_per_step > 1000, (p.step_s, p.events_per_step)
 
 
+def test_every_layer_is_attributed_once_per_step(smollm2, english_text_ids):
+    """Issue 26 read attention at 0.05 ms for 30 layers in an older figure: a category whose function was
+    not wrapped (or wrapped twice) shows in its count of ranges, which a clock cannot hide. SmolLM2's step:
+    one attention, one RoPE call and two norms a layer, the final norm, one sampling."""
+    model, _ = smollm2
+    p = profiling.profile(model, english_text_ids[None, :48], steps=2)
+    L = model.config.n_layers
+    # attention: each layer's, and the step's mask built once (model.causal_mask, also attention's)
+    assert L <= p.calls["attention"] <= L + 1 and p.calls["RoPE"] == L, p.calls
+    assert p.calls["norms"] == 2 * L + 1 and p.calls["sampling"] == 1, p.calls
+    assert p.calls["cache update"] >= L and p.calls["matrix products"] >= 4 * L, p.calls
+    # and attention's time is a layer's worth, not a rounding error: over 1% of the step at 48+ positions
+    assert p.categories["attention"] > 0.01 * p.profiled_step_s, p.categories
+
+
 def test_the_categories_add_up_to_the_profiled_step(smollm2, english_text_ids):
     """One run, no retries: the categories are compared with the very steps they came from, not with
     steps timed at another moment (which missed by +2% to +26% in single runs, issue 25)."""

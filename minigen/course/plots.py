@@ -171,14 +171,28 @@ def plot_roofline(ceilings, points, reference, ax=None):
         color = f"C{len(ceilings) + models.index(name)}"
         ax.loglog(p.intensity, reference.attainable(p.intensity), "o" if p.label.startswith("prefill") else "x",
                   color=color, ms=7, mew=2)
-        ax.annotate(p.label.split()[-1], (p.intensity, reference.attainable(p.intensity)), fontsize=6,
-                    xytext=(3, -9), textcoords="offset points")
+    for text, x in point_labels([p for _, p in points]):  # one label per cluster: coincident points stacked theirs
+        ax.annotate(text, (x, reference.attainable(x)), fontsize=6, xytext=(3, -9), textcoords="offset points")
     for i, name in enumerate(models):
         ax.plot([], [], "s", color=f"C{len(ceilings) + i}", label=f"{name} (o prefill, x decode)")
     ax.set_xlabel("arithmetic intensity (FLOP per byte moved from memory)")
     ax.set_ylabel("attainable FLOP/s")
     ax.legend(fontsize=7, loc="lower right")
     return ax
+
+
+def point_labels(points, min_ratio: float = 1.5) -> list[tuple[str, float]]:
+    """(text, intensity) of one label per cluster of roofline points: points whose intensities lie within
+    `min_ratio` of the cluster's first share a label naming each batch once ("B=1" for three models'
+    decode at batch 1, not "B=1B=1B=1"), placed at the cluster's geometric mean."""
+    clusters: list[list] = []
+    for p in sorted(points, key=lambda p: p.intensity):
+        if clusters and p.intensity < clusters[-1][0].intensity * min_ratio:
+            clusters[-1].append(p)
+        else:
+            clusters.append([p])
+    return [(", ".join(dict.fromkeys(p.label.split()[-1] for p in c)),
+             float(np.exp(np.mean([np.log(p.intensity) for p in c])))) for c in clusters]
 
 
 def plot_c7(splits, ax=None):

@@ -227,8 +227,11 @@ def prefill_tokens(cfg: ModelConfig, ttft_s: float, mfu: float = 1.0, ceiling: C
     return ttft_s * mfu * ceiling.peak_flops / (2 * streamed_params(cfg))
 
 
-def matches(c: Candidate, tolerance: float = 0.25) -> dict[str, bool]:
-    """Which reported numbers the candidate lands within `tolerance` of."""
+MATCH_TOLERANCE = 0.25  # a modelled number "matches" a reported one within 25% either way (stated in chapter 12)
+
+
+def matches(c: Candidate, tolerance: float = MATCH_TOLERANCE) -> dict[str, bool]:
+    """Which reported numbers the candidate lands within `tolerance` of (relative, either way)."""
     (tok_o, tok_a), (gb_o, gb_a) = REPORTED["decode tokens/s"], REPORTED["memory GB"]
     near = lambda x, y: abs(x / y - 1) <= tolerance  # noqa: E731
     return {"42 tok/s": near(c.original_tok_s, tok_o), "128 tok/s": near(c.optimized_tok_s, tok_a),
@@ -271,6 +274,53 @@ def c7_table(cfg: ModelConfig = GPT3_175B, batches=(1, 8, 32, 128), contexts=(51
             out.append(Split(b, n, weights / bw, kv / bw, compute, weights + kv <= memory,
                              math.ceil((weights + kv) / ceiling.memory_bytes), speedups))
     return out
+
+
+@dataclass
+class LargestBatch:
+    """C7 read at the largest batch each setting fits: freed memory buys a larger batch."""
+    setting: str  # "fp16 KV", "4-bit KV", ...
+    batch: int  # the most sequences of `context` tokens whose cache fits beside the weights
+    tokens_per_s: float  # the roofline's bound for that batch, all sequences together
+    speedup: float  # over the fp16 baseline at ITS largest batch
+    compute_bound: bool  # the step is bound by FLOPs at that batch, not by reading memory
+
+
+def c7_largest_batch(cfg: ModelConfig = GPT3_175B, context: int = 2048, gpus: int = 8, ceiling: Ceiling = A100_80GB,
+                     window: int = 128, sparse_keep: float = 0.88) -> list[LargestBatch]:
+    """Each setting of c7_table at the largest batch its cache lets fit beside the fp16 weights on `gpus` x
+    `ceiling` (ideal tensor parallelism, the same formulas): 4-bit KV stores 5/16 of the fp16 bytes, a window
+    that frees what it drops stores window + 4 sinks positions, and sparse attention stores every key (it
+    only reads fewer values). The speed-up compares each with the fp16 baseline at its own largest batch."""
+    bw, peak, memory = gpus * ceiling.bandwidth, gpus * ceiling.peak_flops, gpus * ceiling.memory_bytes
+    weights, per_row = streamed_params(cfg) * 2, context * cfg.kv_bytes_per_token(2)
+    kept, sparse = min(context, window + SINK_TOKENS) / context, 0.5 + 0.5 * sparse_keep
+    settings = {"fp16 KV": (1.0, 1.0), "4-bit KV": (KV_4BIT_RATIO, KV_4BIT_RATIO),  # (stored, read) per fp16 byte
+                f"4-bit KV + window {window}": (KV_4BIT_RATIO * kept, KV_4BIT_RATIO * kept),
+                "all three": (KV_4BIT_RATIO * kept, KV_4BIT_RATIO * kept * sparse)}
+    out = []
+    for name, (stored, read) in settings.items():
+        b = int((memory - weights) // (per_row * stored))
+        memory_s, compute_s = (weights + b * per_row * read) / bw, b * cfg.forward_flops(1, context) / peak
+        out.append(LargestBatch(name, b, b / max(memory_s, compute_s), 0.0, compute_s >= memory_s))
+    for row in out:
+        row.speedup = row.tokens_per_s / out[0].tokens_per_s
+    return out
+
+
+def c7_batch_for(speedup: float, cfg: ModelConfig = GPT3_175B, context: int = 2048, gpus: int = 8,
+                 ceiling: Ceiling = A100_80GB, window: int = 128, sparse_keep: float = 0.88) -> int | None:
+    """The smallest batch at which all three settings give `speedup` x the fp16 baseline's throughput at
+    its largest batch (c7_largest_batch); None if no batch that fits does."""
+    rows = c7_largest_batch(cfg, context, gpus, ceiling, window, sparse_keep)
+    bw, peak = gpus * ceiling.bandwidth, gpus * ceiling.peak_flops
+    weights, per_row = streamed_params(cfg) * 2, context * cfg.kv_bytes_per_token(2)
+    read = KV_4BIT_RATIO * min(context, window + SINK_TOKENS) / context * (0.5 + 0.5 * sparse_keep)
+    for b in range(1, rows[-1].batch + 1):
+        rate = b / max((weights + b * per_row * read) / bw, b * cfg.forward_flops(1, context) / peak)
+        if rate >= speedup * rows[0].tokens_per_s:
+            return b
+    return None
 
 
 def kv_needed_for(speedup: float, cfg: ModelConfig = GPT3_175B) -> float:

@@ -111,6 +111,27 @@ def _events_under(event) -> int:
     return 1 + sum(_events_under(child) for child in event.cpu_children)
 
 
+def _outermost(event) -> bool:
+    """Whether no counted event (a category's range, an operator) encloses `event`."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if _counted(parent):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def calls_by_category(events) -> dict[str, int]:
+    """category -> the outermost ranges of it the profiler recorded: one per call of a function of
+    CATEGORIES. A check on the attribution: 30 layers attend 30 times a step, whatever the clock says."""
+    out: dict[str, int] = {}
+    for e in events:
+        category = _category(e)
+        if category is not None and _outermost(e):
+            out[category] = out.get(category, 0) + 1
+    return out
+
+
 def split_by_category(events, compiled: bool) -> dict[tuple[str, str], tuple[float, int]]:
     """(name, category) -> (microseconds, events recorded) over the outermost category ranges and the
     operators outside them (by name: a matrix product; in a compiled step, fused; else rest). A range
@@ -118,12 +139,7 @@ def split_by_category(events, compiled: bool) -> dict[tuple[str, str], tuple[flo
     counts again."""
     out: dict[tuple[str, str], tuple[float, int]] = {}
     for e in events:
-        if not _counted(e):
-            continue
-        parent, inside = e.cpu_parent, False
-        while parent is not None and not inside:
-            inside, parent = _counted(parent), parent.cpu_parent
-        if inside:
+        if not _counted(e) or not _outermost(e):
             continue
         category = _category(e)
         if category is None:
@@ -144,6 +160,7 @@ class Profile:
     trace: str | None = None  # the Chrome trace file (chrome://tracing, ui.perfetto.dev)
     memory_timeline: list[dict] = field(default_factory=list)  # per new token: t_s, kv_cache_bytes
     top_ops: list[dict] = field(default_factory=list)  # the slowest ops: name, category, s per step
+    calls: dict[str, float] = field(default_factory=dict)  # category -> its ranges per step (calls_by_category)
     config: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -238,6 +255,7 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
                    memory_timeline=memory_timeline(model_, input_ids,
                                                    config.replace(max_new_tokens=steps, stop_token_ids=[])),
                    top_ops=[{"name": n, "category": c, "s_per_step": s} for (n, c), s in top],
+                   calls={k: n / steps for k, n in calls_by_category(events).items()},
                    config=config.to_dict())
 
 

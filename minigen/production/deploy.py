@@ -210,7 +210,7 @@ def review_hpa(hpa) -> list[Finding]:
                              "GPU utilisation is the only signal: it is the fraction of time a kernel runs, which "
                              "reaches 100% with one request decoding and stays there at 64, so it cannot see the "
                              "queue. Scale on queued requests and KV-cache usage (vllm:num_requests_waiting, "
-                             "vllm:gpu_cache_usage_perc)"))
+                             "vllm:kv_cache_usage_perc)"))
     return found
 
 
