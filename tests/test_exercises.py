@@ -134,7 +134,7 @@ def kv_per_token(cfg, e):  # written out: the checkers forbid the package's kv_b
 
 
 # ---------------------------------------------------------------- chapter 0
-def test_greedy_by_hand():
+def test_greedy_until():
     from minigen.course.exercises import ch00
     from minigen.caches.make import make_cache
     from minigen.sampling import sample
@@ -142,23 +142,36 @@ def test_greedy_by_hand():
     # Wide weights, so that logits depend strongly on positions and a wrong one changes the tokens.
     model = tiny_model("llama", std=0.5)
     ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
-    assert ch00.check_greedy_by_hand(ch00.solution_greedy_by_hand, model, ids, n=8)
+    assert ch00.check_greedy_until(ch00.solution_greedy_until, model, ids, n=8)
 
-    def off_by_one(model, ids, n):  # feeds every decode step one position too far
-        config = minigen.GenerationConfig(max_new_tokens=n)
-        T, out = ids.shape[1], [ids]
-        cache = make_cache(model, config, 1, T + n + 1)
-        logits = prefill(model, ids, cache)
-        for i in range(n):
-            token = sample(logits, config)
-            out.append(token[:, None])
-            logits = decode_step(model, token[:, None], torch.tensor([T + i + 1]), cache)
-        return torch.cat(out, dim=1)
+    def loop(shift=0, keep_stop=True, stop_rule=True, extra=0):
+        def answer(model, ids, n, stop_ids):
+            config = minigen.GenerationConfig(max_new_tokens=n)
+            T, out = ids.shape[1], [ids]
+            cache = make_cache(model, config, 1, T + n + 2)
+            logits = prefill(model, ids, cache)
+            for i in range(n):
+                token = sample(logits, config)
+                if stop_rule and int(token) in stop_ids:
+                    if keep_stop:
+                        out.append(token[:, None])
+                    for _ in range(extra):  # one token too many after the stop
+                        logits = decode_step(model, token[:, None], torch.tensor([T + i]), cache)
+                        out.append(sample(logits, config)[:, None])
+                    break
+                out.append(token[:, None])
+                logits = decode_step(model, token[:, None], torch.tensor([T + i + shift]), cache)
+            return torch.cat(out, dim=1)
+        return answer
 
-    with pytest.raises(ExerciseFailed, match="position T \\+ i"):
-        ch00.check_greedy_by_hand(off_by_one, model, ids, n=8)
-    with pytest.raises(ExerciseFailed, match="shape"):
-        ch00.check_greedy_by_hand(lambda m, i, n: i, model, ids, n=8)
+    assert ch00.check_greedy_until(loop(), model, ids, n=8)  # written independently: passes
+    for wrong, hint in ((loop(shift=1), "position T \\+ i"), (loop(keep_stop=False), "keep the stop token"),
+                        (loop(stop_rule=False), "keep the stop token"), (loop(extra=1), "keep the stop token"),
+                        (lambda m, i, n, s: i, "you returned 0 new tokens")):
+        with pytest.raises(ExerciseFailed, match=hint):
+            ch00.check_greedy_until(wrong, model, ids, n=8)
+    with pytest.raises(ExerciseFailed, match="shape|tensor"):
+        ch00.check_greedy_until(lambda m, i, n, s: None, model, ids, n=8)
 
 
 # ---------------------------------------------------------------- chapters 3-6
@@ -551,10 +564,10 @@ def test_ch10_checkers_refuse_answers_that_call_minigens_batcher_or_admission_ru
 def test_ch00_greedy_checker_refuses_an_answer_that_calls_minigens_loop():
     from minigen.course.exercises import ch00
     model, ids = tiny_model("llama", std=0.5), torch.tensor([[3, 14, 15, 9, 2, 6]])
-    for cheat in (lambda m, i, n: minigen.generate(m, i, max_new_tokens=n, stop_token_ids=[]).tokens,
-                  lambda m, i, n: ch00.solution_greedy_by_hand(m, i, n)):
+    for cheat in (lambda m, i, n, s: minigen.generate(m, i, max_new_tokens=n, stop_token_ids=list(s)).tokens,
+                  lambda m, i, n, s: ch00.solution_greedy_until(m, i, n, s)):
         with pytest.raises(ExerciseFailed, match="calls minigen's own"):
-            ch00.check_greedy_by_hand(cheat, model, ids, n=4)
+            ch00.check_greedy_until(cheat, model, ids, n=4)
 
 
 @pytest.mark.parametrize("cheat", [
