@@ -549,3 +549,36 @@ def attention_signed(scores, top_k, threshold):
     if threshold is not None:
         keep &= scores >= threshold * scores.max()
     return keep
+
+
+def test_ch04_quantize_group_checker_refuses_the_package_and_the_usual_mistakes():
+    from minigen.numerics import quant
+    assert ch04.check_quantize_group(ch04.solution_quantize_group)
+
+    def package(x, bits):  # the package's quantizer, unpacked: refused, the exercise is the arithmetic
+        q = quant.quantize(x[None], bits, len(x), scale_dtype=torch.float32)
+        return quant.unpack(q.data, bits)[0], q.scales.item(), q.zeros.item()
+
+    def via_round_trip(x, bits):
+        x_hat = quant.round_trip(x[None], bits, len(x))[0]
+        scale = (x.max() - x.min()).item() / (2**bits - 1)
+        return ((x_hat - x.min()) / max(scale, 1e-12)).round().long(), scale, x.min().item()
+    for cheat in (package, via_round_trip, lambda x, bits: ch04.solution_quantize_group(x, bits)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch04.check_quantize_group(cheat)
+
+    def steps(n_steps, rounding=torch.round, zero_at_min=True):
+        def fn(x, bits):
+            lo, hi = x.min().item(), x.max().item()
+            scale = (hi - lo) / n_steps(bits)
+            if scale == 0:
+                return torch.zeros_like(x, dtype=torch.long), 0.0, lo
+            zero = lo if zero_at_min else 0.0
+            return rounding((x - zero) / scale).clamp(max=2**bits - 1).long(), scale, zero
+        return fn
+    planted = [(steps(lambda b: 2**b), "2^bits codes make 2^bits - 1 steps"),  # off by one: 2^b steps
+               (steps(lambda b: 2**b - 1, torch.floor), "round, do not truncate"),  # truncation
+               (steps(lambda b: 2**b - 1, zero_at_min=False), "codes are unsigned")]  # symmetric: no zero point
+    for wrong, hint in planted:
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch04.check_quantize_group(wrong)
