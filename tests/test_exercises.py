@@ -810,3 +810,152 @@ def test_count_host_syncs_sees_copies_to_the_host():
     assert [ch08.count_host_syncs(f) for f in (lambda: t.tolist(), lambda: t.numpy(), lambda: t.cpu(),
                                                lambda: t.sum().item(), lambda: t + 1)] == [1, 1, 1, 1, 0]
 
+# ---------------------------------------------------------------- chapters 04, 05, 06 (issue 26: the reader builds)
+def test_ch05_slot_checker_takes_the_solution_and_names_the_usual_mistakes():
+    from minigen.caches.window import WindowKVCache
+    assert ch05.check_slot_of(ch05.solution_slot_of)
+    ring = lambda p, W, s: p if p < s else s + (p - s) % W  # noqa: E731  the reader's own arithmetic
+    assert ch05.check_slot_of(ring)
+    planted = [
+        (lambda p, W, s: p % W, "keep the sink slots"),  # forgets the sinks
+        (lambda p, W, s: p if p < s else s + p % W, "count the cycle from the first non-sink"),  # wrong origin
+        (lambda p, W, s: p % (W + s), "the sinks are never overwritten"),  # the sinks cycle too
+        (lambda p, W, s: p if p < s else s + (p - s) % (W - 1), "not window_size - 1"),  # off by one (ring size)
+        (lambda p, W, s: p if p < s else s + (p - s - 1) % W, "do not shift by one"),  # off by one (origin)
+    ]
+    for wrong, hint in planted:
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch05.check_slot_of(wrong)
+    for cheat in (lambda p, W, s: int(WindowKVCache(1, 1, 1, 1, W, s).slot_of(torch.tensor(p))),
+                  lambda p, W, s: ch05.solution_slot_of(p, W, s)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch05.check_slot_of(cheat)
+
+
+def test_ch05_window_attention_checker_refuses_the_snippet_and_the_package():
+    from minigen import attention
+
+    def own(q, k, v, query_pos, key_pos, window_size, sink_tokens=0):  # the reader's fix, mask built here
+        p, j = query_pos[:, None], key_pos[None, :]
+        visible = (j <= p) & ((j < sink_tokens) | (p - j < window_size))
+        scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        return scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v
+    assert ch05.check_window_attention(ch05.solution_window_attention) and ch05.check_window_attention(own)
+
+    def unscaled(q, k, v, qp, kp, W, s=0):  # bug 1 kept
+        return own(q * q.shape[-1] ** 0.5, k, v, qp, kp, W, s)
+
+    def no_sinks(q, k, v, qp, kp, W, s=0):
+        return own(q, k, v, qp, kp, W, 0)
+    planted = [(lambda q, k, v, qp, kp, W, s=0: ch05.article_window_attention(q, k, v, W), "1/sqrt(Dh)"),
+               (unscaled, "1/sqrt(Dh)"), (no_sinks, "sink_tokens first positions")]
+    for wrong, hint in planted:
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch05.check_window_attention(wrong)
+    for cheat in (attention.window_attention,
+                  lambda q, k, v, qp, kp, W, s=0: attention.attend(q, k, v, attention.window_mask(qp, kp, W, s)),
+                  lambda *args: ch05.solution_window_attention(*args)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch05.check_window_attention(cheat)
+
+
+def test_ch06_victim_checker_takes_the_solution_and_names_the_usual_mistakes():
+    from minigen.caches.h2o import HeavyHitterCache
+    assert ch06.check_victim(ch06.solution_victim)
+
+    def own(slot_pos, score, recent):  # the reader's rule, written with a sort
+        if (slot_pos < 0).any():
+            return int((slot_pos < 0).nonzero()[0])
+        order = slot_pos.argsort(descending=True)  # newest first
+        rest = order[recent:]
+        return int(rest[score[rest].argmin()])
+    assert ch06.check_victim(own)
+
+    def least(score, excluded):
+        return int(score.masked_fill(excluded, float("inf")).argmin())
+
+    def newest(slot_pos, n):
+        return torch.zeros(len(slot_pos), dtype=torch.bool).index_fill_(0, slot_pos.topk(n).indices, True)
+
+    def with_empty_first(rule):
+        return lambda p, s, r: int((p < 0).nonzero()[0]) if (p < 0).any() else rule(p, s, r)
+    planted = [
+        (with_empty_first(lambda p, s, r: least(s, p < 0)), "never evict the `recent` newest"),  # no recent kept
+        (with_empty_first(lambda p, s, r: least(-s, newest(p, r))), "evict the least attended"),  # wrong direction
+        (with_empty_first(lambda p, s, r: least(p.float(), newest(p, r))), "as a window does"),  # oldest out
+        (with_empty_first(lambda p, s, r: least(s, newest(p, r + 1))), "not recent + 1"),  # off by one
+        (with_empty_first(lambda p, s, r: least(s, newest(p, r - 1)) if r > 1 else least(s, newest(p, r))),
+         "not recent - 1"),  # off by one
+        (with_empty_first(lambda p, s, r: least(s, torch.arange(len(p)) >= len(p) - r)), "not by slot index"),
+        (lambda p, s, r: least(s, (p < 0) | newest(p, r)), "write into an empty slot first"),  # ignores empty
+    ]
+    for wrong, hint in planted:
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch06.check_victim(wrong)
+
+    def through_the_cache(p, s, r):  # asks the package's cache which slot it writes
+        cache = HeavyHitterCache(1, 1, 1, 1, len(p), r)
+        cache.slot_pos[0], cache.score[0] = p, s
+        cache.prepare(torch.tensor([int(p.max()) + 1]))
+        return int(cache._slots[0, 0])
+    for cheat in (through_the_cache, lambda p, s, r: ch06.solution_victim(p, s, r)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch06.check_victim(cheat)
+
+
+def test_ch06_keep_keys_and_entropy_checkers_refuse_the_package():
+    from minigen import attention, entropy
+    sparse = lambda s, k, t: attention.sparse_keep(s.view(1, 1, 1, -1), torch.ones(1, len(s), dtype=torch.bool),  # noqa: E731
+                                                    k, t).view(-1)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+        ch06.check_keep_keys(sparse)
+    with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+        ch06.check_attention_entropy(lambda p: float(entropy.entropy(p)))
+    with pytest.raises(ExerciseFailed, match=re.escape("rank keys by |score|")):  # the article's sign mistake
+        ch06.check_keep_keys(attention_signed)
+    with pytest.raises(ExerciseFailed, match="log2"):
+        ch06.check_attention_entropy(lambda p: float(-(p[p > 0] * p[p > 0].log2()).sum()))
+
+
+def attention_signed(scores, top_k, threshold):
+    """keep_keys ranking by q.k instead of |q.k| (what section 1 recommends, not the article's rule)."""
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if top_k is not None and top_k < len(scores):
+        keep = torch.zeros_like(keep)
+        keep[scores.topk(top_k).indices] = True
+    if threshold is not None:
+        keep &= scores >= threshold * scores.max()
+    return keep
+
+
+def test_ch04_quantize_group_checker_refuses_the_package_and_the_usual_mistakes():
+    from minigen.numerics import quant
+    assert ch04.check_quantize_group(ch04.solution_quantize_group)
+
+    def package(x, bits):  # the package's quantizer, unpacked: refused, the exercise is the arithmetic
+        q = quant.quantize(x[None], bits, len(x), scale_dtype=torch.float32)
+        return quant.unpack(q.data, bits)[0], q.scales.item(), q.zeros.item()
+
+    def via_round_trip(x, bits):
+        x_hat = quant.round_trip(x[None], bits, len(x))[0]
+        scale = (x.max() - x.min()).item() / (2**bits - 1)
+        return ((x_hat - x.min()) / max(scale, 1e-12)).round().long(), scale, x.min().item()
+    for cheat in (package, via_round_trip, lambda x, bits: ch04.solution_quantize_group(x, bits)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch04.check_quantize_group(cheat)
+
+    def steps(n_steps, rounding=torch.round, zero_at_min=True):
+        def fn(x, bits):
+            lo, hi = x.min().item(), x.max().item()
+            scale = (hi - lo) / n_steps(bits)
+            if scale == 0:
+                return torch.zeros_like(x, dtype=torch.long), 0.0, lo
+            zero = lo if zero_at_min else 0.0
+            return rounding((x - zero) / scale).clamp(max=2**bits - 1).long(), scale, zero
+        return fn
+    planted = [(steps(lambda b: 2**b), "2^bits codes make 2^bits - 1 steps"),  # off by one: 2^b steps
+               (steps(lambda b: 2**b - 1, torch.floor), "round, do not truncate"),  # truncation
+               (steps(lambda b: 2**b - 1, zero_at_min=False), "codes are unsigned")]  # symmetric: no zero point
+    for wrong, hint in planted:
+        with pytest.raises(ExerciseFailed, match=re.escape(hint)):
+            ch04.check_quantize_group(wrong)

@@ -3,7 +3,8 @@
     quant_panel(keys, values, cfg)   -> sliders for bits, group size and full-precision window,
                                         showing the cache's memory and the round-trip error live
     window_panel(model, ids)         -> sliders for window and sinks (layer, head), showing the
-                                        head's attention map, its entropy and the perplexity live
+                                        head's attention map, its entropy and the perplexity live;
+                                        it opens on the head teaching_head(model, ids) measures
     snapshot_html(state, model_id)   -> a panel drawn as static HTML from a notebook's saved widget
                                         state, as the static book shows it (no JavaScript, no kernel)
 """
@@ -85,10 +86,22 @@ def quant_panel(keys: Tensor, values: Tensor, cfg: ModelConfig, context: int = 4
 
 
 # ---------------------------------------------------------------- chapter 5: window and sinks
+LOG_FLOOR = 1e-3  # the map's colour floor: attention below it, and masked keys, are drawn black
+SATURATED = 0.9  # attention at or above it is drawn at the top of the colour scale
+
+
+def map_structure(probs: Tensor) -> float:
+    """Share of the map's pixels [T, T] that are neither black (below LOG_FLOOR) nor saturated
+    (SATURATED or more) on the panel's log colour scale: near 0 for a head that reads one token."""
+    visible = (probs >= LOG_FLOOR) & (probs < SATURATED)
+    return visible.float().mean().item()
+
+
 def window_numbers(model, ids: Tensor, window_size: int | None, sink_tokens: int, layer: int,
                    head: int) -> dict:
     """One masked pass of ids [T] under a window with sinks: the perplexity, the attention map
-    [T, T] of one layer and head, and every query's entropy [T] (nats) for that head."""
+    [T, T] of one layer and head, every query's entropy [T] (nats) for that head, and the share
+    of the map's pixels that show structure (map_structure)."""
     from ..entropy import entropy
     from ..evaluate import score
 
@@ -102,14 +115,41 @@ def window_numbers(model, ids: Tensor, window_size: int | None, sink_tokens: int
     s = score(model, ids, use_cache=False, observers=(capture,), **overrides)
     probs = captured["probs"]
     return {"perplexity": s.perplexity, "probs": probs, "entropy": entropy(probs),
-            "sink_mass": probs[:, :max(sink_tokens, 1)].sum(-1).mean().item()}
+            "sink_mass": probs[:, :max(sink_tokens, 1)].sum(-1).mean().item(), "structure": map_structure(probs)}
 
 
-def window_panel(model, ids: Tensor, layer: int = 10, head: int = 0):
+def teaching_head(model, ids: Tensor, window_size: int = 32, sink_tokens: int = 4,
+                  sink_share: tuple[float, float] = (0.1, 0.9)) -> tuple[int, int]:
+    """(layer, head) whose map shows both the window and its sinks, chosen by measuring: among the
+    heads whose sinks get a visible share of the attention (between sink_share's bounds, averaged
+    over the queries past the window), the one with the highest mean entropy under that window.
+
+    A head that parks everything on token 0 has entropy near 0 and shows one bright column; a head
+    that reads its window evenly but ignores the sinks shows no sink. ids [T], T > window_size."""
+    from ..entropy import entropy
+    from ..evaluate import score
+
+    maps = {}
+    score(model, ids, use_cache=False, window_size=window_size, sink_tokens=sink_tokens,
+          observers=(lambda l, probs: maps.__setitem__(l, probs[0].float()),))
+    probs = torch.stack([maps[l] for l in sorted(maps)])  # [L, H, T, T]
+    late = probs[:, :, window_size:]  # queries whose window has left the sinks: [L, H, T - W, T]
+    share = late[..., :sink_tokens].sum(-1).mean(-1)  # [L, H]
+    mean_entropy = entropy(probs).mean(-1)  # [L, H], nats
+    eligible = (share >= sink_share[0]) & (share <= sink_share[1])
+    if not eligible.any():
+        raise ValueError(f"no head gives its sinks between {sink_share[0]:.0%} and {sink_share[1]:.0%}")
+    best = int(mean_entropy.masked_fill(~eligible, float("-inf")).argmax())
+    return divmod(best, probs.shape[1])
+
+
+def window_panel(model, ids: Tensor, layer: int | None = None, head: int | None = None):
     """Sliders for window and sinks (and layer, head) over the text ids [T] (keep T under ~200):
     shows the head's attention map, its entropy per query, and the text's perplexity, live.
+    Without a layer and head it opens on teaching_head's choice for its default window and sinks.
 
-    Returns the widget box; `box.numbers()` gives what is shown (for asserts)."""
+    The map is drawn on a log scale from LOG_FLOOR to 1, so a sink column does not wash out the
+    window's keys. Returns the widget box; `box.numbers()` gives what is shown (for asserts)."""
     import ipywidgets as w
     import matplotlib.pyplot as plt
 
@@ -117,6 +157,8 @@ def window_panel(model, ids: Tensor, layer: int = 10, head: int = 0):
     cfg = model.config
     window = w.IntSlider(value=min(32, T), min=1, max=T, description="window")
     sinks = w.IntSlider(value=4, min=0, max=16, description="sinks")
+    if layer is None or head is None:
+        layer, head = teaching_head(model, ids, window.value, min(sinks.value, window.value))
     layer_s = w.IntSlider(value=layer, min=0, max=cfg.n_layers - 1, description="layer")
     head_s = w.IntSlider(value=head, min=0, max=cfg.n_heads - 1, description="head")
     text, plot = w.HTML(), w.Output()
@@ -134,9 +176,12 @@ def window_panel(model, ids: Tensor, layer: int = 10, head: int = 0):
         with plot:
             plot.clear_output(wait=True)
             fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-            a.imshow(n["probs"].pow(0.5).numpy(), cmap="magma", aspect="auto")  # sqrt: faint keys show
+            # log scale with a stated floor: a sink column near 1 and window keys near 1/W both show
+            im = a.imshow(n["probs"].clamp(min=LOG_FLOOR).log10().numpy(), cmap="magma", aspect="auto",
+                          vmin=torch.tensor(LOG_FLOOR).log10().item(), vmax=0)
+            fig.colorbar(im, ax=a, label=f"log10 attention (black: below {LOG_FLOOR:g}, or masked)")
             a.set(xlabel="key position", ylabel="query position",
-                  title=f"attention (sqrt scale), layer {layer_s.value} head {head_s.value}")
+                  title=f"attention (log scale), layer {layer_s.value} head {head_s.value}")
             b.plot(n["entropy"].numpy())
             b.plot(torch.arange(1, T + 1).float().log().numpy(), ":", color="grey", label="log(keys): uniform")
             b.set(xlabel="query position", ylabel="entropy (nats)", title="entropy of each query's attention")

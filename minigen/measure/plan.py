@@ -43,8 +43,10 @@ from ..numerics.precision import DTYPES
 # setting -> (expected perplexity change in %, where it was measured), SmolLM2-135M
 QUALITY_LOSS = {
     "kv_dtype": (0.2, "chapter 07: a 16-bit KV cache kept perplexity within 0.2% of fp32's (512 tokens)"),
+    # quant_bits: minigen/data/kv_quant_quality.json, written by scripts/kv_quant_quality.py on 2026-12-03
+    # (AMD EPYC, one thread of a two-core CPU, 600 tokens, bf16 scales and zeros); chapter 04 renders it.
     "quant_bits=8": (0.0, "chapter 04: 8-bit keys per channel, +0.00% perplexity (600 tokens)"),
-    "quant_bits=4": (0.32, "chapter 04: 4-bit keys per channel, 32-token window, +0.32% perplexity (600 tokens)"),
+    "quant_bits=4": (0.37, "chapter 04: 4-bit keys per channel, 32-token window, +0.37% perplexity (600 tokens)"),
     "window_size=256": (7.0, "chapter 05: window 256 + 4 sinks, 1.07x perplexity (1,200 tokens)"),
     "window_size=128": (11.0, "chapter 05: window 128 + 4 sinks, 1.11x perplexity (1,200 tokens)"),
     "window_size=64": (26.0, "chapter 05: window 64 + 4 sinks, 1.26x perplexity (1,200 tokens)"),

@@ -2,7 +2,9 @@
 
 1. `quantize_group(x, bits)`: asymmetric min-max quantization of one group x [G] (a 1-D float
    tensor) -> (codes, scale, zero), with integer codes in [0, 2^bits - 1] such that
-   zero + codes * scale is within scale / 2 of x, and the smallest such scale.
+   zero + codes * scale is within scale / 2 of x, and the smallest such scale. Write the arithmetic:
+   the checker runs it with the package's quantizers (numerics.quant.quantize and round_trip,
+   weight_quant.quantize_matrix) patched to raise.
 2. `quantized_cache_bytes(cfg, tokens, bits, group_size, residual)`: every byte the
    `QuantizedKVCache` of an fp16 model allocated for `tokens` positions of one sequence holds:
    packed codes (keys per channel, values per token), an fp16 scale and zero per group, and the
@@ -17,7 +19,8 @@ import torch
 
 from ...model import ModelConfig
 from ...caches.quantized import QuantizedKVCache
-from . import ExerciseFailed, compare, known_mistake
+from ...numerics import quant, weight_quant
+from . import ExerciseFailed, compare, forbidding, known_mistake
 from .ch01 import LLAMA2_7B, SMOLLM2_135M
 
 
@@ -47,6 +50,14 @@ def _groups() -> list[tuple[str, torch.Tensor, int]]:
 def check_quantize_group(fn) -> bool:
     """fn(x [G], bits) -> (codes, scale, zero): codes integers in [0, 2^bits - 1], reconstruction
     within scale / 2, and scale equal to (max - min) / (2^bits - 1)."""
+    forbidden = (quant.quantize, quant.round_trip, weight_quant.quantize_matrix)
+    with forbidding(*forbidden, *(() if fn is solution_quantize_group else (solution_quantize_group,))):
+        _check_groups(fn)
+    print(f"✓ quantize_group: all {len(_groups())} groups come back within scale / 2")
+    return True
+
+
+def _check_groups(fn) -> None:
     for label, x, bits in _groups():
         out = fn(x.clone(), bits)
         if out is None:
@@ -74,8 +85,6 @@ def check_quantize_group(fn) -> bool:
         if error > scale / 2 + 1e-5 * (1 + x.abs().max().item()):
             raise ExerciseFailed(f"quantize_group: for {label} an element comes back {error:.4g} away, "
                                  f"more than scale / 2 = {scale / 2:.4g}. Hint: round, do not truncate")
-    print(f"✓ quantize_group: all {len(_groups())} groups come back within scale / 2")
-    return True
 
 
 # ---------------------------------------------------------------- 2. bytes held
