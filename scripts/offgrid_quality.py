@@ -8,7 +8,8 @@ GPTQ, and scores each against the rotated fp32 model on the chapter's text. It a
 
     python scripts/offgrid_quality.py [--tokens 256] [--calibration 256] [--json docs/runs/offgrid_quality.json]
 
-About 10 minutes on one thread of a two-core CPU, most of it GPTQ's column loop.
+About 25 minutes on one thread of a shared two-core CPU (the committed run: 1,455 s), most of it GPTQ's
+column loop (four to six minutes a setting).
 """
 
 from __future__ import annotations
