@@ -238,12 +238,20 @@ def test_ch14_pack4_checker_takes_the_solution_and_names_the_usual_mistakes():
         pairs = codes.unflatten(-1, (-1, 2))
         return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
 
+    def nibbles_swapped(codes):  # code j + 16 low, code j high (the answers are built here, not
+        c = codes.unflatten(-1, (-1, 2, 16))  # from ch14's solutions, which the checkers forbid)
+        return (c[..., 1, :] | (c[..., 0, :] << 4)).flatten(-2).to(torch.uint8)
+
+    def right_but_int64(codes):
+        c = codes.long().unflatten(-1, (-1, 2, 16))
+        return (c[..., 0, :] | (c[..., 1, :] << 4)).flatten(-2)
+
     with pytest.raises(ExerciseFailed, match="not with code j \\+ 1"):
         ch14.check_pack4(adjacent)
     with pytest.raises(ExerciseFailed, match="low nibble, code j \\+ 16 in the high"):
-        ch14.check_pack4(lambda c: ch14.solution_pack4(c.unflatten(-1, (-1, 2, 16)).flip(-2).flatten(-3)))
+        ch14.check_pack4(nibbles_swapped)
     with pytest.raises(ExerciseFailed, match="not torch.uint8"):
-        ch14.check_pack4(lambda c: ch14.solution_pack4(c).long())
+        ch14.check_pack4(right_but_int64)
     unmasked = lambda d: torch.cat([d.unflatten(-1, (-1, 16)), d.unflatten(-1, (-1, 16)) >> 4], -1).flatten(-2)  # noqa: E731
     with pytest.raises(ExerciseFailed, match="& 0xF"):
         ch14.check_unpack4(unmasked)
@@ -959,3 +967,45 @@ def test_ch04_quantize_group_checker_refuses_the_package_and_the_usual_mistakes(
     for wrong, hint in planted:
         with pytest.raises(ExerciseFailed, match=re.escape(hint)):
             ch04.check_quantize_group(wrong)
+# ---------------------------------------------------------------- issue 26, chapter 14 (helper f)
+def test_ch14_checkers_reject_an_answer_that_calls_minigens_own_packing():
+    """Issue 26: `my_pack4 = pack4` passed. Every alias or wrapper of the package's pack4/unpack4, or
+    of the chapter's worked solutions, now fails; the checkers still take an answer of one's own."""
+    from minigen.course.exercises import ch14
+    from minigen.numerics import weight_quant
+    from minigen.numerics.weight_quant import pack4, unpack4
+    for cheat in (pack4, weight_quant.pack4, lambda c: pack4(c), lambda c: ch14.solution_pack4(c.clone()),
+                  lambda c: weight_quant.pack4(weight_quant.unpack4(pack4(c)))):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch14.check_pack4(cheat)
+    for cheat in (unpack4, lambda d: weight_quant.unpack4(d), lambda d: ch14.solution_unpack4(d)):
+        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
+            ch14.check_unpack4(cheat)
+    # the cheat's forbidden functions are back afterwards, and the package still packs
+    codes = torch.arange(64, dtype=torch.uint8) % 16
+    assert torch.equal(unpack4(pack4(codes)), codes)
+
+
+def test_ch14_unpack4_checker_names_the_planted_mistakes():
+    from minigen.course.exercises import ch14
+
+    def interleaved(data):  # low, high, low, high: pairs neighbours, the wrong axis
+        b = data.unflatten(-1, (-1, 16))
+        return torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-3)
+
+    def high_first(data):
+        b = data.unflatten(-1, (-1, 16))
+        return torch.cat([b >> 4, b & 0xF], dim=-1).flatten(-2)
+
+    def one_block_short(data):  # off by one block: drops the last 16 bytes
+        b = data[..., :-16].unflatten(-1, (-1, 16))
+        return torch.cat([b & 0xF, b >> 4], dim=-1).flatten(-2)
+
+    with pytest.raises(ExerciseFailed, match="not every other code"):
+        ch14.check_unpack4(interleaved)
+    with pytest.raises(ExerciseFailed, match="low nibble \\(& 0xF\\) comes first"):
+        ch14.check_unpack4(high_first)
+    with pytest.raises(ExerciseFailed, match="expected shape"):
+        ch14.check_unpack4(one_block_short)
+    with pytest.raises(ExerciseFailed, match="returned None"):
+        ch14.check_unpack4(lambda data: None)
