@@ -210,8 +210,17 @@ def test_smollm2_sparse_perplexity(smollm2, english_text_ids):
 def test_ch06_exercises():
     from minigen.course.exercises import ExerciseFailed, ch06
     assert ch06.check_keep_keys(ch06.solution_keep_keys)
-    with pytest.raises(ExerciseFailed, match=r"\|score\|"):  # ranks by the signed score
-        ch06.check_keep_keys(lambda s, k, t: ch06.solution_keep_keys(s - s.min() + 1e-3, k, t))
+
+    def signed(scores, top_k, threshold):  # ranks by the signed score (written out: the checker forbids the solution)
+        keep = torch.ones_like(scores, dtype=torch.bool)
+        if top_k is not None and top_k < len(scores):
+            keep = torch.zeros_like(keep)
+            keep[scores.topk(top_k).indices] = True
+        if threshold is not None:
+            keep &= scores >= threshold * scores.max()
+        return keep
+    with pytest.raises(ExerciseFailed, match=r"\|score\|"):
+        ch06.check_keep_keys(signed)
     with pytest.raises(ExerciseFailed):
         ch06.check_keep_keys(lambda s, k, t: torch.ones_like(s, dtype=torch.bool))
     assert ch06.check_attention_entropy(ch06.solution_attention_entropy)
