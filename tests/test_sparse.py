@@ -210,17 +210,9 @@ def test_smollm2_sparse_perplexity(smollm2, english_text_ids):
 def test_ch06_exercises():
     from minigen.course.exercises import ExerciseFailed, ch06
     assert ch06.check_keep_keys(ch06.solution_keep_keys)
-
-    def signed(scores, top_k, threshold):  # ranks by the signed score (written out: the checker forbids the solution)
-        keep = torch.ones_like(scores, dtype=torch.bool)
-        if top_k is not None and top_k < len(scores):
-            keep = torch.zeros_like(keep)
-            keep[scores.topk(top_k).indices] = True
-        if threshold is not None:
-            keep &= scores >= threshold * scores.max()
-        return keep
+    from test_exercises import attention_signed  # ranks by the signed score (the checker forbids the solution)
     with pytest.raises(ExerciseFailed, match=r"\|score\|"):
-        ch06.check_keep_keys(signed)
+        ch06.check_keep_keys(attention_signed)
     with pytest.raises(ExerciseFailed):
         ch06.check_keep_keys(lambda s, k, t: torch.ones_like(s, dtype=torch.bool))
     assert ch06.check_attention_entropy(ch06.solution_attention_entropy)

@@ -292,17 +292,12 @@ def c7_largest_batch(cfg: ModelConfig = GPT3_175B, context: int = 2048, gpus: in
     `ceiling` (ideal tensor parallelism, the same formulas): 4-bit KV stores 5/16 of the fp16 bytes, a window
     that frees what it drops stores window + 4 sinks positions, and sparse attention stores every key (it
     only reads fewer values). The speed-up compares each with the fp16 baseline at its own largest batch."""
-    bw, peak, memory = gpus * ceiling.bandwidth, gpus * ceiling.peak_flops, gpus * ceiling.memory_bytes
     weights, per_row = streamed_params(cfg) * 2, context * cfg.kv_bytes_per_token(2)
-    kept, sparse = min(context, window + SINK_TOKENS) / context, 0.5 + 0.5 * sparse_keep
-    settings = {"fp16 KV": (1.0, 1.0), "4-bit KV": (KV_4BIT_RATIO, KV_4BIT_RATIO),  # (stored, read) per fp16 byte
-                f"4-bit KV + window {window}": (KV_4BIT_RATIO * kept, KV_4BIT_RATIO * kept),
-                "all three": (KV_4BIT_RATIO * kept, KV_4BIT_RATIO * kept * sparse)}
     out = []
-    for name, (stored, read) in settings.items():
-        b = int((memory - weights) // (per_row * stored))
-        memory_s, compute_s = (weights + b * per_row * read) / bw, b * cfg.forward_flops(1, context) / peak
-        out.append(LargestBatch(name, b, b / max(memory_s, compute_s), 0.0, compute_s >= memory_s))
+    for name, (stored, read) in _c7_settings(context, window, sparse_keep).items():
+        b = int((gpus * ceiling.memory_bytes - weights) // (per_row * stored))
+        tokens_per_s, compute_bound = _c7_throughput(cfg, context, gpus, ceiling, b, read)
+        out.append(LargestBatch(name, b, tokens_per_s, 0.0, compute_bound))
     for row in out:
         row.speedup = row.tokens_per_s / out[0].tokens_per_s
     return out
@@ -313,14 +308,29 @@ def c7_batch_for(speedup: float, cfg: ModelConfig = GPT3_175B, context: int = 20
     """The smallest batch at which all three settings give `speedup` x the fp16 baseline's throughput at
     its largest batch (c7_largest_batch); None if no batch that fits does."""
     rows = c7_largest_batch(cfg, context, gpus, ceiling, window, sparse_keep)
-    bw, peak = gpus * ceiling.bandwidth, gpus * ceiling.peak_flops
-    weights, per_row = streamed_params(cfg) * 2, context * cfg.kv_bytes_per_token(2)
-    read = KV_4BIT_RATIO * min(context, window + SINK_TOKENS) / context * (0.5 + 0.5 * sparse_keep)
+    _, read = _c7_settings(context, window, sparse_keep)["all three"]
     for b in range(1, rows[-1].batch + 1):
-        rate = b / max((weights + b * per_row * read) / bw, b * cfg.forward_flops(1, context) / peak)
-        if rate >= speedup * rows[0].tokens_per_s:
+        if _c7_throughput(cfg, context, gpus, ceiling, b, read)[0] >= speedup * rows[0].tokens_per_s:
             return b
     return None
+
+
+def _c7_settings(context: int, window: int, sparse_keep: float) -> dict[str, tuple[float, float]]:
+    """C7's settings -> (KV bytes stored, KV bytes read) per fp16 byte of a full cache."""
+    kept, sparse = min(context, window + SINK_TOKENS) / context, 0.5 + 0.5 * sparse_keep
+    return {"fp16 KV": (1.0, 1.0), "4-bit KV": (KV_4BIT_RATIO, KV_4BIT_RATIO),
+            f"4-bit KV + window {window}": (KV_4BIT_RATIO * kept, KV_4BIT_RATIO * kept),
+            "all three": (KV_4BIT_RATIO * kept, KV_4BIT_RATIO * kept * sparse)}
+
+
+def _c7_throughput(cfg: ModelConfig, context: int, gpus: int, ceiling: Ceiling, batch: int,
+                   read: float) -> tuple[float, bool]:
+    """(tokens/s of `batch` sequences by the roofline, whether bound by compute): the fp16 weights and each
+    row's KV bytes (`read` per fp16 byte) from memory, against the step's FLOPs."""
+    weights, per_row = streamed_params(cfg) * 2, context * cfg.kv_bytes_per_token(2)
+    memory_s = (weights + batch * per_row * read) / (gpus * ceiling.bandwidth)
+    compute_s = batch * cfg.forward_flops(1, context) / (gpus * ceiling.peak_flops)
+    return batch / max(memory_s, compute_s), compute_s >= memory_s
 
 
 def kv_needed_for(speedup: float, cfg: ModelConfig = GPT3_175B) -> float:
