@@ -237,10 +237,16 @@ class Run:
     bf16_dot: bool | None = None  # a CPU with bf16 dot products (AVX512-BF16 or AMX-BF16; ARM's BF16); None: unknown
     int8_dot: bool | None = None  # an x86 CPU with int8 dot products (AVX512-VNNI, AVX-VNNI or AMX-INT8); None: unknown
     onednn_int8: bool | None = None  # torch has oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise)
+    model_window: int | None = None  # the window the model's sliding layers were trained with; 0: none slides
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
-        return cls(arch=model_config.arch, head_dim=model_config.head_dim)
+        return cls(arch=model_config.arch, head_dim=model_config.head_dim, model_window=model_window(model_config))
+
+
+def model_window(model_config) -> int:
+    """The sliding window of a model's sliding layers (ModelConfig.layer_types), 0 when none slides."""
+    return model_config.sliding_window if model_config.sliding_layers else 0
 
 
 FUSED_WEIGHTS = ("float32", "bfloat16", "int8", "int4")  # int8 / int4: QuantizedWeight codes
@@ -294,6 +300,18 @@ RUN_RULES: tuple[RunRule, ...] = (
     ("fused_decode", ("observers",), lambda c, r: r.observers, lambda c, r:
      "fused_decode=True with observers: the fused step keeps attention in C, where no observer sees it. "
      "Fix: fused_decode=False to observe attention."),
+    ("fused_decode", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
+     f"fused_decode=True attends every cached position in every layer, and this model's sliding layers attend "
+     f"only the last {r.model_window} (its own sliding_window). {_FUSED}"),
+    # the model's own sliding layers (chapter 5): a window imposed on top must not see more than they do
+    ("window_size", ("model_window",), lambda c, r: c.window_size > r.model_window > 0, lambda c, r:
+     f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}: its sliding "
+     f"layers were trained to see {r.model_window} tokens, and a window imposed on every layer applies to them "
+     f"too. Fix: window_size <= {r.model_window} (the smaller window then masks every layer, sinks included), "
+     "or window_size=None to run the model's own windows"),
+    ("attention_backend", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
+     f"attention_backend='triton' masks every layer with one window, and this model's sliding layers attend the "
+     f"last {r.model_window} tokens while its full layers attend all: use attention_backend='torch'"),
     ("speculative_method", ("observers",), lambda c, r: r.observers, lambda c, r:
      "speculative decoding with observers: they would see the attention of proposals that are then rejected. "
      "Fix: speculative_method=None to observe attention."),

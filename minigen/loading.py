@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
 from .kernels import dispatch
-from .model import Model, ModelConfig
+from .model import LAYER_TYPES, Model, ModelConfig
 from . import paths
 from .paths import bar, cache_dir, check_device, locked, read_digest, unwritable_dir, write_converted, write_digest
 from .numerics import w8a8
@@ -77,21 +77,50 @@ def config_from_hf(hf: dict) -> ModelConfig:
         elif scaling["rope_type"] not in ("linear", "llama3"):
             raise ModelLoadError(f"rope_type={scaling['rope_type']!r} is not supported: minigen knows "
                                  "default, linear and llama3 RoPE. Pick a checkpoint that uses one of those.")
-    # Sliding-window attention (Mistral v0.1, some Qwen2) is not modelled here: cap the context at
-    # the window, where it equals full attention, so longer prompts raise instead of going wrong.
-    ctx = hf.get("max_position_embeddings", 2048)
-    slides = hf.get("use_sliding_window", kind == "mistral") or "sliding_attention" in (hf.get("layer_types") or [])
-    if slides and hf.get("sliding_window"):
-        ctx = min(ctx, hf["sliding_window"])
+    layer_types, window = attention_layers(hf, kind)
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     bias = kind == "qwen2" or bool(hf.get("attention_bias"))
     return ModelConfig(arch="llama", vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"],
                        n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
                        head_dim=hf.get("head_dim") or D // H, hidden_dim=hf["intermediate_size"],
-                       max_seq_len=ctx, norm_eps=hf.get("rms_norm_eps", 1e-6),
+                       max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
                        rope_theta=float(theta), rope_scaling=scaling, qkv_bias=bias,
                        out_bias=kind != "qwen2" and bool(hf.get("attention_bias")),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos)
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos,
+                       layer_types=layer_types, sliding_window=window)
+
+
+def attention_layers(hf: dict, kind: str) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window) of a config.json, derived as `transformers` derives them:
+    Mistral slides in every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`,
+    in the layers from `max_window_layers` on; any other model reads `layer_types` as written.
+    (None, None): every layer attends every earlier position."""
+    n = hf["num_hidden_layers"]
+    window = hf.get("sliding_window")
+    if kind == "mistral":  # transformers' Mistral ignores layer_types (it warns): the window is every layer's
+        types = ["sliding_attention"] * n if window is not None else None
+    elif kind == "qwen2" and not hf.get("use_sliding_window", False):  # its window is then None, every layer full
+        types = None
+    elif kind == "qwen2" and hf.get("layer_types") is None:
+        first = hf.get("max_window_layers", 28)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+    else:
+        types = hf.get("layer_types")
+    if types is None:
+        return None, None
+    if not isinstance(types, list) or len(types) != n or not all(t in LAYER_TYPES for t in types):
+        bad = sorted({repr(t) for t in types if t not in LAYER_TYPES}) if isinstance(types, list) else []
+        why = (f"holds {', '.join(bad)}, which is not a layer type" if bad else
+               f"has {len(types)} entries for num_hidden_layers={n}" if isinstance(types, list) else
+               f"is {type(types).__name__}, not a list")
+        raise ModelLoadError(f"config.json's layer_types {why}: it needs one of {', '.join(LAYER_TYPES)} per layer, "
+                             f"{n} in all. Restore the config.json that came with the weights.")
+    if "sliding_attention" not in types:
+        return None, None
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ModelLoadError(f"config.json has sliding_window={window!r}, not a positive integer, for layers whose "
+                             "layer_types say sliding_attention. Restore the config.json that came with the weights.")
+    return tuple(types), window
 
 
 # ---------------------------------------------------------------- weights

@@ -10,6 +10,7 @@ from ..config import GenerationConfig
 from ..numerics.precision import DTYPES
 from .contiguous import KVCache
 from .h2o import HeavyHitterCache
+from .hybrid import HybridKVCache
 from .offload import OffloadedKVCache
 from .paged import PagedKVCache
 from .quantized import QuantizedKVCache, QuantizedPagedKVCache
@@ -25,6 +26,9 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
     combinations.RAGGED_REFUSED); the quantized caches then run one cache per row (rowwise.py).
 
     Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the weights' dtype);
+    a model trained with sliding layers (ModelConfig.layer_types) gets the hybrid cache (hybrid.py)
+    unless a feature below chooses the storage: those keep every position of every layer, and the
+    model still masks each sliding layer to its window;
     values full precision or quantized (quant_bits); what is kept all, a window with sinks
     (window_size) or heavy hitters (kv_budget); with prefetch_depth, an offload tier wraps it.
     config.py's REFUSED says which pairs combine.
@@ -59,6 +63,10 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
         spare = config.num_speculative_tokens if config.speculative_method else 0  # what a rewind may need back
         cache = WindowKVCache(L, batch, c.n_kv_heads, c.head_dim, window, sinks, dtype=dtype, device=device,
                               spare=spare)
+    elif c.sliding_layers and config.prefetch_depth is None:  # the model's own windows: a ring per sliding layer
+        spare = config.num_speculative_tokens if config.speculative_method else 0
+        cache = HybridKVCache(c.layer_types, batch, c.n_kv_heads, max_len,
+                              c.head_dim, c.sliding_window, dtype=dtype, device=device, spare=spare)
     else:
         cache = KVCache(L, batch, c.n_kv_heads, max_len, c.head_dim, dtype=dtype, device=device)
     if config.prefetch_depth is not None:
