@@ -40,8 +40,9 @@ class HybridKVCache:
         sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
         # each model layer -> (its part, its index there)
         self.full = KVCache(len(full), batch, n_kv_heads, max_len, head_dim, dtype, device) if full else None
-        self.ring = (WindowKVCache(len(sliding), batch, n_kv_heads, head_dim, sliding_window, 0, dtype, device,
-                                   spare=spare) if sliding else None)
+        # a ring never longer than the sequence: below the window, nothing ever leaves it
+        self.ring = (WindowKVCache(len(sliding), batch, n_kv_heads, head_dim, min(sliding_window, max_len), 0, dtype,
+                                   device, spare=spare) if sliding else None)
         self.where = {layer: (self.full, j) for j, layer in enumerate(full)}
         self.where.update({layer: (self.ring, j) for j, layer in enumerate(sliding)})
         self.parts = {kind: part for kind, part in (("full_attention", self.full), ("sliding_attention", self.ring))
