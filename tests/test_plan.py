@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 
@@ -139,6 +140,41 @@ def test_a_bad_dtype_is_refused(tiny_llama):
     _, model = tiny_llama
     with pytest.raises(ConfigError, match="dtype='int8' is invalid"):
         planner.weights_bytes(model.config, "int8")
+
+
+def test_a_model_with_its_own_window_is_planned_with_the_hybrid_cache():
+    """A tiny Qwen2 whose first layer is full and the next two slide over 8 tokens (issue 27): the
+    defaults' KV bytes are what generate holds, each sliding layer a ring of 8 slots and the full layer
+    every position; the plan states that rule and format_plan prints it."""
+    from conftest import tiny_hf
+    model = minigen.from_hf(tiny_hf("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                    num_hidden_layers=3))
+    cfg = model.config
+    prompt, new = 30, 20
+    config = GenerationConfig(max_new_tokens=new, stop_token_ids=[])
+    held = minigen.generate(model, torch.arange(1, prompt + 1)[None].repeat(2, 1), config).stats.kv_cache_bytes
+    planned = planner.kv_cache_bytes(cfg, config, batch=2, context=prompt + new)
+    # K and V of 2 rows x (1 full layer x 50 positions + 2 rings x 8 slots), fp32; plus the position each of
+    # the 8 ring slots holds (int64), which the sliding layers and rows share
+    count = 2 * 2 * (1 * (prompt + new) + 2 * 8) * cfg.n_kv_heads * cfg.head_dim * 4
+    assert planned == held == count + 8 * 8, (planned, held, count)
+    p = planner.plan(cfg, batch=2, context=prompt + new, budget_bytes=2**30)
+    assert p.hybrid == {"sliding_layers": 2, "sliding_window": 8, "full_layers": 1, "context": 50}, p.hybrid
+    assert "hybrid (the model's own window): 2 sliding layers x 8 + 1 full layers x 50" in planner.format_plan(p)
+    assert planner.plan(cfg, context=50, budget_bytes=2**30, cache_chunk_size=16).hybrid == {}  # paged: every position
+
+
+def test_the_planner_offers_no_window_wider_than_the_models_own():
+    """Regression: for a Mistral with sliding_window=8 the planner built window_size=64 on the meta device,
+    and the combination rules refused it: plan() raised ConfigError instead of answering."""
+    from conftest import tiny_hf
+    cfg = minigen.from_hf(tiny_hf("mistral", sliding_window=8)).config
+    p = planner.plan(cfg, batch=1, context=128, budget_bytes=2**30)
+    assert p.fits and all("window_size" not in o.config for o in p.options), [o.config for o in p.options]
+    assert p.kv_cache_bytes == planner.kv_cache_bytes(cfg, GenerationConfig(), 1, 128)
+    # the same model with every layer full is offered windows: the rule reads the model's own window
+    every_layer_full = dataclasses.replace(cfg, layer_types=None, sliding_window=None)
+    assert any("window_size" in o.config for o in planner.plan(every_layer_full, context=128, budget_bytes=2**30).options)
 
 
 def test_the_paged_waste_is_each_rows_last_block(tiny_llama):

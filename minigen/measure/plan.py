@@ -14,6 +14,12 @@ whole prompt's activations do not fit, the planner offers the largest prompt chu
 (PREFILL_CHUNKS). `peak_tensor_bytes` measures what a generation really allocates, to hold the
 estimate against (tests/test_plan.py: within 10%).
 
+A model trained with sliding layers (Gemma 3, Mistral; ModelConfig.layer_types) gets the hybrid
+cache by default (caches/hybrid.py): each sliding layer a ring of `sliding_window` slots, each full
+layer every position; `Plan.hybrid` states that rule, and `format_plan` prints it. Storage features
+that keep every position (quant_bits, cache_chunk_size) and an imposed window (which masks every layer)
+choose their own cache, counted the same exact way.
+
 The quality loss of each setting is the chapters' measurement on SmolLM2 (perplexity change):
 QUALITY_LOSS cites where each number comes from. Settings that combine add their losses (an
 approximation: they were measured one at a time).
@@ -34,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..caches.make import make_cache
+from ..combinations import model_window
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..loading import read_config, resolve_folder
@@ -210,6 +217,9 @@ class Plan:
     # cache_chunk_size -> the chosen option paged: its KV bytes, and the token slots of its pool left
     # empty (the last block of each row), in bytes
     paged: dict[int, dict[str, int]] = field(default_factory=dict)
+    # a model trained with sliding layers, the rows on its default cache: {"sliding_layers", "sliding_window",
+    # "full_layers", "context"} (hybrid_rule); {} when no row holds the hybrid cache
+    hybrid: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -225,13 +235,14 @@ def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype
     and activations fit in `room` bytes (the smallest chunk when none does; None: always whole).
 
     A quantized cache keeps every token (the window is only a mask: config.py's APPLIED table), so
-    quantization is not paired with a window; a window no shorter than the context changes nothing.
+    quantization is not paired with a window; a window no shorter than the context changes nothing,
+    and one larger than the model's own sliding window is refused (combinations.py), so not offered.
     A chunked prompt gives the same tokens (chapter 16), so chunking costs no quality, only some
     prefill speed: the whole prompt is offered wherever it fits."""
-    out = []
+    out, own = [], model_window(cfg)  # own: the model's sliding window, 0 when no layer slides
     for storage in KV_STORAGE:
         for window in WINDOWS:
-            if window is not None and ("quant_bits" in storage or window + 4 >= context):
+            if window is not None and ("quant_bits" in storage or window + 4 >= context or 0 < own < window):
                 continue
             fields = dict(storage, **({"window_size": window} if window else {}))
             if "quant_bits" in storage and cfg.head_dim % 32:  # groups of 32 (KIVI) must divide the head dim
@@ -281,7 +292,18 @@ def plan(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m", batch:
     return Plan(fits=best.fits, config=best.config, kv_cache_bytes=best.kv_cache_bytes, weights_bytes=weights,
                 activation_bytes=best.activation_bytes, total_bytes=best.total_bytes, budget_bytes=budget_bytes,
                 expected_loss_pct=best.expected_loss_pct, smallest_budget=smallest, options=rows,
-                paged=paged_waste(cfg, best.config, batch, context, dtype))
+                paged=paged_waste(cfg, best.config, batch, context, dtype),
+                hybrid=hybrid_rule(cfg, context) if cache_chunk_size is None else {})
+
+
+def hybrid_rule(cfg: ModelConfig, context: int) -> dict[str, int]:
+    """How the default cache of a model trained with sliding layers holds `context` positions per row:
+    each sliding layer a ring of sliding_window slots, each full layer every position (caches/hybrid.py).
+    {} for a model whose every layer is full."""
+    if not cfg.sliding_layers:
+        return {}
+    return {"sliding_layers": cfg.sliding_layers, "sliding_window": cfg.sliding_window,
+            "full_layers": cfg.n_layers - cfg.sliding_layers, "context": context}
 
 
 def paged_waste(cfg: ModelConfig, fields: dict, batch: int, context: int,
@@ -378,6 +400,11 @@ def format_plan(p: Plan) -> str:
     for o in p.options:
         lines.append(f"{'yes' if o.fits else 'no':<5} {o.expected_loss_pct:7.2f} {o.kv_cache_bytes / mib:10.1f} "
                      f"{o.activation_bytes / mib:9.1f} {o.total_bytes / mib:10.1f}  {o.config or '{} (full precision)'}")
+    if p.hybrid:
+        h = p.hybrid
+        lines.append(f"hybrid (the model's own window): {h['sliding_layers']} sliding layers x {h['sliding_window']:,} "
+                     f"+ {h['full_layers']} full layers x {h['context']:,} positions per row, in the rows without "
+                     "quant_bits or window_size (those keep every position, or window every layer)")
     for bs, paged in p.paged.items():
         lines.append(f"paged (cache_chunk_size={bs}): KV {paged['kv_cache_bytes'] / mib:,.1f} MiB, of which "
                      f"{paged['waste_bytes'] / mib:,.2f} MiB empty slots in the rows' last blocks")
