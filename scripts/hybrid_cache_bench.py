@@ -1,13 +1,15 @@
 """The hybrid cache on a Gemma-3-270M-shaped model (issue 27): its bytes against the count and
 against a uniform cache, and its decode speed against a uniform cache on the same random-weight model.
 
-    python scripts/hybrid_cache_bench.py [--context 4096] [--steps 96] [--threads 1 2]
+    python scripts/hybrid_cache_bench.py [--context 4096] [--steps 96] [--threads 1 2] [--ops c torch]
                                          [--json docs/runs/hybrid_cache.json]
 
 Bytes come from the caches make_cache builds (minigen/measure/hybrid.py: cache_bytes). Speed: fp32,
 batch 1, the eager step, both caches holding the same keys; the steps alternate hybrid and uniform
 so a busy spell of a shared machine falls on both steps of a pair, and the ratio is taken pair by
-pair (median). One run per --threads value, each on its own model (the same seed).
+pair (median). One run per --threads value and --ops, each on its own model (the same seed): "c",
+minigen's kernels (the C attention skips masked slots, so a uniform cache's sliding layers read only
+their window), or "torch", torch's own ops (SDPA reads every slot, as a GPU's attention does).
 The JSON records the machine, torch, the threads, the date and the load average before and after.
 """
 
@@ -57,12 +59,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=96, help="decode steps per cache, taken in turns")
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()],
                         help="torch threads, one run each (default: torch's own)")
+    parser.add_argument("--ops", nargs="+", choices=("c", "torch"), default=["c", "torch"],
+                        help="minigen's C kernels or torch's own ops, one run each")
     parser.add_argument("--json", default="docs/runs/hybrid_cache.json")
     args = parser.parse_args(argv)
     start = datetime.datetime.now(datetime.timezone.utc)
     load_start = os.getloadavg()
     sizes = hybrid.cache_bytes()
-    speeds = [hybrid.decode_speed(context=args.context, steps=args.steps, threads=n) for n in args.threads]
+    speeds = [dict(hybrid.decode_speed(context=args.context, steps=args.steps, threads=n, kernels=ops == "c"),
+                   ops=ops) for n in args.threads for ops in args.ops]
     result = {"date": start.strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": machine(), "torch": torch.__version__,
               "threads": args.threads, "cpu_kernel": kernel_build.status(),
               "load_average_start": load_start, "load_average_end": os.getloadavg(),
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     m = result["machine"]
     print(f"{m['model_name']} (family {m['cpu_family']}, model {m['model']}, avx2 {m['avx2']}, "
-          f"avx512f {m['avx512f']}), torch {result['torch']}, {result['threads']} threads, {result['date']}\n")
+          f"avx512f {m['avx512f']}), torch {result['torch']}, torch threads {result['threads']}, {result['date']}\n")
     print("| dtype | context | hybrid MB | count MB | hybrid / count | uniform MB | hybrid share of uniform |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in sizes:
@@ -84,16 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nDecode, fp32, batch 1, {s['step']} step, context {s['context']:,} to {s['context_end']:,}, "
           f"{s['steps']} steps per cache in turns; first-step logits of the two caches differ by "
           f"{s['first_step_max_logit_diff']:.2g}\n")
-    print("| threads | cache | tok/s (median step) | MB read per step | roofline tok/s | load average |")
-    print("|---:|---|---:|---:|---:|---|")
+    print("| threads | ops | cache | tok/s (median step) | MB read per step | roofline tok/s | load average |")
+    print("|---:|---|---|---:|---:|---:|---|")
     for s in speeds:
         for name, c in s["caches"].items():
-            print(f"| {s['threads']} | {name} ({c['cache']}) | {c['tokens_per_s']:.2f} | "
+            print(f"| {s['threads']} | {s['ops']} | {name} ({c['cache']}) | {c['tokens_per_s']:.2f} | "
                   f"{c['bytes_read_per_step'] / 1e6:.0f} | {c['roofline_tokens_per_s']:.2f} | "
                   f"{s['load_average_before'][0]:.2f} -> {s['load_average_after'][0]:.2f} |")
     for s in speeds:
         q = s["pair_speed_ratio_quartiles"] or [s["pair_speed_ratio_median"]] * 3
-        print(f"\n{s['threads']} threads: hybrid / uniform speed, median of {s['steps']} pairs "
+        print(f"\nthreads {s['threads']}, {s['ops']} ops: hybrid / uniform speed, median of {s['steps']} pairs "
               f"{s['pair_speed_ratio_median']:.3f} (quartiles {q[0]:.3f} .. {q[2]:.3f}; hybrid faster in "
               f"{s['pairs_hybrid_faster']:.0%} of pairs); the roofline predicts {s['roofline_ratio']:.3f} "
               f"at {s['memory_read_gb_s']:.1f} GB/s")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from minigen.errors import BenchError
+from minigen.kernels import build as kernel_build
 from minigen.measure import hybrid
 from minigen.model import ModelConfig
 
@@ -47,10 +48,22 @@ def test_decode_speed_runs_both_caches():
     assert result["first_step_max_logit_diff"] < 1e-5  # the same keys, the same window: the same logits
     for c in result["caches"].values():
         assert len(c["step_seconds"]) == 3 and c["tokens_per_s"] > 0
-    per_slot = 2 * 2 * 8 * 4
-    # 16 slots (12 + 1 + 3): the uniform cache reads them in 4 layers, the hybrid in 1 layer + 3 rings of 4
+    assert result["attention_skips_masked_slots"] == kernel_build.available()
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_decode_speed_counts_the_slots_attention_reads(kernels):
+    if kernels and not kernel_build.available():
+        pytest.skip(f"minigen's C kernel is not available here: {kernel_build.status()}")
+    result = hybrid.decode_speed(TINY, context=12, steps=3, kernels=kernels, memory_read_gb_s=10.0)
+    assert result["attention_skips_masked_slots"] == kernels
+    per_slot = 2 * 2 * 8 * 4  # K and V x Hkv x Dh x fp32
     read = {name: c["bytes_read_per_step"] - result["weight_bytes_per_step"] for name, c in result["caches"].items()}
-    assert read == {"uniform": 4 * 16 * per_slot, "hybrid": (16 + 3 * 4) * per_slot}
+    if kernels:  # C skips masked slots: the full layer reads the middle step's 12 + 1 + 3 // 2 = 14
+        # positions, each sliding layer its window of 4, in either cache
+        assert read == {"uniform": (14 + 3 * 4) * per_slot, "hybrid": (14 + 3 * 4) * per_slot}
+    else:  # SDPA reads all 16 slots (12 + 1 + 3) in every layer of the uniform cache, and the hybrid's rings of 4
+        assert read == {"uniform": 4 * 16 * per_slot, "hybrid": (16 + 3 * 4) * per_slot}
 
 
 def test_decode_speed_refuses_a_model_without_sliding_layers():

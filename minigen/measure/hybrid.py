@@ -10,10 +10,11 @@ needs, per sequence of `context` tokens,
 
 of cache: what `HybridKVCache` (caches/hybrid.py) holds, beside the uniform cache's L x context.
 `cache_bytes` checks the first against the count. A decode step reads every weight once plus each
-layer's held slots, so the hybrid cache should be no slower than a uniform cache whose sliding
-layers mask the same window (they still read every slot). `decode_speed` measures both on one
-random-weight model, the same keys in both caches, in alternating repetitions on a shared machine,
-with the roofline of each beside it (bench.bytes_per_decode_step's weights + the slots read).
+layer's slots, so the hybrid cache should be no slower than a uniform cache whose sliding layers
+mask the same window: faster where attention reads every slot it is given (torch's SDPA, a GPU's
+kernels), about as fast where it skips the masked ones (minigen's C attention). `decode_speed`
+measures both on one random-weight model, the same keys in both caches, steps in turns on a shared
+machine, with the roofline of each beside it (bench.bytes_per_decode_step's weights + slots_read).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from ..caches.contiguous import KVCache
 from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import BenchError
+from ..kernels import build as kernel_build
 from ..kernels import dispatch
 from ..model import Model, ModelConfig
 from ..numerics.precision import Precision
@@ -116,17 +118,27 @@ def fill(cache, cfg: ModelConfig, context: int, seed: int) -> None:
         cache.update(layer, k, v)
 
 
-def slots_read(cfg: ModelConfig, slots: int, hybrid: bool) -> int:
-    """Slots one decode step's attention reads over all layers, for caches of `slots` slots per full
-    layer: a uniform cache reads them all in every layer (masked or not), the hybrid cache only its
-    ring in a sliding layer."""
-    if not hybrid:
-        return cfg.n_layers * slots
-    return sum(cfg.kv_positions(layer, slots) for layer in range(cfg.n_layers))
+def slots_read(cfg: ModelConfig, slots: int, seen: int, hybrid: bool, skips_masked: bool) -> int:
+    """Slots one decode step's attention reads over all layers: caches of `slots` slots per full
+    layer, a query that sees `seen` positions. torch's SDPA reads every slot it is given, masked or
+    not: all `slots` of a full layer, and of a sliding one in a uniform cache, the ring in the
+    hybrid cache. minigen's C attention (kernels/csrc/attend.c) skips a slot whose mask is -inf,
+    keys and values: it reads the positions seen, and of a sliding layer the window alone, in
+    either cache."""
+    total = 0
+    for layer in range(cfg.n_layers):
+        window = cfg.window_of(layer)
+        if window is None:
+            total += seen if skips_masked else slots
+        elif hybrid or skips_masked:
+            total += min(window, seen)  # the ring (the window), or the window's slots alone
+        else:
+            total += slots
+    return total
 
 
 def decode_speed(cfg: ModelConfig = GEMMA3_270M, context: int = 4096, steps: int = 96, seed: int = 0,
-                 threads: int | None = None, model: Model | None = None,
+                 threads: int | None = None, kernels: bool = True, model: Model | None = None,
                  memory_read_gb_s: float | None = None) -> dict:
     """Decode tok/s of one model with the hybrid cache ("hybrid") and with a uniform KVCache of every
     position in every layer ("uniform"; the sliding layers still mask to their window).
@@ -138,9 +150,17 @@ def decode_speed(cfg: ModelConfig = GEMMA3_270M, context: int = 4096, steps: int
     sliding models); the context runs from `context` to context + steps. On a shared machine a
     busy spell lasts longer than a step, so it falls on both steps of a pair: each pair's ratio,
     then their median, is the speed ratio, and each cache's tok/s is 1 / its median step time.
-    The roofline divides memory_read_gb_s (default: machine.py's probe, after the runs) by the
-    bytes each step reads.
+    kernels=False runs torch's own ops (kernels.build.enabled(False)): SDPA then reads every slot of
+    the uniform cache, as a GPU's attention does, where the C kernel skips the masked ones. The
+    roofline divides memory_read_gb_s (default: machine.py's probe, after the runs) by the bytes
+    each step reads (slots_read).
     """
+    with kernel_build.enabled(kernels):
+        return _decode_speed(cfg, context, steps, seed, threads, model, memory_read_gb_s)
+
+
+def _decode_speed(cfg: ModelConfig, context: int, steps: int, seed: int, threads: int | None, model: Model | None,
+                  memory_read_gb_s: float | None) -> dict:
     if not cfg.sliding_layers:
         raise BenchError("decode_speed compares the hybrid cache with a uniform one: give a ModelConfig with "
                          "sliding layers (layer_types, sliding_window)")
@@ -158,6 +178,7 @@ def decode_speed(cfg: ModelConfig = GEMMA3_270M, context: int = 4096, steps: int
     for cache in caches.values():
         fill(cache, cfg, context, seed + 1)  # the same keys and values in both
     step = choose_step(model, config, 1)
+    skips_masked = kernel_build.available()  # attention runs in C (cpu.attend_decode takes fp32 on a CPU)
     g = torch.Generator().manual_seed(seed + 2)
     tokens = torch.randint(0, cfg.vocab_size, (1 + steps, 1, 1), generator=g)  # [N, B, 1]
     load_before = os.getloadavg()
@@ -177,14 +198,16 @@ def decode_speed(cfg: ModelConfig = GEMMA3_270M, context: int = 4096, steps: int
     load_after = os.getloadavg()
     bandwidth = 1e9 * (memory_read_gb_s or memory_read_bandwidth())  # bytes/s
     weights = bytes_per_decode_step(model, 0)  # every weight once (a tied head: all of the embedding)
+    seen = context + 1 + steps // 2  # positions the middle step's query sees
     per_slot = 2 * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize  # K and V of one position, one layer
     result = {"context": context, "context_end": context + steps, "cache_slots": max_len, "steps": steps,
-              "threads": torch.get_num_threads(), "step": step.name, "first_step_max_logit_diff": diff,
+              "threads": torch.get_num_threads(), "step": step.name, "ops": kernel_build.status(),
+              "attention_skips_masked_slots": skips_masked, "first_step_max_logit_diff": diff,
               "load_average_before": load_before, "load_average_after": load_after,
               "memory_read_gb_s": bandwidth / 1e9, "weight_bytes_per_step": weights, "caches": {}}
     for name, cache in caches.items():
         times = seconds[name]
-        read = weights + slots_read(cfg, max_len, name == "hybrid") * per_slot
+        read = weights + slots_read(cfg, max_len, seen, name == "hybrid", skips_masked) * per_slot
         result["caches"][name] = {
             "cache": type(cache).__name__, "nbytes": cache.nbytes, "step_seconds": times,
             "tokens_per_s": 1 / statistics.median(times),
