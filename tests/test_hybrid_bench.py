@@ -87,3 +87,14 @@ def test_decode_speed_refuses_caches_that_hold_different_keys(monkeypatch):
     monkeypatch.setattr(hybrid, "fill", fill_differently)
     with pytest.raises(BenchError, match="different logits"):
         hybrid.decode_speed(TINY, context=12, steps=2, memory_read_gb_s=10.0)
+
+
+def test_bytes_per_decode_step_counts_each_layer_at_its_own_size():
+    """bench's roofline reads each layer's held positions: a sliding layer's window, not the context."""
+    from minigen.measure.bench import bytes_per_decode_step
+    model = hybrid.random_model(TINY)
+    weights = bytes_per_decode_step(model, 0)
+    per_position = 2 * 2 * 8 * 4  # K and V x Hkv x Dh x fp32
+    assert bytes_per_decode_step(model, 20) - weights == hybrid.counted_bytes(TINY, 20, 4)
+    assert hybrid.counted_bytes(TINY, 20, 4) == (3 * 4 + 20) * per_position  # 3 sliding layers x 4 + 1 full x 20
+    assert bytes_per_decode_step(model, 3) - weights == 4 * 3 * per_position  # shorter than the window: every layer
