@@ -54,15 +54,18 @@ def weight_bytes(module: torch.nn.Module) -> int:
 
 def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) -> int:
     """Bytes one decode step must read: every weight once, plus the keys and values of `context`
-    cached tokens. Of the embedding table a step reads one row, unless the output head is tied
-    to it: then the head's matrix-vector product reads all of it."""
+    cached tokens in each layer, at most its window in a sliding one (ModelConfig.kv_positions: what
+    the hybrid cache holds, and what any cache's attention reads where it skips masked slots).
+    Of the embedding table a step reads one row, unless the output head is tied to it: then the
+    head's matrix-vector product reads all of it."""
     cfg = model.config
     weights = weight_bytes(model)  # int8 / int4 weights: their packed bytes
     if model.lm_head is not None:
         weights -= model.embed.nbytes - model.embed[0].nbytes
     if model.pos_embed is not None:
         weights -= model.pos_embed.nbytes - model.pos_embed[0].nbytes
-    return weights + context * cfg.kv_bytes_per_token(kv_bytes_per_element)
+    positions = sum(cfg.kv_positions(layer, context) for layer in range(cfg.n_layers))  # L x context: none slides
+    return weights + positions * 2 * cfg.n_kv_heads * cfg.head_dim * kv_bytes_per_element
 
 
 # ---------------------------------------------------------------- the engines
