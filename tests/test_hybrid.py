@@ -22,6 +22,7 @@ from minigen import ConfigError, Engine, GenerationConfig
 from minigen.caches.hybrid import HybridKVCache
 from minigen.caches.make import make_cache
 from minigen.caches.quantized import QuantizedPagedKVCache
+from minigen.combinations import FEATURES, MODEL_WINDOW, Run, run_refusals
 from minigen.model import Model
 from minigen.steps.choose import choose_step, run_of
 from minigen.steps.eager import EagerStep, decode_step, prefill
@@ -90,6 +91,7 @@ PATHS = {
     "paged, prefill in pieces": dict(cache_chunk_size=4, prefill_chunk_size=5),
     "offload tier": dict(prefetch_depth=0),
     "eager step": dict(fused_decode=False),
+    "sparse, every key": dict(sparse_top_k=64),  # top-64 of at most 36 keys: every key the mask leaves
 }
 
 
@@ -275,3 +277,45 @@ def test_a_window_at_least_the_length_is_full_attention(kind):
     with torch.no_grad():
         assert torch.equal(got, hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
                                             do_sample=False))
+
+
+# ---------------------------------------------------------------- the README's list (combinations.MODEL_WINDOW)
+SWITCH = {"use_cache=False": dict(use_cache=False), "attention_backend": dict(attention_backend="triton",
+                                                                              cache_chunk_size=4),
+          "cache_chunk_size": dict(cache_chunk_size=4), "prefetch_depth": dict(prefetch_depth=0),
+          "quant_bits": dict(quant_bits=8, quant_group_size=4), "window_size": dict(window_size=WINDOW, sink_tokens=0),
+          "sparse": dict(sparse_top_k=4), "kv_budget": dict(kv_budget=12), "compile": dict(compile=True),
+          "cuda_graphs": dict(cuda_graphs=True), "fused_decode": dict(fused_decode=True),
+          "speculative_method": dict(speculative_method="ngram", num_speculative_tokens=3),
+          "prefill_precision": dict(prefill_precision="bfloat16"), "prefill_chunk_size": dict(prefill_chunk_size=5)}
+
+
+def test_the_model_window_list_agrees_with_the_run_rules():
+    """Every feature has a line; a line says refused exactly where a RUN_RULE that reads the model's
+    window refuses it (a Run that knows only model_window: every other rule waits)."""
+    assert set(MODEL_WINDOW) == set(FEATURES) == set(SWITCH)
+    for feature, (verdict, _) in MODEL_WINDOW.items():
+        refusals = run_refusals(GenerationConfig(**SWITCH[feature]), Run(model_window=WINDOW))
+        assert not run_refusals(GenerationConfig(**SWITCH[feature]), Run(model_window=0)), feature
+        if verdict == "applied up to the model's window":  # window_size: up to WINDOW, then refused
+            assert not refusals and run_refusals(GenerationConfig(window_size=WINDOW + 1), Run(model_window=WINDOW))
+        else:
+            assert verdict in ("applied", "refused") and bool(refusals) == (verdict == "refused"), feature
+
+
+@pytest.mark.parametrize("feature", [f for f, (verdict, _) in MODEL_WINDOW.items() if verdict != "refused"])
+def test_what_the_list_applies_runs_on_a_sliding_model(sliding, feature):
+    """Each applied feature runs past the window on both models, where this machine runs it on the
+    uniform model too (cuda_graphs needs CUDA; compile has its own slow test above)."""
+    kind, _, model, ids, want = sliding
+    config = SWITCH[feature]
+    if feature == "compile":
+        pytest.skip("test_compiled_step_equals_transformers (slow)")
+    try:
+        minigen.generate(without_windows(model), ids, max_new_tokens=2, **config)
+    except ConfigError as e:
+        pytest.skip(f"this machine does not run {feature}: {e}")
+    out = greedy(model, ids, **config)
+    assert out.tokens.shape == (1, T + NEW)
+    if feature == "window_size" and kind == "mistral":  # every layer slides over 8: the same model, no sinks
+        assert torch.equal(out.tokens, want)

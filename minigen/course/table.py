@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import string
 
-from ..combinations import APPLIED, FEATURES, REFUSED, REFUSED_SETTINGS, SWITCHES
+from ..combinations import APPLIED, FEATURES, MODEL_WINDOW, REFUSED, REFUSED_SETTINGS, SWITCHES
 
 
 def combination_table() -> str:
@@ -40,4 +40,8 @@ def combination_table() -> str:
         needs.setdefault(switch, []).append(f"`{key}`")
     rows += [f"- {', '.join(keys)} only with `{switch}`: set to anything but the default without it, refused."
              for switch, keys in needs.items()]
+    rows += ["", "Models with their own sliding window (`ModelConfig.layer_types`: Mistral, Qwen2 with "
+             "`use_sliding_window`; chapter 5) get the hybrid cache, a ring per sliding layer and every position "
+             "per full layer. Beside it:"]
+    rows += [f"- `{feature}`: {verdict}: {how}." for feature, (verdict, how) in MODEL_WINDOW.items()]
     return "\n".join(rows)
