@@ -22,7 +22,8 @@ from minigen import ConfigError, Engine, GenerationConfig
 from minigen.caches.hybrid import HybridKVCache
 from minigen.caches.make import make_cache
 from minigen.caches.quantized import QuantizedPagedKVCache
-from minigen.combinations import FEATURES, MODEL_WINDOW, Run, run_refusals
+from minigen.combinations import FEATURES, Run, run_refusals
+from minigen.course.table import MODEL_WINDOW
 from minigen.model import Model
 from minigen.steps.choose import choose_step, run_of
 from minigen.steps.eager import EagerStep, decode_step, prefill
@@ -279,7 +280,7 @@ def test_a_window_at_least_the_length_is_full_attention(kind):
                                             do_sample=False))
 
 
-# ---------------------------------------------------------------- the README's list (combinations.MODEL_WINDOW)
+# ---------------------------------------------------------------- the README's list (course/table.py: MODEL_WINDOW)
 SWITCH = {"use_cache=False": dict(use_cache=False), "attention_backend": dict(attention_backend="triton",
                                                                               cache_chunk_size=4),
           "cache_chunk_size": dict(cache_chunk_size=4), "prefetch_depth": dict(prefetch_depth=0),
