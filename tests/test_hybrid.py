@@ -102,6 +102,16 @@ def test_tokens_equal_transformers_past_the_window(sliding, path):
     assert torch.equal(greedy(model, ids, **PATHS[path]).tokens, want)
 
 
+def test_a_prompt_inside_the_window_then_generation_past_it(sliding):
+    """A 5-token prompt (SDPA's causal tiles: it fits the window), then 16 steps that leave it."""
+    _, hf, model, _, _ = sliding
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    for config in ({}, dict(cache_chunk_size=4, prefill_chunk_size=3)):
+        assert torch.equal(greedy(model, ids, **config).tokens, theirs), config
+
+
 def test_the_default_cache_is_hybrid_and_smaller(sliding, monkeypatch):
     """make_cache gives the hybrid cache by default: a ring of WINDOW slots per sliding layer."""
     kind, _, model, ids, want = sliding
@@ -194,6 +204,37 @@ def test_speculative_rewinds_inside_the_ring(sliding):
     assert s.draft_tokens > s.accepted_tokens  # some proposals were rejected: the ring rewound
     cache = make_cache(model, GenerationConfig(speculative_method="ngram", num_speculative_tokens=3), 1, T + NEW)
     assert cache.ring.ring == WINDOW + 3
+
+
+def test_without_spare_slots_a_rewind_loses_keys(sliding, monkeypatch):
+    """The case above has teeth: a ring of just the window (spare=0) overwrote keys a rewound
+    position's window needs, and the tokens changed."""
+    _, _, model, _, _ = sliding
+    ids = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(5)).repeat(4)[None]
+    plain = greedy(model, ids).tokens
+
+    class NoSpare(HybridKVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "spare": 0})
+
+    monkeypatch.setattr(sys.modules["minigen.caches.make"], "HybridKVCache", NoSpare)
+    out = greedy(model, ids, speculative_method="ngram", num_speculative_tokens=3).tokens
+    assert not torch.equal(out, plain)
+
+
+def test_a_draft_model_and_speculative_rows_equal_transformers(sliding):
+    """speculative_method='draft' with another seed's model as the draft (its own hybrid cache; most
+    proposals rejected), and ngram on a ragged batch of two: each row equals transformers alone."""
+    kind, hf, model, ids, want = sliding
+    draft = minigen.from_hf(tiny_hf(kind, seed=3, **KINDS[kind]))
+    out = greedy(model, ids, speculative_method="draft", num_speculative_tokens=3, draft_model=draft)
+    assert torch.equal(out.tokens, want) and out.stats.draft_tokens > out.stats.accepted_tokens
+    a = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(5)).repeat(4)
+    rows = greedy(model, [a, a[:13]], speculative_method="ngram", num_speculative_tokens=3).tokens
+    for p, row in zip((a, a[:13]), rows):
+        with torch.no_grad():
+            theirs = hf.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(row, theirs[0])
 
 
 def test_rows_of_a_batch_never_influence_each_other(sliding):
