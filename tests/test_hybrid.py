@@ -78,7 +78,7 @@ def spy_make_cache(monkeypatch) -> list:
 
 # ---------------------------------------------------------------- the config, as transformers reads it
 def test_the_layer_types_are_transformers(sliding):
-    kind, hf, model, _, _ = sliding
+    kind, _, model, _, _ = sliding
     assert model.config.layer_types == LAYER_TYPES[kind] and model.config.sliding_window == WINDOW
     assert model.config.max_seq_len == 128  # max_position_embeddings: the window no longer caps it
 
