@@ -540,6 +540,50 @@ def _(saved):
     minigen.load(saved)
 
 
+def sliding_qwen2(**changes) -> dict:
+    """A Qwen2 config.json (as a dict) with sliding layers, 3 layers, then `changes` (None: drop the key)."""
+    cfg = tiny_hf("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                  num_hidden_layers=3).config.to_dict()
+    cfg.update(changes)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+@case("checkpoint-layer-types-unknown")
+def _():
+    loading.config_from_hf(sliding_qwen2(layer_types=["full_attention", "global_attention", "sliding_attention"]))
+
+
+@case("checkpoint-layer-types-count")
+def _():
+    loading.config_from_hf(sliding_qwen2(layer_types=["full_attention", "sliding_attention"]))
+
+
+@case("checkpoint-layer-types-not-a-list")
+def _():
+    loading.config_from_hf(sliding_qwen2(layer_types="sliding_attention"))
+
+
+@case("checkpoint-sliding-window-invalid")
+def _():
+    types = ["full_attention", "sliding_attention", "sliding_attention"]
+    for window in (None, 0, "8"):  # each refused by the same message; True (a bool, not a count) last
+        with pytest.raises(errors.ModelLoadError, match=f"sliding_window={window!r}, not a positive integer"):
+            loading.config_from_hf(sliding_qwen2(layer_types=types, sliding_window=window))
+    loading.config_from_hf(sliding_qwen2(layer_types=types, sliding_window=True))
+
+
+@case("window-past-the-models-own")
+def _():
+    model = minigen.from_hf(tiny_hf("mistral", sliding_window=8))
+    minigen.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, window_size=9)
+
+
+@case("fused-on-a-sliding-model")
+def _():
+    model = minigen.from_hf(tiny_hf("mistral", sliding_window=8))
+    minigen.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
+
+
 @case("from-hf-in-place-change")
 def _():
     hf = tiny_hf("llama", seed=2)

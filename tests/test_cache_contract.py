@@ -22,6 +22,7 @@ from minigen.caches.make import make_cache
 from minigen.generate import make_policy
 from minigen.steps.eager import decode_step, prefill
 from minigen.caches.h2o import HeavyHitterCache
+from minigen.caches.hybrid import HybridKVCache
 from minigen.caches.contiguous import KVCache
 from minigen.caches.offload import OffloadedKVCache
 from minigen.caches.paged import PagedKVCache
@@ -32,6 +33,9 @@ from minigen.caches.window import WindowKVCache
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 L, B, Hkv, Dh = 2, 2, 2, 8
+# the hybrid cache's layers (a model trained with windows): layer 0 slides in a ring of 8 slots,
+# fewer than the suite's sequences hold, layer 1 keeps every position
+HYBRID_TYPES = ("sliding_attention", "full_attention")
 FACTORIES = {  # small instances of every cache class, all holding at least 8 positions per row
     "contiguous": lambda: KVCache(L, B, Hkv, 64, Dh),
     "window": lambda: WindowKVCache(L, B, Hkv, Dh, window_size=8, sink_tokens=2),
@@ -41,6 +45,7 @@ FACTORIES = {  # small instances of every cache class, all holding at least 8 po
     "quantized paged": lambda: QuantizedPagedKVCache(L, B, Hkv, Dh, block_size=4, n_blocks=B * 16, bits=8,
                                                      group_size=4),
     "offloaded": lambda: OffloadedKVCache(KVCache(L, B, Hkv, 64, Dh), n_layers=L + 1, prefetch_depth=1),
+    "hybrid": lambda: HybridKVCache(HYBRID_TYPES, B, Hkv, 64, Dh, sliding_window=8),
 }
 LAYERS = {"offloaded": L + 1}  # the offload tier serves more layers than its inner cache holds
 # 8-bit codes in groups of 4 of N(0, 1) values: an error of at most half a step, (max - min) / 255 / 2
@@ -81,38 +86,53 @@ class Written:
         return k, v
 
 
-def step(cache, written: Written, positions: range, layers: int):
-    """One forward's worth of cache calls -> (key positions [B, S], k and v read [layers, B, Hkv, S, Dh])."""
+def layer_positions(key_pos, layer: int) -> torch.Tensor:
+    """What `prepare` said layer `layer`'s slots hold: its answer, [S] or [B, S], or for a cache with
+    layers of two kinds (hybrid.py) the entry {layer type: positions} of that layer's type."""
+    return key_pos[HYBRID_TYPES[layer]] if isinstance(key_pos, dict) else key_pos
+
+
+def writable(cache, layer: int) -> list[tuple[torch.Tensor, int | None]]:
+    """Each tensor of layer_tensors() with the index along its first dim that update(layer) may
+    change (None: none of it). The hybrid cache's parts number their own layers."""
+    if isinstance(cache, HybridKVCache):
+        part, j = cache.where[layer]
+        return [(t, j if any(t is u for u in part.layer_tensors()) else None) for t in cache.layer_tensors()]
+    return [(t, layer) for t in cache.layer_tensors()]
+
+
+def step(cache, written: Written, positions: range, layers: int) -> list[tuple]:
+    """One forward's worth of cache calls -> per layer (key positions [B, S], k and v read [B, Hkv, S, Dh])."""
     k_new, v_new = written.new(positions, layers)
     key_pos = cache.prepare(torch.tensor(list(positions)))
-    k_read, v_read = [], []
+    reads = []
     for layer in range(layers):
         before = [t.clone() for t in cache.layer_tensors()]
         k, v = cache.update(layer, k_new[layer], v_new[layer])
-        S = key_pos.shape[-1]
-        assert k.shape == v.shape == (B, Hkv, S, Dh), (k.shape, key_pos.shape)
-        k_read.append(k.clone())
-        v_read.append(v.clone())
+        pos = layer_positions(key_pos, layer)
+        assert k.shape == v.shape == (B, Hkv, pos.shape[-1], Dh), (k.shape, pos.shape)
+        reads.append((pos.expand(B, -1), k.clone(), v.clone()))
         if not isinstance(cache, OffloadedKVCache):  # (the tier's slots map layers differently)
-            for t, old in zip(cache.layer_tensors(), before):  # update(layer) touches only that layer
-                other = [i for i in range(t.shape[0]) if i != layer]
+            for (t, own), old in zip(writable(cache, layer), before):  # update(layer) touches only that layer
+                other = [i for i in range(t.shape[0]) if i != own]
                 assert torch.equal(t[other], old[other]), "update() changed another layer's state"
-    return key_pos.expand(B, -1), torch.stack(k_read), torch.stack(v_read)
+    return reads
 
 
-def check_read(name, key_pos, k, v, written: Written, newest: range) -> None:
+def check_read(name, reads, written: Written, newest: range) -> None:
     """Every slot a query of this step can see (holding a position p in [0, newest]) gives back what
     was written at p; p at most once per row; this step's positions always there. (A slot holding
     a later position, like the contiguous cache's slots not yet written, is hidden by causality.)"""
     atol = TOLERANCE.get(name, 0.0)
-    for row in range(B):
-        visible = [int(p) for p in key_pos[row] if 0 <= p <= newest[-1]]
-        assert len(visible) == len(set(visible)), f"row {row} holds a position twice: {sorted(visible)}"
-        assert set(newest) <= set(visible)
-        for s, p in enumerate(key_pos[row].tolist()):
-            if 0 <= p <= newest[-1]:
-                torch.testing.assert_close(k[:, row, :, s], written.k[p][:, row], atol=atol, rtol=0)
-                torch.testing.assert_close(v[:, row, :, s], written.v[p][:, row], atol=atol, rtol=0)
+    for layer, (key_pos, k, v) in enumerate(reads):
+        for row in range(B):
+            visible = [int(p) for p in key_pos[row] if 0 <= p <= newest[-1]]
+            assert len(visible) == len(set(visible)), f"row {row} holds a position twice: {sorted(visible)}"
+            assert set(newest) <= set(visible)
+            for s, p in enumerate(key_pos[row].tolist()):
+                if 0 <= p <= newest[-1]:
+                    torch.testing.assert_close(k[row, :, s], written.k[p][layer, row], atol=atol, rtol=0)
+                    torch.testing.assert_close(v[row, :, s], written.v[p][layer, row], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -123,8 +143,7 @@ def test_prepare_then_update_gives_back_what_was_written(name):
     written, start = Written(0), 0
     for size in (5, 1, 3, 1, 1, 6, 1, 1, 4, 1):  # a prompt, then appends of several tokens and of one
         positions = range(start, start + size)
-        key_pos, k, v = step(cache, written, positions, layers)
-        check_read(name, key_pos, k, v, written, positions)
+        check_read(name, step(cache, written, positions, layers), written, positions)
         assert cache.peak_nbytes >= cache.nbytes >= cache.device_nbytes > 0
         if cache.blocks is not None:
             used, pool = cache.blocks
@@ -144,8 +163,7 @@ def test_a_new_sequence_never_sees_the_old_one(name, how):
         cache.reset()
     new = Written(2)
     for positions in (range(0, 5), range(5, 6)):
-        key_pos, k, v = step(cache, new, positions, layers)
-        check_read(name, key_pos, k, v, new, positions)  # only positions of the new sequence, its values
+        check_read(name, step(cache, new, positions, layers), new, positions)  # only the new sequence's values
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -192,7 +210,15 @@ def tiny():
     return minigen.from_hf(tiny_hf("llama"))
 
 
-SYNC_FREE = {"contiguous": GenerationConfig(), "window": GenerationConfig(window_size=6, sink_tokens=2)}
+SYNC_FREE = {"contiguous": GenerationConfig(), "window": GenerationConfig(window_size=6, sink_tokens=2),
+             "hybrid": GenerationConfig()}
+# the hybrid cache is the default of a model trained with windows: a Qwen2 with layer 0 full and
+# layer 1 sliding over 4 tokens, so the steps below run past the window
+SLIDING = dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)
+
+
+def sync_free_model(name: str):
+    return minigen.from_hf(tiny_hf("qwen2", **SLIDING) if name == "hybrid" else tiny_hf("llama"))
 
 
 @pytest.mark.parametrize("name", SYNC_FREE)
@@ -200,11 +226,12 @@ def test_the_decode_step_reads_no_tensor_value_on_the_host(tiny, name):
     """On the meta device, where tensors have shapes but no values, anything that reads a value
     on the host (.item(), int(), bool(), a data-dependent shape) raises: the decode step runs."""
     config = SYNC_FREE[name]
-    model = minigen.from_hf(tiny_hf("llama")).to("meta")
+    model = sync_free_model(name).to("meta")
     cache = make_cache(model, config, 2, 16)
+    assert isinstance(cache, HybridKVCache) == (name == "hybrid")
     policy = make_policy(config, cache)
     with torch.inference_mode():
-        for p in range(3, 6):  # the prompt's step is allowed to sync; decode steps are not
+        for p in range(3, 9):  # the prompt's step is allowed to sync; decode steps are not
             logits = decode_step(model, torch.zeros(2, 1, dtype=torch.long, device="meta"),
                                  torch.tensor([p], device="meta"), cache, policy)
     assert logits.shape == (2, model.config.vocab_size)
@@ -228,6 +255,7 @@ def test_the_decode_step_compiles_as_one_graph(tiny, name):
     torch._dynamo.reset()
     counters.clear()
     config, T, n = SYNC_FREE[name], 5, 10
+    tiny = sync_free_model(name) if name == "hybrid" else tiny
     ids = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(0))
     eager_cache, compiled_cache = make_cache(tiny, config, 2, T + n), make_cache(tiny, config, 2, T + n)
     policy = make_policy(config, eager_cache)
@@ -250,7 +278,7 @@ ONE_ROW = {  # batch-1 instances for the caches that take per-row positions one 
     "quantized": lambda: QuantizedKVCache(L, 1, Hkv, 64, Dh, bits=8, group_size=4, residual=4),
     "quantized paged": lambda: QuantizedPagedKVCache(L, 1, Hkv, Dh, block_size=4, n_blocks=16, bits=8, group_size=4),
 }
-NATIVE_ROWS = ("contiguous", "paged", "window")  # take [B, T] themselves
+NATIVE_ROWS = ("contiguous", "paged", "window", "hybrid")  # take [B, T] themselves
 NO_ROWS = ("heavy hitters", "offloaded")  # refuse it (make_cache refuses their features for a ragged batch)
 
 
@@ -274,7 +302,6 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
         k_new, v_new = (torch.randn(L, B, Hkv, T, Dh, generator=g) for _ in range(2))
         key_pos = cache.prepare(pos)
         reads = [tuple(t.clone() for t in cache.update(layer, k_new[layer], v_new[layer])) for layer in range(L)]
-        key_pos = key_pos.expand(B, -1)
         for row, n in enumerate(sizes):
             for t in range(T - n, T):
                 p = int(pos[row, t])
@@ -282,11 +309,12 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
             lengths[row] += n
             if n == 0:
                 continue
-            visible = [int(p) for p in key_pos[row] if 0 <= p < lengths[row]]
-            assert sorted(visible) == sorted(set(visible)) and set(range(lengths[row] - n, lengths[row])) <= set(visible)
-            for s, p in enumerate(key_pos[row].tolist()):
-                if 0 <= p < lengths[row]:
-                    for layer, (k, v) in enumerate(reads):
+            for layer, (k, v) in enumerate(reads):
+                held = layer_positions(key_pos, layer).expand(B, -1)[row]
+                visible = [int(p) for p in held if 0 <= p < lengths[row]]
+                assert sorted(visible) == sorted(set(visible)) and set(range(lengths[row] - n, lengths[row])) <= set(visible)
+                for s, p in enumerate(held.tolist()):
+                    if 0 <= p < lengths[row]:
                         atol = TOLERANCE.get(name, 0.0)
                         torch.testing.assert_close(k[row, :, s], written[row][p][0][layer], atol=atol, rtol=0)
                         torch.testing.assert_close(v[row, :, s], written[row][p][1][layer], atol=atol, rtol=0)

@@ -19,6 +19,8 @@ padding is never written and never attended. The contiguous, paged and ring-buff
 (PositionError), and `make_cache(..., ragged=True)` runs one of them per row (rowwise.py); the
 features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED). A write that starts at position p forgets every position
 >= p that the cache held: a cache reused for a new sequence (p = 0) never shows the old one's keys.
+A cache whose layers hold different slots (hybrid.py: a model's sliding and full layers) returns
+{layer type: positions} from `prepare` instead, and each layer reads the entry of its type.
 
 `update(layer, k, v)` writes the new keys and values [B, Hkv, T, Dh] where `prepare` decided and
 returns what attention reads, [B, Hkv, S, Dh]. It touches only that layer's state.
@@ -66,7 +68,7 @@ class Cache(Protocol):
 
     observers: tuple[Callable[[int, Tensor], None], ...]  # attention.AttentionObserver: (layer, probs)
 
-    def prepare(self, input_pos: Tensor) -> Tensor: ...
+    def prepare(self, input_pos: Tensor) -> Tensor | dict[str, Tensor]: ...
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
