@@ -92,12 +92,15 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 def attention_layers(hf: dict, kind: str) -> tuple[tuple[str, ...] | None, int | None]:
     """(layer_types, sliding_window) of a config.json, derived as `transformers` derives them:
-    Mistral slides in every layer when `sliding_window` is set; Qwen2 only with `use_sliding_window`,
-    in the layers from `max_window_layers` on; any other model reads `layer_types` as written.
+    Llama never slides; Mistral slides in every layer when `sliding_window` is set; Qwen2 only with
+    `use_sliding_window`, in the layers from `max_window_layers` on; any other model reads
+    `layer_types` as written.
     (None, None): every layer attends every earlier position."""
     n = hf["num_hidden_layers"]
     window = hf.get("sliding_window")
-    if kind == "mistral":  # transformers' Mistral ignores layer_types (it warns): the window is every layer's
+    if kind == "llama":  # transformers' Llama has no sliding window: whatever config.json says
+        types = None
+    elif kind == "mistral":  # transformers' Mistral ignores layer_types (it warns): the window is every layer's
         types = ["sliding_attention"] * n if window is not None else None
     elif kind == "qwen2" and not hf.get("use_sliding_window", False):  # its window is then None, every layer full
         types = None
