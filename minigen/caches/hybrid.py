@@ -166,6 +166,7 @@ class HybridPagedKVCache:
         if sliding is not None:
             self.ring.allocator.free_sequence(sliding)
             self.ring.rows = [r for r in self.ring.rows if r != sliding]
+        self.full.rows = [r for r in self.full.rows if r != seq]
 
     def reset(self) -> None:
         self.full.reset()
