@@ -100,10 +100,12 @@ class HybridPagedKVCache:
 
     The sliding pool never runs out when it holds `sliding_pool_blocks(...)` blocks: a step that
     writes positions a .. e - 1 (T = e - a tokens) first frees every block whose last position is
-    before a - W + 1, so afterwards a row holds only blocks touching a - W + 1 .. e - 1, W + T - 1
-    positions, which span at most ceil((W + T) / bs) + 1 blocks (+1: the span need not start at a
-    block's first slot); a row never holds more than its context's blocks either. At most
-    max_batch_size rows are alive at once, so max_batch_size times that bound is enough.
+    before a - W + 1 (paged.py, before it allocates), so during and after the step a row holds only
+    blocks touching a - W + 1 .. e - 1, n = W + T - 1 positions. n positions touch at most
+    1 + ceil((n - 1) / bs) blocks (the most when the first of them sits in a block's last slot);
+    a row never holds more than its context's blocks either. At most max_batch_size rows are alive
+    at once, so max_batch_size times that bound is enough (tests/test_hybrid_engine.py checks it
+    by exhaustion over small sizes, and that some alignment reaches it).
     """
     observers = ()
 
@@ -127,9 +129,10 @@ class HybridPagedKVCache:
     def sliding_pool_blocks(max_batch_size: int, sliding_window: int, block_size: int, context: int,
                             step_tokens: int) -> int:
         """Blocks the sliding pool needs so that it never runs out (the class docstring proves the bound):
-        rows x min(the context's blocks, ceil((window + a step's new tokens) / bs) + 1)."""
+        rows x min(the context's blocks, the blocks a window and a step's `step_tokens` new tokens
+        touch, 1 + ceil((window + step_tokens - 2) / bs))."""
         per_row = min(math.ceil(context / block_size),
-                      math.ceil((sliding_window + min(step_tokens, context)) / block_size) + 1)
+                      1 + math.ceil((sliding_window + min(step_tokens, context) - 2) / block_size))
         return max_batch_size * per_row
 
     def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
