@@ -21,7 +21,9 @@ from minigen.caches.contract import Cache
 from minigen.caches.make import make_cache
 from minigen.generate import make_policy
 from minigen.steps.eager import decode_step, prefill
+from minigen.caches.blocks import BlockAllocator
 from minigen.caches.h2o import HeavyHitterCache
+from minigen.caches.hybrid import HybridKVCache, HybridPagedKVCache
 from minigen.caches.contiguous import KVCache
 from minigen.caches.offload import OffloadedKVCache
 from minigen.caches.paged import PagedKVCache
@@ -32,6 +34,16 @@ from minigen.caches.window import WindowKVCache
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 L, B, Hkv, Dh = 2, 2, 2, 8
+TYPES = ("full_attention", "sliding_attention")  # the hybrid caches' layers: one of each kind
+
+
+def hybrid_paged(n_blocks: int = B * 16) -> HybridPagedKVCache:
+    """The serving engine's hybrid cache, its rows one fresh sequence each of the full pool."""
+    alloc = BlockAllocator(n_blocks, 4)
+    cache = HybridPagedKVCache(TYPES, Hkv, Dh, 4, alloc, sliding_window=8,
+                               sliding_blocks=HybridPagedKVCache.sliding_pool_blocks(B, 8, 4, 64, 8))
+    cache.select_rows([alloc.add_sequence() for _ in range(B)])
+    return cache
 FACTORIES = {  # small instances of every cache class, all holding at least 8 positions per row
     "contiguous": lambda: KVCache(L, B, Hkv, 64, Dh),
     "window": lambda: WindowKVCache(L, B, Hkv, Dh, window_size=8, sink_tokens=2),
@@ -41,6 +53,8 @@ FACTORIES = {  # small instances of every cache class, all holding at least 8 po
     "quantized paged": lambda: QuantizedPagedKVCache(L, B, Hkv, Dh, block_size=4, n_blocks=B * 16, bits=8,
                                                      group_size=4),
     "offloaded": lambda: OffloadedKVCache(KVCache(L, B, Hkv, 64, Dh), n_layers=L + 1, prefetch_depth=1),
+    "hybrid": lambda: HybridKVCache(TYPES, B, Hkv, 64, Dh, sliding_window=8),
+    "hybrid paged": hybrid_paged,
 }
 LAYERS = {"offloaded": L + 1}  # the offload tier serves more layers than its inner cache holds
 # 8-bit codes in groups of 4 of N(0, 1) values: an error of at most half a step, (max - min) / 255 / 2
@@ -81,38 +95,50 @@ class Written:
         return k, v
 
 
+def layer_pos(key_pos, layer: int):
+    """The key positions `layer` reads: a hybrid cache answers prepare per kind of layer (TYPES)."""
+    return key_pos[TYPES[layer]] if isinstance(key_pos, dict) else key_pos
+
+
+def touched(cache, layer: int) -> tuple[list, int]:
+    """(the tensors holding `layer`, its index in them): a hybrid cache keeps it in one part."""
+    part, j = cache.where[layer] if hasattr(cache, "where") else (cache, layer)
+    return part.layer_tensors(), j
+
+
 def step(cache, written: Written, positions: range, layers: int):
-    """One forward's worth of cache calls -> (key positions [B, S], k and v read [layers, B, Hkv, S, Dh])."""
+    """One forward's worth of cache calls -> per layer (key positions [B, S], k and v read [B, Hkv, S, Dh])."""
     k_new, v_new = written.new(positions, layers)
     key_pos = cache.prepare(torch.tensor(list(positions)))
-    k_read, v_read = [], []
+    reads = []
     for layer in range(layers):
         before = [t.clone() for t in cache.layer_tensors()]
         k, v = cache.update(layer, k_new[layer], v_new[layer])
-        S = key_pos.shape[-1]
-        assert k.shape == v.shape == (B, Hkv, S, Dh), (k.shape, key_pos.shape)
-        k_read.append(k.clone())
-        v_read.append(v.clone())
+        pos = layer_pos(key_pos, layer)
+        assert k.shape == v.shape == (B, Hkv, pos.shape[-1], Dh), (k.shape, pos.shape)
+        reads.append((pos.expand(B, -1), k.clone(), v.clone()))
         if not isinstance(cache, OffloadedKVCache):  # (the tier's slots map layers differently)
+            own, j = touched(cache, layer)
             for t, old in zip(cache.layer_tensors(), before):  # update(layer) touches only that layer
-                other = [i for i in range(t.shape[0]) if i != layer]
+                other = [i for i in range(t.shape[0]) if not (i == j and any(t is o for o in own))]
                 assert torch.equal(t[other], old[other]), "update() changed another layer's state"
-    return key_pos.expand(B, -1), torch.stack(k_read), torch.stack(v_read)
+    return reads
 
 
-def check_read(name, key_pos, k, v, written: Written, newest: range) -> None:
+def check_read(name, reads, written: Written, newest: range) -> None:
     """Every slot a query of this step can see (holding a position p in [0, newest]) gives back what
     was written at p; p at most once per row; this step's positions always there. (A slot holding
     a later position, like the contiguous cache's slots not yet written, is hidden by causality.)"""
     atol = TOLERANCE.get(name, 0.0)
-    for row in range(B):
-        visible = [int(p) for p in key_pos[row] if 0 <= p <= newest[-1]]
-        assert len(visible) == len(set(visible)), f"row {row} holds a position twice: {sorted(visible)}"
-        assert set(newest) <= set(visible)
-        for s, p in enumerate(key_pos[row].tolist()):
-            if 0 <= p <= newest[-1]:
-                torch.testing.assert_close(k[:, row, :, s], written.k[p][:, row], atol=atol, rtol=0)
-                torch.testing.assert_close(v[:, row, :, s], written.v[p][:, row], atol=atol, rtol=0)
+    for layer, (key_pos, k, v) in enumerate(reads):
+        for row in range(B):
+            visible = [int(p) for p in key_pos[row] if 0 <= p <= newest[-1]]
+            assert len(visible) == len(set(visible)), f"row {row} holds a position twice: {sorted(visible)}"
+            assert set(newest) <= set(visible)
+            for s, p in enumerate(key_pos[row].tolist()):
+                if 0 <= p <= newest[-1]:
+                    torch.testing.assert_close(k[row, :, s], written.k[p][layer, row], atol=atol, rtol=0)
+                    torch.testing.assert_close(v[row, :, s], written.v[p][layer, row], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -123,8 +149,7 @@ def test_prepare_then_update_gives_back_what_was_written(name):
     written, start = Written(0), 0
     for size in (5, 1, 3, 1, 1, 6, 1, 1, 4, 1):  # a prompt, then appends of several tokens and of one
         positions = range(start, start + size)
-        key_pos, k, v = step(cache, written, positions, layers)
-        check_read(name, key_pos, k, v, written, positions)
+        check_read(name, step(cache, written, positions, layers), written, positions)
         assert cache.peak_nbytes >= cache.nbytes >= cache.device_nbytes > 0
         if cache.blocks is not None:
             used, pool = cache.blocks
@@ -144,8 +169,7 @@ def test_a_new_sequence_never_sees_the_old_one(name, how):
         cache.reset()
     new = Written(2)
     for positions in (range(0, 5), range(5, 6)):
-        key_pos, k, v = step(cache, new, positions, layers)
-        check_read(name, key_pos, k, v, new, positions)  # only positions of the new sequence, its values
+        check_read(name, step(cache, new, positions, layers), new, positions)  # only the new sequence's values
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -250,7 +274,7 @@ ONE_ROW = {  # batch-1 instances for the caches that take per-row positions one 
     "quantized": lambda: QuantizedKVCache(L, 1, Hkv, 64, Dh, bits=8, group_size=4, residual=4),
     "quantized paged": lambda: QuantizedPagedKVCache(L, 1, Hkv, Dh, block_size=4, n_blocks=16, bits=8, group_size=4),
 }
-NATIVE_ROWS = ("contiguous", "paged", "window")  # take [B, T] themselves
+NATIVE_ROWS = ("contiguous", "paged", "window", "hybrid", "hybrid paged")  # take [B, T] themselves
 NO_ROWS = ("heavy hitters", "offloaded")  # refuse it (make_cache refuses their features for a ragged batch)
 
 
@@ -274,7 +298,6 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
         k_new, v_new = (torch.randn(L, B, Hkv, T, Dh, generator=g) for _ in range(2))
         key_pos = cache.prepare(pos)
         reads = [tuple(t.clone() for t in cache.update(layer, k_new[layer], v_new[layer])) for layer in range(L)]
-        key_pos = key_pos.expand(B, -1)
         for row, n in enumerate(sizes):
             for t in range(T - n, T):
                 p = int(pos[row, t])
@@ -282,11 +305,12 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
             lengths[row] += n
             if n == 0:
                 continue
-            visible = [int(p) for p in key_pos[row] if 0 <= p < lengths[row]]
-            assert sorted(visible) == sorted(set(visible)) and set(range(lengths[row] - n, lengths[row])) <= set(visible)
-            for s, p in enumerate(key_pos[row].tolist()):
-                if 0 <= p < lengths[row]:
-                    for layer, (k, v) in enumerate(reads):
+            for layer, (k, v) in enumerate(reads):
+                held = layer_pos(key_pos, layer).expand(B, -1)[row]
+                visible = [int(p) for p in held if 0 <= p < lengths[row]]
+                assert sorted(visible) == sorted(set(visible)) and set(range(lengths[row] - n, lengths[row])) <= set(visible)
+                for s, p in enumerate(held.tolist()):
+                    if 0 <= p < lengths[row]:
                         atol = TOLERANCE.get(name, 0.0)
                         torch.testing.assert_close(k[row, :, s], written[row][p][0][layer], atol=atol, rtol=0)
                         torch.testing.assert_close(v[row, :, s], written[row][p][1][layer], atol=atol, rtol=0)
