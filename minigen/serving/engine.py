@@ -115,7 +115,10 @@ class Engine:
     """Continuous batching of requests over one pool of `num_blocks` paged blocks.
 
     num_blocks=None sizes the pool for max_batch_size sequences of the model's whole context,
-    capped at MEMORY_FRACTION (10%) of the memory available when the engine starts.
+    capped at MEMORY_FRACTION (10%) of the memory available when the engine starts. A model with
+    sliding layers: the pool's blocks hold its full layers only, and its sliding layers sit in a
+    fixed pool of `sliding_blocks` (max_batch_size windows, HybridPagedKVCache.sliding_pool_blocks),
+    whose bytes come out of that 10% first.
     """
 
     def __init__(self, model, config: GenerationConfig | dict | None = None, *, max_batch_size: int = 8,
