@@ -15,6 +15,11 @@ positions.
 `prepare` answers with the positions of each kind of layer, {"full_attention": [S_full],
 "sliding_attention": [S_ring]} (or [B, S] each, for per-row positions), from which Model.forward
 builds one mask per kind; `update(layer, ...)` goes to the part that holds that layer.
+
+The serving engine's form, HybridPagedKVCache, keeps the same split in blocks: full layers in the
+engine's pool (paged.py over its prefix-caching allocator), sliding layers in a second pool whose
+blocks go back as they leave the window, sized so that it never runs out (vLLM's hybrid KV-cache
+manager: one group of blocks per kind of layer).
 """
 
 from __future__ import annotations
