@@ -21,8 +21,9 @@ from minigen.caches.contract import Cache
 from minigen.caches.make import make_cache
 from minigen.generate import make_policy
 from minigen.steps.eager import decode_step, prefill
+from minigen.caches.blocks import BlockAllocator
 from minigen.caches.h2o import HeavyHitterCache
-from minigen.caches.hybrid import HybridKVCache
+from minigen.caches.hybrid import HybridKVCache, HybridPagedKVCache
 from minigen.caches.contiguous import KVCache
 from minigen.caches.offload import OffloadedKVCache
 from minigen.caches.paged import PagedKVCache
@@ -33,9 +34,16 @@ from minigen.caches.window import WindowKVCache
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 L, B, Hkv, Dh = 2, 2, 2, 8
-# the hybrid cache's layers (a model trained with windows): layer 0 slides in a ring of 8 slots,
-# fewer than the suite's sequences hold, layer 1 keeps every position
-HYBRID_TYPES = ("sliding_attention", "full_attention")
+TYPES = ("full_attention", "sliding_attention")  # the hybrid caches' layers: one of each kind
+
+
+def hybrid_paged(n_blocks: int = B * 16) -> HybridPagedKVCache:
+    """The serving engine's hybrid cache, its rows one fresh sequence each of the full pool."""
+    alloc = BlockAllocator(n_blocks, 4)
+    cache = HybridPagedKVCache(TYPES, Hkv, Dh, 4, alloc, sliding_window=8,
+                               sliding_blocks=HybridPagedKVCache.sliding_pool_blocks(B, 8, 4, 64, 8))
+    cache.select_rows([alloc.add_sequence() for _ in range(B)])
+    return cache
 FACTORIES = {  # small instances of every cache class, all holding at least 8 positions per row
     "contiguous": lambda: KVCache(L, B, Hkv, 64, Dh),
     "window": lambda: WindowKVCache(L, B, Hkv, Dh, window_size=8, sink_tokens=2),
@@ -45,7 +53,8 @@ FACTORIES = {  # small instances of every cache class, all holding at least 8 po
     "quantized paged": lambda: QuantizedPagedKVCache(L, B, Hkv, Dh, block_size=4, n_blocks=B * 16, bits=8,
                                                      group_size=4),
     "offloaded": lambda: OffloadedKVCache(KVCache(L, B, Hkv, 64, Dh), n_layers=L + 1, prefetch_depth=1),
-    "hybrid": lambda: HybridKVCache(HYBRID_TYPES, B, Hkv, 64, Dh, sliding_window=8),
+    "hybrid": lambda: HybridKVCache(TYPES, B, Hkv, 64, Dh, sliding_window=8),
+    "hybrid paged": hybrid_paged,
 }
 LAYERS = {"offloaded": L + 1}  # the offload tier serves more layers than its inner cache holds
 # 8-bit codes in groups of 4 of N(0, 1) values: an error of at most half a step, (max - min) / 255 / 2
@@ -86,22 +95,18 @@ class Written:
         return k, v
 
 
-def layer_positions(key_pos, layer: int) -> torch.Tensor:
-    """What `prepare` said layer `layer`'s slots hold: its answer, [S] or [B, S], or for a cache with
-    layers of two kinds (hybrid.py) the entry {layer type: positions} of that layer's type."""
-    return key_pos[HYBRID_TYPES[layer]] if isinstance(key_pos, dict) else key_pos
+def layer_pos(key_pos, layer: int):
+    """The key positions `layer` reads: a hybrid cache answers prepare per kind of layer (TYPES)."""
+    return key_pos[TYPES[layer]] if isinstance(key_pos, dict) else key_pos
 
 
-def writable(cache, layer: int) -> list[tuple[torch.Tensor, int | None]]:
-    """Each tensor of layer_tensors() with the index along its first dim that update(layer) may
-    change (None: none of it). The hybrid cache's parts number their own layers."""
-    if isinstance(cache, HybridKVCache):
-        part, j = cache.where[layer]
-        return [(t, j if any(t is u for u in part.layer_tensors()) else None) for t in cache.layer_tensors()]
-    return [(t, layer) for t in cache.layer_tensors()]
+def touched(cache, layer: int) -> tuple[list, int]:
+    """(the tensors holding `layer`, its index in them): a hybrid cache keeps it in one part."""
+    part, j = cache.where[layer] if hasattr(cache, "where") else (cache, layer)
+    return part.layer_tensors(), j
 
 
-def step(cache, written: Written, positions: range, layers: int) -> list[tuple]:
+def step(cache, written: Written, positions: range, layers: int):
     """One forward's worth of cache calls -> per layer (key positions [B, S], k and v read [B, Hkv, S, Dh])."""
     k_new, v_new = written.new(positions, layers)
     key_pos = cache.prepare(torch.tensor(list(positions)))
@@ -109,12 +114,13 @@ def step(cache, written: Written, positions: range, layers: int) -> list[tuple]:
     for layer in range(layers):
         before = [t.clone() for t in cache.layer_tensors()]
         k, v = cache.update(layer, k_new[layer], v_new[layer])
-        pos = layer_positions(key_pos, layer)
+        pos = layer_pos(key_pos, layer)
         assert k.shape == v.shape == (B, Hkv, pos.shape[-1], Dh), (k.shape, pos.shape)
         reads.append((pos.expand(B, -1), k.clone(), v.clone()))
         if not isinstance(cache, OffloadedKVCache):  # (the tier's slots map layers differently)
-            for (t, own), old in zip(writable(cache, layer), before):  # update(layer) touches only that layer
-                other = [i for i in range(t.shape[0]) if i != own]
+            own, j = touched(cache, layer)
+            for t, old in zip(cache.layer_tensors(), before):  # update(layer) touches only that layer
+                other = [i for i in range(t.shape[0]) if not (i == j and any(t is o for o in own))]
                 assert torch.equal(t[other], old[other]), "update() changed another layer's state"
     return reads
 
@@ -278,7 +284,7 @@ ONE_ROW = {  # batch-1 instances for the caches that take per-row positions one 
     "quantized": lambda: QuantizedKVCache(L, 1, Hkv, 64, Dh, bits=8, group_size=4, residual=4),
     "quantized paged": lambda: QuantizedPagedKVCache(L, 1, Hkv, Dh, block_size=4, n_blocks=16, bits=8, group_size=4),
 }
-NATIVE_ROWS = ("contiguous", "paged", "window", "hybrid")  # take [B, T] themselves
+NATIVE_ROWS = ("contiguous", "paged", "window", "hybrid", "hybrid paged")  # take [B, T] themselves
 NO_ROWS = ("heavy hitters", "offloaded")  # refuse it (make_cache refuses their features for a ragged batch)
 
 
@@ -310,7 +316,7 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
             if n == 0:
                 continue
             for layer, (k, v) in enumerate(reads):
-                held = layer_positions(key_pos, layer).expand(B, -1)[row]
+                held = layer_pos(key_pos, layer).expand(B, -1)[row]
                 visible = [int(p) for p in held if 0 <= p < lengths[row]]
                 assert sorted(visible) == sorted(set(visible)) and set(range(lengths[row] - n, lengths[row])) <= set(visible)
                 for s, p in enumerate(held.tolist()):

@@ -117,11 +117,11 @@ def test_metrics_schema_and_sanity(tiny):
     m = engine.metrics()
     assert set(m) == {"ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s", "output_tokens_per_s", "preemptions",
                       "prefix_cache_hit_rate", "steps", "kv_usage", "batch_size", "tokens_per_step", "requests",
-                      "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"}
+                      "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens", "sliding_blocks"}
     for key in ("ttft_s", "tpot_s", "e2e_latency_s", "queue_time_s"):
         assert set(m[key]) == {"p50", "p90", "p99", "mean", "n"} and m[key]["n"] == 4
         assert 0 <= m[key]["p50"] <= m[key]["p90"] <= m[key]["p99"]
-    assert (m["num_blocks"], m["block_size"], m["max_batch_size"]) == (8, 4, 2)
+    assert (m["num_blocks"], m["block_size"], m["max_batch_size"], m["sliding_blocks"]) == (8, 4, 2, 0)
     assert len(m["steps"]) == len(m["kv_usage"]) == len(m["batch_size"]) == len(m["tokens_per_step"]) > 0
     assert m["max_num_batched_tokens"] is None
     assert all(0 <= u <= 1 for u in m["kv_usage"]) and max(m["batch_size"]) <= 2

@@ -253,6 +253,31 @@ def test_the_planned_engine_bytes_are_what_the_engine_allocates(smollm2, request
         assert activations < planner.engine_bytes(model.config, GenerationConfig(), requests, prompt + new)[1]
 
 
+@pytest.mark.parametrize("num_blocks,budget", [(None, None), (None, 7), (12, 7)])
+def test_engine_bytes_count_a_sliding_model_as_its_engine_holds(num_blocks, budget):
+    """A model with sliding layers (tiny Qwen2: layer 0 full, layers 1 and 2 sliding with a window of
+    8): engine_bytes' pools are exactly the tensors the Engine's hybrid cache holds (the full layer
+    x its blocks, the sliding layers x the pool of windows), by default sizing and with num_blocks
+    given; the gather buffers the run grew (by doubling) stay within twice the ones counted."""
+    from conftest import tiny_hf
+    model = minigen.from_hf(tiny_hf("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                    num_hidden_layers=3))
+    config, rows, context = GenerationConfig(stop_token_ids=[], cache_chunk_size=4), 3, model.config.max_seq_len
+    engine = minigen.Engine(model, config, max_batch_size=rows, num_blocks=num_blocks, max_num_batched_tokens=budget)
+    g = torch.Generator().manual_seed(0)
+    for n in (5, 30, 12, 21):
+        engine.add_request(torch.randint(0, 97, (n,), generator=g), max_new_tokens=16, arrival_s=0.0)
+    engine.run()
+    kv, _ = planner.engine_bytes(model.config, config, rows, context, budget, num_blocks)
+    pool, gathered = planner.engine_pool_bytes(model.config, config, rows, context, budget, num_blocks)
+    assert kv == pool + gathered
+    assert pool == sum(t.nbytes for t in engine.cache.layer_tensors())
+    assert 0 < engine.cache.nbytes - pool <= 2 * gathered  # no rows left: the rest is the gather buffers
+    uniform = 2 * model.config.n_layers * 4 * model.config.n_kv_heads * model.config.head_dim * 4 * engine.num_blocks
+    if budget is not None and num_blocks is None:  # windows of 8 + 7 tokens, not the context: less than uniform
+        assert pool < uniform
+
+
 def test_the_peak_counter_sees_what_is_held_and_forgets_what_is_freed():
     def hold():
         a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes, freed on return

@@ -15,14 +15,22 @@ positions.
 `prepare` answers with the positions of each kind of layer, {"full_attention": [S_full],
 "sliding_attention": [S_ring]} (or [B, S] each, for per-row positions), from which Model.forward
 builds one mask per kind; `update(layer, ...)` goes to the part that holds that layer.
+
+The serving engine's form, HybridPagedKVCache, keeps the same split in blocks: full layers in the
+engine's pool (paged.py over its prefix-caching allocator), sliding layers in a second pool whose
+blocks go back as they leave the window, sized so that it never runs out (vLLM's hybrid KV-cache
+manager: one group of blocks per kind of layer).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
 
 from .contiguous import KVCache
+from .paged import PagedKVCache
 from .window import WindowKVCache
 
 
@@ -82,3 +90,112 @@ class HybridKVCache:
         return sum(part.peak_nbytes for part in self.parts.values())
 
     device_nbytes = nbytes
+
+
+class HybridPagedKVCache:
+    """The serving engine's cache (serving/engine.py) for a model with sliding layers: two pools of
+    blocks, as vLLM's hybrid KV-cache manager keeps one group of blocks per kind of layer.
+
+    Full layers live in a PagedKVCache over the engine's own allocator (a PrefixAllocator, which
+    its scheduler reads: admission, preemption); the engine's sequence ids are that pool's. Sliding
+    layers live in a second PagedKVCache over a plain BlockAllocator of `sliding_blocks` blocks,
+    with window_size=sliding_window and no sinks, so each block wholly outside the window goes
+    back to that pool (paged.py). Each engine sequence gets its own sequence in the sliding pool on
+    first sight (`select_rows`); `free(seq)` gives both back.
+
+    The sliding pool never runs out when it holds `sliding_pool_blocks(...)` blocks: a step that
+    writes positions a .. e - 1 (T = e - a tokens) first frees every block whose last position is
+    before a - W + 1 (paged.py, before it allocates), so during and after the step a row holds only
+    blocks touching a - W + 1 .. e - 1, n = W + T - 1 positions. n positions touch at most
+    1 + ceil((n - 1) / bs) blocks (the most when the first of them sits in a block's last slot);
+    a row never holds more than its context's blocks either. At most max_batch_size rows are alive
+    at once, so max_batch_size times that bound is enough (tests/test_hybrid_engine.py checks it
+    by exhaustion over small sizes, and that some alignment reaches it).
+    """
+    observers = ()
+
+    def __init__(self, layer_types: tuple[str, ...], n_kv_heads: int, head_dim: int, block_size: int,
+                 allocator, sliding_window: int, sliding_blocks: int, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+        sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+        # the full pool is the engine's bookkeeping even without full layers (then it holds no tensors)
+        self.full = PagedKVCache(len(full), 0, n_kv_heads, head_dim, block_size, allocator.n_blocks, dtype, device,
+                                 allocator=allocator)
+        self.ring = PagedKVCache(len(sliding), 0, n_kv_heads, head_dim, block_size, sliding_blocks, dtype, device,
+                                 window_size=sliding_window, sink_tokens=0)
+        self.where = {layer: (self.full, j) for j, layer in enumerate(full)}
+        self.where.update({layer: (self.ring, j) for j, layer in enumerate(sliding)})
+        self.kinds = [kind for kind, layers in (("full_attention", full), ("sliding_attention", sliding)) if layers]
+        self.sliding_of: dict[int, int] = {}  # engine (full pool) sequence -> its sequence in the sliding pool
+        self.sliding_window, self.block_size = sliding_window, block_size
+
+    @staticmethod
+    def sliding_pool_blocks(max_batch_size: int, sliding_window: int, block_size: int, context: int,
+                            step_tokens: int) -> int:
+        """Blocks the sliding pool needs so that it never runs out (the class docstring proves the bound):
+        rows x min(the context's blocks, the blocks a window and a step's `step_tokens` new tokens
+        touch, 1 + ceil((window + step_tokens - 2) / bs))."""
+        per_row = min(math.ceil(context / block_size),
+                      1 + math.ceil((sliding_window + min(step_tokens, context) - 2) / block_size))
+        return max_batch_size * per_row
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """Both pools plan this step -> {layer type: key positions [B, S]} (the contract). The full
+        pool plans even without full layers: the engine schedules by it."""
+        key_pos = {"full_attention": self.full.prepare(input_pos),
+                   "sliding_attention": self.ring.prepare(input_pos)}
+        return {kind: key_pos[kind] for kind in self.kinds}
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v [B, Hkv, T, Dh] into the pool holding `layer`; return what its attention reads."""
+        part, j = self.where[layer]
+        return part.update(j, k, v)
+
+    def select_rows(self, sequences: list[int]) -> None:
+        """The engine's sequences (the full pool's ids) the next forward runs; each gets its own
+        sequence in the sliding pool the first time it is seen."""
+        self.full.select_rows(sequences)
+        for seq in sequences:
+            if seq not in self.sliding_of:
+                self.sliding_of[seq] = self.ring.allocator.add_sequence()
+        self.ring.select_rows([self.sliding_of[seq] for seq in sequences])
+
+    def free(self, seq: int | None = None) -> None:
+        """Give back the sliding pool's blocks of engine sequence `seq` (its full blocks are the
+        engine's: it frees them in its allocator, which keeps full blocks for prefix hits); None:
+        every sequence of the current rows, in both pools."""
+        if seq is None:
+            for s in list(self.full.rows):
+                self.free(s)
+            self.full.free()
+            return
+        sliding = self.sliding_of.pop(seq, None)
+        if sliding is not None:
+            self.ring.allocator.free_sequence(sliding)
+            self.ring.rows = [r for r in self.ring.rows if r != sliding]
+        self.full.rows = [r for r in self.full.rows if r != seq]
+
+    def reset(self) -> None:
+        self.full.reset()
+        self.ring.reset()
+
+    def layer_tensors(self) -> list[Tensor]:
+        return [*self.full.layer_tensors(), *self.ring.layer_tensors()]
+
+    @property
+    def nbytes(self) -> int:
+        """Both pools, whole, their block tables and their gather buffers."""
+        return self.full.nbytes + self.ring.nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        return self.full.peak_nbytes + self.ring.peak_nbytes
+
+    device_nbytes = nbytes
+
+    @property
+    def blocks(self) -> tuple[int, int]:
+        """(blocks in use, blocks in the pool), both pools together."""
+        return (self.full.allocator.n_used + self.ring.allocator.n_used,
+                self.full.allocator.n_blocks + self.ring.allocator.n_blocks)

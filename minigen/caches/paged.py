@@ -258,7 +258,8 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Every byte held: the whole preallocated pool, the block tables (int32 entries) and the
         buffers attention reads gathered blocks from."""
-        entries = sum(len(self.allocator.tables[row]) for row in self.rows)
+        # a row's sequence may have finished since (the serving engine frees it in the allocator)
+        entries = sum(len(self.allocator.tables.get(row, ())) for row in self.rows)
         return (sum(t.nbytes for t in self.layer_tensors()) + 4 * entries
                 + sum(b.nbytes for b in self._read.values()))
 

@@ -168,13 +168,11 @@ def engine_bytes(cfg: ModelConfig, config: GenerationConfig, max_batch_size: int
     at their own positions, so every forward builds a mask [B, 1, T, S]. Without a budget, a step
     prefills every admitted prompt in one forward, left-padded to the longest: up to max_batch_size
     whole prompts. With a budget, each forward's padded rows stay within it (Engine._groups): at most
-    max_num_batched_tokens rows. The decode forward runs max_batch_size rows of one token."""
-    bs = config.cache_chunk_size or 16  # the engine's default block size (serving/engine.py)
-    e = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else _dtype(dtype).itemsize
-    block = bs * cfg.n_kv_heads * cfg.head_dim * e  # keys, or values, of one block of one layer
-    per_row = math.ceil(context / bs)
-    pool = 2 * cfg.n_layers * block * (num_blocks if num_blocks is not None else max_batch_size * per_row)
-    gathered = 2 * block * max_batch_size * per_row  # the decode forward gathers every row's blocks
+    max_num_batched_tokens rows. The decode forward runs max_batch_size rows of one token.
+
+    A model with sliding layers (and no window_size of the config's) keeps them in a second, fixed
+    pool of windows (caches/hybrid.py, HybridPagedKVCache): engine_pool_bytes counts it."""
+    pool, gathered = engine_pool_bytes(cfg, config, max_batch_size, context, max_num_batched_tokens, num_blocks, dtype)
     if max_num_batched_tokens is None:
         batch, rows = max_batch_size, context
     else:
@@ -189,6 +187,30 @@ def engine_bytes(cfg: ModelConfig, config: GenerationConfig, max_batch_size: int
     whole = max_num_batched_tokens is None
     prefill = forward(max_batch_size, context) if whole else forward(1, min(max_num_batched_tokens, context))
     return pool + gathered, max(prefill, forward(max_batch_size, 1))
+
+
+def engine_pool_bytes(cfg: ModelConfig, config: GenerationConfig, max_batch_size: int, context: int,
+                      max_num_batched_tokens: int | None = None, num_blocks: int | None = None,
+                      dtype: str | torch.dtype = "float32") -> tuple[int, int]:
+    """(the pools' bytes, the gather buffers' bytes) of engine_bytes' Engine, by the engine's own rule:
+    its pool holds the full layers, num_blocks blocks (None: max_batch_size sequences of `context`);
+    a model's sliding layers, when it has them, sit in a pool of max_batch_size windows
+    (HybridPagedKVCache.sliding_pool_blocks: a window plus a step's tokens per row). Each pool has a
+    buffer that a forward gathers its rows' blocks into, for one layer: every row's blocks for the
+    full layers, every row's window for the sliding ones."""
+    from ..caches.hybrid import HybridPagedKVCache
+    bs = config.cache_chunk_size or 16  # the engine's default block size (serving/engine.py)
+    e = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else _dtype(dtype).itemsize
+    block = bs * cfg.n_kv_heads * cfg.head_dim * e  # keys, or values, of one block of one layer
+    per_row = math.ceil(context / bs)
+    sliding = cfg.sliding_layers if config.window_size is None else 0  # an imposed window: one pool
+    windows = (HybridPagedKVCache.sliding_pool_blocks(max_batch_size, cfg.sliding_window, bs, context,
+                                                      max_num_batched_tokens or context) if sliding else 0)
+    blocks = num_blocks if num_blocks is not None else max_batch_size * per_row
+    pool = 2 * block * ((cfg.n_layers - sliding) * blocks + sliding * windows)
+    # the decode forward gathers every row's blocks (the full layers') and every row's window (the sliding ones')
+    gathered = 2 * block * ((max_batch_size * per_row if cfg.n_layers > sliding else 0) + windows)
+    return pool, gathered
 
 
 @dataclass

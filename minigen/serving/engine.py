@@ -23,6 +23,9 @@ Every `step()` (iteration-level scheduling, as in Orca and vLLM):
      in as many forwards as keep each forward's padded rows within the budget (`_groups`), so the
      budget bounds a step's activations too (measure/plan.py: engine_bytes);
   4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
+A model with sliding layers (Mistral, Qwen2, Gemma: ModelConfig.layer_types) keeps them in a second
+pool that holds each sequence's window only (caches/hybrid.py, HybridPagedKVCache), and serves no
+prefix hits: a hit would skip positions whose keys its sliding layers then lack.
 Each request's tokens equal generating it alone: rows never see each other (per-row positions
 and masks), and each row samples from its own generator, seeded by its own `seed`.
 """
@@ -47,6 +50,7 @@ from ..paths import check_fits
 from ..numerics.precision import DTYPES, prompt_products
 from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
+from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
 from .scheduler import (PrefixAllocator, Request, blocks_for, can_admit, engine_metrics)
 
@@ -111,7 +115,10 @@ class Engine:
     """Continuous batching of requests over one pool of `num_blocks` paged blocks.
 
     num_blocks=None sizes the pool for max_batch_size sequences of the model's whole context,
-    capped at MEMORY_FRACTION (10%) of the memory available when the engine starts.
+    capped at MEMORY_FRACTION (10%) of the memory available when the engine starts. A model with
+    sliding layers: the pool's blocks hold its full layers only, and its sliding layers sit in a
+    fixed pool of `sliding_blocks` (max_batch_size windows, HybridPagedKVCache.sliding_pool_blocks),
+    whose bytes come out of that 10% first.
     """
 
     def __init__(self, model, config: GenerationConfig | dict | None = None, *, max_batch_size: int = 8,
@@ -143,21 +150,35 @@ class Engine:
         self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)
         c, bs = model.config, self.config.cache_chunk_size
         dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
+        # A model with sliding layers keeps them in a pool of windows (HybridPagedKVCache), unless the
+        # config imposes its own window (window_size, with sinks): then every layer keeps its window's blocks
+        self.hybrid = c.sliding_layers > 0 and self.config.window_size is None
+        layer_bytes = 2 * c.n_kv_heads * c.head_dim * dtype.itemsize * bs  # K and V of one block of one layer
+        sliding = c.sliding_layers if self.hybrid else 0
+        block_bytes = (c.n_layers - sliding) * layer_bytes  # a block of the engine's pool: the full layers
+        self.sliding_blocks = (HybridPagedKVCache.sliding_pool_blocks(
+            max_batch_size, c.sliding_window, bs, c.max_seq_len, max_num_batched_tokens or c.max_seq_len)
+            if self.hybrid else 0)
+        sliding_bytes = self.sliding_blocks * (sliding * layer_bytes + 56)  # a fixed pool, whatever num_blocks
         if num_blocks is None:
-            block_bytes = c.kv_bytes_per_token(dtype.itemsize) * bs
-            fits = int(MEMORY_FRACTION * available_bytes(model.device)) // block_bytes
+            room = int(MEMORY_FRACTION * available_bytes(model.device)) - sliding_bytes
+            fits = room // block_bytes if block_bytes else math.inf  # no full layers: the pool is bookkeeping
             num_blocks = max(1, min(max_batch_size * blocks_for(c.max_seq_len, bs), fits))
         # A pool that all of this device's memory could not hold is refused before its allocator's
         # lists (free, refs, fill: about 56 host bytes a block) and its tensors are made
-        pool_bytes = num_blocks * (c.kv_bytes_per_token(dtype.itemsize) * bs + 56)
+        pool_bytes = num_blocks * (block_bytes + 56) + sliding_bytes
         check_fits(pool_bytes, f"num_blocks={num_blocks:,} (a pool of blocks of {bs} tokens)",
                    "Fix: lower num_blocks, or pass num_blocks=None to size the pool from the memory available",
                    ConfigError, model.device)
         self.alloc = PrefixAllocator(num_blocks, bs)  # the engine's pool, which its cache reads through
-        self.cache = PagedKVCache(c.n_layers, 0, c.n_kv_heads, c.head_dim, bs, num_blocks, dtype, model.device,
-                                  self.config.window_size,
-                                  self.config.sink_tokens if self.config.window_size is not None else 0,
-                                  allocator=self.alloc)
+        if self.hybrid:
+            self.cache = HybridPagedKVCache(c.layer_types, c.n_kv_heads, c.head_dim, bs, self.alloc, c.sliding_window,
+                                            self.sliding_blocks, dtype, model.device)
+        else:
+            self.cache = PagedKVCache(c.n_layers, 0, c.n_kv_heads, c.head_dim, bs, num_blocks, dtype, model.device,
+                                      self.config.window_size,
+                                      self.config.sink_tokens if self.config.window_size is not None else 0,
+                                      allocator=self.alloc)
         self.policy = make_policy(self.config, self.cache)
         self.num_blocks, self.block_size = num_blocks, bs
         self.requests: list[Request] = []
@@ -226,17 +247,23 @@ class Engine:
         (self.waiting if req.status == "waiting" else self.running).remove(req)
         self._finish(req, "cancelled")
 
+    def _free(self, req: Request) -> None:
+        """Give back a request's blocks: the engine's pool and, for sliding layers, their window's pool."""
+        if self.hybrid:
+            self.cache.free(req.seq)
+        self.alloc.free_sequence(req.seq)
+        req.seq = None
+
     def _finish(self, req: Request, reason: str) -> None:
         if req.seq is not None:
-            self.alloc.free_sequence(req.seq)
-            req.seq = None
+            self._free(req)
         req.status, req.finish_reason, req.finish_s = "finished", reason, self.now()
         req.enter(None, req.finish_s)
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: give its blocks back, and queue it first."""
-        self.alloc.free_sequence(req.seq)
-        req.seq, req.computed, req.status, req.prefilled = None, 0, "waiting", False
+        self._free(req)
+        req.computed, req.status, req.prefilled = 0, "waiting", False
         req.preemptions += 1
         self.preemptions += 1
         req.enter("preempted", self.now())
@@ -265,7 +292,9 @@ class Engine:
         committed = 0  # blocks the admitted prompts will take
         while self.waiting and self.waiting[0].arrival_s <= t and (budget is None or budget > 0):
             req = self.waiting[0]
-            hits = self.alloc.lookup(req.block_keys((len(req.tokens) - 1) // self.block_size, self.block_size))
+            # no prefix hits with sliding layers: their window's keys of the skipped positions do not exist
+            hits = [] if self.hybrid else self.alloc.lookup(req.block_keys((len(req.tokens) - 1) // self.block_size,
+                                                                           self.block_size))
             fresh = blocks_for(len(req.tokens), self.block_size) - len(hits)
             revived = sum(self.alloc.refs[b] == 0 for b in hits)  # cached blocks no one holds: they leave the free list
             if not can_admit(fresh + revived, len(self.alloc.free) - committed, reserved, len(self.running),
@@ -364,6 +393,8 @@ class Engine:
                     req.first_token_s = now
                 if req.phases[-1][0] == "prefill":
                     req.enter("decode", now)
+            if self.hybrid:  # no prefix cache (see step): nothing to offer
+                continue
             n_full = req.computed // self.block_size  # offer its newly full blocks to the prefix cache
             table = self.alloc.tables[req.seq]
             for j, key in enumerate(req.block_keys(n_full, self.block_size)[req.registered:], req.registered):
@@ -400,8 +431,10 @@ class Engine:
         "prefill_tokens", "decode_tokens"} per step(); "kv_usage", "batch_size" and "tokens_per_step" (prompt
         and decode tokens the step ran, at most max_num_batched_tokens) per step; "requests":
         per request its counts, times, finish_reason and phases [phase, start_s, end_s];
-        "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"."""
+        "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"; "sliding_blocks": the pool
+        of a model's sliding layers (0: none; such a model serves no prefix hits, so its hit rate is 0)."""
         out = engine_metrics(self.requests, self.steps, self.now(), self.preemptions, self.hit_tokens,
                               self.admitted_tokens)
         return {**out, "num_blocks": self.num_blocks, "block_size": self.block_size,
-                "max_batch_size": self.max_batch_size, "max_num_batched_tokens": self.max_num_batched_tokens}
+                "max_batch_size": self.max_batch_size, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "sliding_blocks": self.sliding_blocks}
