@@ -20,7 +20,7 @@ from torch import Tensor
 from .errors import ConfigError, ModelLoadError
 from .kernels import dispatch
 from .model import LAYER_TYPES, Model, ModelConfig
-from . import paths
+from . import packaged, paths
 from .paths import bar, cache_dir, check_device, locked, read_digest, unwritable_dir, write_converted, write_digest
 from .numerics import w8a8
 from .numerics.precision import Precision, dtype_of
@@ -310,7 +310,7 @@ def _redo(folder: Path) -> str:
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
-    """A llama-architecture GGUF file -> (HF config dict, HF-named fp32 state dict)."""
+    """A llama or gemma3 GGUF file -> (HF config dict, HF-named fp32 state dict)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     try:
@@ -324,18 +324,18 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: minigen reads llama GGUF files")
-    H, Hkv = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    if arch not in ("llama", "gemma3"):
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: minigen reads llama and gemma3 GGUF files")
+    H, Hkv = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
     names = {t.name for t in reader.tensors}
     hf_cfg = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": field("llama.embedding_length"), "intermediate_size": field("llama.feed_forward_length"),
-        "num_hidden_layers": field("llama.block_count"), "num_attention_heads": H,
-        "num_key_value_heads": Hkv, "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": field("llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": field("llama.context_length"),
-        "vocab_size": field("llama.vocab_size") or len(field("tokenizer.ggml.tokens")),
+        "hidden_size": field(f"{arch}.embedding_length"), "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"), "num_attention_heads": H,
+        "num_key_value_heads": Hkv, "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(f"{arch}.context_length"),
+        "vocab_size": field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens")),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": field("tokenizer.ggml.bos_token_id"), "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu", "torch_dtype": "float32",
@@ -344,6 +344,18 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    if arch == "gemma3":  # what llama.cpp writes and transformers' GGUF loader reads; the rest are
+        # Gemma3TextConfig's defaults, which llama.cpp also assumes for gemma3 (every 6th layer full,
+        # a local RoPE base of 10,000, scores by 1/sqrt(head_dim) but for the 27B model)
+        hf_cfg.update({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+                       "head_dim": field("gemma3.attention.key_length"),
+                       "query_pre_attn_scalar": field("gemma3.attention.key_length"),
+                       "sliding_window": field("gemma3.attention.sliding_window"), "sliding_window_pattern": 6,
+                       "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh"})
+        del hf_cfg["hidden_act"]
+        rename.update({"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+                       "attn_k_norm": "self_attn.k_norm"})
     state = {}
     for t in bar(reader.tensors, desc="prepare: converting", unit="tensor"):  # 7-40 s
         parts = t.name.split(".")  # "blk.3.attn_q.weight" or "token_embd.weight"
@@ -352,11 +364,13 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
         else:
             hf_name = f"{rename[parts[0]]}.{parts[1]}"
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()  # [out, in]
-        # llama.cpp's converter interleaves the rotary halves of q and k; undo it so the
-        # weights match the "rotate_half" layout of HF checkpoints.
-        if parts[-2] in ("attn_q", "attn_k"):
+        # llama.cpp's converter interleaves the rotary halves of q and k of llama models (not
+        # Gemma's); undo it so the weights match the "rotate_half" layout of HF checkpoints.
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
             n = H if parts[-2] == "attn_q" else Hkv
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w, the factor they multiply by
         state[hf_name] = w
     return hf_cfg, state
 
@@ -428,6 +442,8 @@ def resolve_folder(name_or_path: str | os.PathLike) -> Path:
     name = os.fspath(name_or_path)
     if name.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct"):
         return prepare_default()
+    if name.lower() == packaged.GEMMA3_MODEL:  # optional, under the Gemma terms (packaged.py)
+        return packaged.prepare_gemma3(_convert)
     if Path(name).is_dir():
         return Path(name)
     if Path(name).exists():
@@ -476,7 +492,8 @@ def load_tokenizer(folder: Path):
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
          device: str | torch.device = "cpu", weight_bits: int | None = None):
-    """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id.
+    """Load (model, tokenizer) from "smollm2-135m", "gemma3-270m" (when its optional package is
+    installed: packaged.py), a local Hugging Face folder, or a hub id.
 
     dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16").
     weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype.
