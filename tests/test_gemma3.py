@@ -13,7 +13,7 @@ import minigen
 from minigen.caches.hybrid import HybridKVCache
 from minigen.caches.make import make_cache
 from minigen.errors import ModelLoadError
-from minigen.loading import config_from_hf
+from minigen.checkpoints.hf_config import config_from_hf
 from minigen.measure import roofline
 from minigen.model import Model
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import minigen
-from minigen import packaged
+from minigen.checkpoints import packaged
 from minigen.errors import ModelLoadError
 
 installed = find_spec(packaged.GEMMA3_PACKAGE) is not None

