@@ -71,6 +71,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gemma3", "gpt2"):
             raise ValueError(f"arch={self.arch!r}: use 'llama', 'gemma3' or 'gpt2'")
+        if self.arch == "gemma3" and not (self.query_pre_attn_scalar and self.rope_local_theta):
+            raise ValueError(f"arch='gemma3' needs query_pre_attn_scalar and rope_local_theta, got "
+                             f"{self.query_pre_attn_scalar!r} and {self.rope_local_theta!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.layer_types is not None:
