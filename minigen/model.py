@@ -1,4 +1,4 @@
-"""The transformer: Llama family (SmolLM2, Llama, Mistral, Qwen2) and GPT-2, leaf to root.
+"""The transformer: Llama family (SmolLM2, Llama, Mistral, Qwen2), Gemma 3 (text) and GPT-2, leaf to root.
 
 Shapes: B batch, T new tokens in this call, S cached key positions, D model width,
 H query heads, Hkv key/value heads, Dh head dim, F MLP width, V vocabulary.
@@ -39,7 +39,9 @@ LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names, as
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, learned positions, GELU)
+    # "llama" (RMSNorm, RoPE, SwiGLU, GQA), "gemma3" (Llama's parts plus (1 + w) norms, four per block,
+    # q/k norms, embeddings scaled by sqrt(D), GeGLU) or "gpt2" (LayerNorm, learned positions, GELU)
+    arch: str
     vocab_size: int  # V
     dim: int  # D, the residual width
     n_layers: int
@@ -60,10 +62,18 @@ class ModelConfig:
     # None: every layer full.
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
+    # Gemma 3 only (None elsewhere):
+    query_pre_attn_scalar: float | None = None  # scores are q.k / sqrt(this), not / sqrt(Dh)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers ("local"); rope_theta: full ones
+    rope_local_scaling: dict | None = None  # the sliding layers' RoPE scaling, as rope_scaling
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llama", "gpt2"):
-            raise ValueError(f"arch={self.arch!r}: use 'llama' or 'gpt2'")
+        if self.arch not in ("llama", "gemma3", "gpt2"):
+            raise ValueError(f"arch={self.arch!r}: use 'llama', 'gemma3' or 'gpt2'")
+        if self.arch == "gemma3" and not (self.query_pre_attn_scalar and self.rope_local_theta):
+            raise ValueError(f"arch='gemma3' needs query_pre_attn_scalar and rope_local_theta, got "
+                             f"{self.query_pre_attn_scalar!r} and {self.rope_local_theta!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.layer_types is not None:
@@ -107,7 +117,7 @@ class ModelConfig:
         """
         D, H, Hkv, Dh = self.dim, self.n_heads, self.n_kv_heads, self.head_dim
         projections = 2 * D * (H + 2 * Hkv) * Dh + 2 * H * Dh * D  # q, k, v and the output, per token
-        mlp = 2 * D * self.hidden_dim * (3 if self.arch == "llama" else 2)  # gate, up, down (GPT-2: fc, proj)
+        mlp = 2 * D * self.hidden_dim * (2 if self.arch == "gpt2" else 3)  # gate, up, down (GPT-2: fc, proj)
         attention = 2 * 2 * context * H * Dh  # q·k scores and the weighted sum of v, per token
         return self.n_layers * new_tokens * (projections + mlp + attention) \
             + 2 * logits_tokens * D * self.vocab_size
@@ -145,11 +155,28 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / sqrt(mean(x^2) + eps) * (1 + weight), normalized and scaled in fp32 and then
+    rounded to x's dtype, as transformers' Gemma3RMSNorm (the checkpoint stores weight around 0)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: Tensor, ops: "TorchOps", fp32: bool = True) -> Tensor:
+        if fp32 or x.dtype == torch.float32:
+            return ops.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), 1.0 + self.weight.to(x.dtype), self.eps)  # left in 16 bits
+
+
 # ---------------------------------------------------------------- rotary positions
-def rope_frequencies(cfg: ModelConfig) -> Tensor:
-    """Inverse frequencies [Dh/2] of RoPE (Su et al. 2021), with the checkpoint's scaling."""
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    scaling = cfg.rope_scaling or {}
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> Tensor:
+    """Inverse frequencies [Dh/2] of RoPE (Su et al. 2021), with the checkpoint's scaling.
+    local=True: those of Gemma 3's sliding layers, which have their own base (and scaling)."""
+    theta, scaling = (cfg.rope_local_theta, cfg.rope_local_scaling) if local else (cfg.rope_theta, cfg.rope_scaling)
+    inv_freq = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
+    scaling = scaling or {}
     kind = scaling.get("rope_type", "default")
     if kind == "linear":  # positions divided by `factor` (Chen et al. 2023, position interpolation)
         inv_freq = inv_freq / scaling["factor"]
@@ -229,6 +256,14 @@ class Attention(nn.Module):
         self.bqkv = nn.Parameter(torch.zeros(qkv_out), requires_grad=False) if cfg.qkv_bias else None
         self.wo = nn.Parameter(torch.empty(cfg.dim, cfg.n_heads * cfg.head_dim), requires_grad=False)
         self.bo = nn.Parameter(torch.zeros(cfg.dim), requires_grad=False) if cfg.out_bias else None
+        # Gemma 3 normalizes each head's query and key before RoPE, and scores by
+        # query_pre_attn_scalar^-1/2. That scale is folded into the queries, times sqrt(Dh /
+        # query_pre_attn_scalar), so that every attention path (SDPA, the C decode kernel, the
+        # paged kernels), each dividing by sqrt(Dh), scores as Gemma does without a scale argument.
+        gemma = cfg.arch == "gemma3"
+        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.norm_eps) if gemma else None
+        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.norm_eps) if gemma else None
+        self.q_gain = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar) if gemma else 1.0
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: "Tensor | Causal | None", cache,
                 ops: TorchOps, policy: AttentionPolicy | None = None, fp32_softmax: bool = True) -> Tensor:
@@ -239,6 +274,9 @@ class Attention(nn.Module):
             qkv = qkv + self.bqkv.to(qkv.dtype)
         qk, v = qkv.split([(H + Hkv) * Dh, Hkv * Dh], dim=-1)
         qk = qk.view(B, T, H + Hkv, Dh)  # queries and keys side by side: one rotation for both
+        if self.q_norm is not None:  # Gemma 3: RMSNorm over each head's Dh, the scale folded into q
+            q, k = qk.split([H, Hkv], dim=2)
+            qk = torch.cat((self.q_norm(q, ops) * self.q_gain, self.k_norm(k, ops)), dim=2)
         if rope is not None:
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
@@ -271,17 +309,24 @@ class Attention(nn.Module):
         return out + self.bo.to(out.dtype) if self.bo is not None else out
 
 
+def gelu_tanh(x: Tensor) -> Tensor:
+    """GELU in its tanh approximation (transformers' gelu_pytorch_tanh): Gemma's gate."""
+    return F.gelu(x, approximate="tanh")
+
+
 class GatedMLP(nn.Module):
-    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)), gate and up fused into one matmul.
+    Gemma 3's GeGLU is the same with the tanh GELU as the gate."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.act = gelu_tanh if cfg.arch == "gemma3" else F.silu
         self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.hidden_dim, cfg.dim), requires_grad=False)
         self.w_down = nn.Parameter(torch.empty(cfg.dim, cfg.hidden_dim), requires_grad=False)
 
     def forward(self, x: Tensor, ops: TorchOps) -> Tensor:
         gate, up = ops.linear(x, self.w_gate_up).chunk(2, dim=-1)  # [B, T, F] each
-        return ops.linear(F.silu(gate) * up, self.w_down)
+        return ops.linear(self.act(gate) * up, self.w_down)
 
 
 class GeluMLP(nn.Module):
@@ -304,15 +349,34 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        Norm = RMSNorm if cfg.arch == "llama" else LayerNorm
+        Norm = NORMS[cfg.arch]
         self.attn_norm, self.mlp_norm = Norm(cfg.dim, cfg.norm_eps), Norm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg, layer)
-        self.mlp = GatedMLP(cfg) if cfg.arch == "llama" else GeluMLP(cfg)
+        self.mlp = GeluMLP(cfg) if cfg.arch == "gpt2" else GatedMLP(cfg)
 
     def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision()):
         p = precision
         x = x + self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax)
         return x + self.mlp(self.mlp_norm(x, ops, p.fp32_norms), ops)
+
+
+class GemmaBlock(Block):
+    """Gemma 3's block: each sublayer's output is normalized again before the residual add (four
+    norms: attn_norm and mlp_norm before, post_attn_norm and post_mlp_norm after)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.post_attn_norm, self.post_mlp_norm = GemmaRMSNorm(cfg.dim, cfg.norm_eps), GemmaRMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision()):
+        p = precision
+        h = self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax)
+        x = x + self.post_attn_norm(h, ops, p.fp32_norms)
+        h = self.mlp(self.mlp_norm(x, ops, p.fp32_norms), ops)
+        return x + self.post_mlp_norm(h, ops, p.fp32_norms)
+
+
+NORMS = {"llama": RMSNorm, "gemma3": GemmaRMSNorm, "gpt2": LayerNorm}  # each family's norm
 
 
 # ---------------------------------------------------------------- the model
@@ -329,13 +393,18 @@ class Model(nn.Module):
         self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim), requires_grad=False)  # [V, D]
         self.pos_embed = (nn.Parameter(torch.empty(cfg.max_seq_len, cfg.dim), requires_grad=False)
                           if cfg.arch == "gpt2" else None)  # GPT-2's learned positions
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps) if cfg.arch == "llama" else LayerNorm(cfg.dim, cfg.norm_eps)
+        self.blocks = nn.ModuleList((GemmaBlock if cfg.arch == "gemma3" else Block)(cfg, i) for i in range(cfg.n_layers))
+        self.norm = NORMS[cfg.arch](cfg.dim, cfg.norm_eps)
         # The output head [V, D]; a tied model (SmolLM2, GPT-2) has none and multiplies by `embed`.
         self.lm_head = (None if cfg.tie_embeddings else
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim), requires_grad=False))
-        if cfg.arch == "llama":
+        if cfg.arch != "gpt2":
             self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        if cfg.arch == "gemma3":  # the sliding layers' own RoPE base
+            self.register_buffer("inv_freq_local", rope_frequencies(cfg, local=True), persistent=False)
+        # Gemma 3 scales the embeddings by sqrt(D), rounded to the weights' dtype as transformers does
+        self.register_buffer("embed_scale", torch.tensor(math.sqrt(cfg.dim)) if cfg.arch == "gemma3" else None,
+                             persistent=False)
         self.precision = Precision()  # fp32 activations; loading.py sets the default for the weights' dtype
         self.ops = TorchOps()  # which implementation runs each op; loading.py installs the kernels' dispatch
 
@@ -343,8 +412,10 @@ class Model(nn.Module):
         """`model.to(...)` casts every tensor; RoPE's inverse frequencies stay fp32 whatever the
         weights (rounded to bf16, the angle of position 4,000 moves by radians), as load() keeps them."""
         super()._apply(fn, recurse)
-        if self.config.arch == "llama":
+        if self.config.arch != "gpt2":
             self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device)
+        if self.config.arch == "gemma3":
+            self.inv_freq_local = rope_frequencies(self.config, local=True).to(self.inv_freq.device)
         return self
 
     @property
@@ -402,17 +473,18 @@ class Model(nn.Module):
         assert tokens.dim() == 2 and input_pos.shape in ((tokens.shape[1],), tuple(tokens.shape)), \
             f"tokens must be [B, T] and input_pos [T] or [B, T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
         p = self.precision
-        x = self.embed[tokens].to(p.compute)  # [B, T, D]
-        rope = None
+        x = self.embed[tokens]  # [B, T, D]
+        if self.embed_scale is not None:  # Gemma: sqrt(D), rounded to the weights' dtype first
+            x = x * self.embed_scale.to(x.dtype)
+        x = x.to(p.compute)
         at = input_pos.clamp(min=0) if input_pos.dim() == 2 else input_pos  # padding: any position will do
         if self.pos_embed is not None:
             x = x + self.pos_embed[at].to(p.compute)
-        else:
-            angles = at.float()[..., None] * self.inv_freq  # [T, Dh/2] or [B, T, Dh/2]
-            cos, sin = angles.cos(), angles.sin()
-            # [T, 1, Dh] (or [B, T, 1, Dh]) each, broadcast over heads; see apply_rope for the signs
-            rope = (torch.cat((cos, cos), dim=-1)[..., None, :].to(x.dtype),
-                    torch.cat((-sin, sin), dim=-1)[..., None, :].to(x.dtype))
+            ropes = dict.fromkeys(self.layer_types)  # GPT-2: no rotation
+        else:  # one rotation for every layer; Gemma 3's sliding layers have their own
+            ropes = dict.fromkeys(self.layer_types, self._rope(at, self.inv_freq, x.dtype))
+            if self.config.arch == "gemma3" and "sliding_attention" in ropes:
+                ropes["sliding_attention"] = self._rope(at, self.inv_freq_local, x.dtype)
         # Masks come from positions, never from counters: key slot s may be seen by query t
         # when the slot holds a position <= input_pos[t]. `prepare` is where the cache plans this
         # step (cache.py), once for all layers; a hybrid cache (caches/hybrid.py) answers with the
@@ -423,8 +495,20 @@ class Model(nn.Module):
                                   self.config.sliding_window, x.dtype)
                  for kind in dict.fromkeys(self.layer_types)}
         for block, kind in zip(self.blocks, self.layer_types):
-            x = block(x, rope, masks[kind], cache, self.ops, policy, p)
+            x = block(x, ropes[kind], masks[kind], cache, self.ops, policy, p)
         if last_only:
             x = x[:, -1:]
         logits_dtype = torch.float32 if p.fp32_logits else p.compute
-        return self.ops.linear(self.norm(x, self.ops, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]
+        logits = self.ops.linear(self.norm(x, self.ops, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]
+        if (cap := self.config.final_logit_softcapping) is not None:  # Gemma: squashed into (-cap, cap)
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @staticmethod
+    def _rope(at: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and signed sin of positions `at` [T] (or [B, T]): [T, 1, Dh] (or [B, T, 1, Dh]) each,
+        broadcast over heads; see apply_rope for the signs."""
+        angles = at.float()[..., None] * inv_freq  # [T, Dh/2] or [B, T, Dh/2]
+        cos, sin = angles.cos(), angles.sin()
+        return (torch.cat((cos, cos), dim=-1)[..., None, :].to(dtype),
+                torch.cat((-sin, sin), dim=-1)[..., None, :].to(dtype))

@@ -572,6 +572,24 @@ def _():
     loading.config_from_hf(sliding_qwen2(layer_types=types, sliding_window=True))
 
 
+@case("checkpoint-gemma3-attn-softcap")
+def _():
+    hf = {"model_type": "gemma3_text", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 6,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
+          "sliding_window": 8, "attn_logit_softcapping": 50.0}
+    loading.config_from_hf(hf)
+
+
+@case("load-gemma3-not-installed")
+def _(tmp_path, monkeypatch):
+    from minigen.checkpoints import packaged
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    real = packaged.importlib.util.find_spec
+    monkeypatch.setattr(packaged.importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith(packaged.GEMMA3_PACKAGE) else real(name, *a))
+    minigen.load("gemma3-270m")
+
+
 @case("window-past-the-models-own")
 def _():
     model = minigen.from_hf(tiny_hf("mistral", sliding_window=8))

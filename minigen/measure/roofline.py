@@ -87,6 +87,9 @@ def n_params(cfg: ModelConfig) -> int:
         layer = qkv + out + 3 * D * F + 2 * D  # q/k/v, o, gate/up/down, two RMSNorm weights
         layer += (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0
         extra = D  # the final norm
+    elif cfg.arch == "gemma3":  # Llama's matrices; four norms a block and one over each head's q and k
+        layer = qkv + out + 3 * D * F + 4 * D + 2 * cfg.head_dim
+        extra = D
     else:  # GPT-2: fc and proj with biases, two LayerNorms (weight, bias), learned positions
         layer = qkv + out + 2 * D * F + F + D + 4 * D
         layer += (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim if cfg.qkv_bias else 0

@@ -207,8 +207,8 @@ def nbytes(model) -> int:
 
 
 def _mlp(block, arch: str) -> tuple:
-    """A block's MLP weights, (input side, output side): model.GatedMLP's for llama, GeluMLP's for gpt2."""
-    return (block.mlp.w_gate_up, block.mlp.w_down) if arch == "llama" else (block.mlp.w_fc, block.mlp.w_proj)
+    """A block's MLP weights, (input side, output side): model.GatedMLP's (llama, gemma3), GeluMLP's (gpt2)."""
+    return (block.mlp.w_fc, block.mlp.w_proj) if arch == "gpt2" else (block.mlp.w_gate_up, block.mlp.w_down)
 
 
 def _products(model) -> list:
