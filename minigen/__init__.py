@@ -9,7 +9,8 @@ from .errors import (BenchError, CacheFullError, ConfigError, LedgerError, Minig
 from .generate import GenerationOutput, GenerationStats, generate, parallel_sample, stream
 from .loading import from_hf, load
 from .evaluate import perplexity, score, top1_agreement
-from .model import Model, ModelConfig
+from .model import Model
+from .checkpoints.model_config import ModelConfig
 from .measure.plan import plan
 from .numerics.weight_quant import quantize_weights
 from .sampling import sample

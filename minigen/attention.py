@@ -279,3 +279,35 @@ class AttentionPolicy:
         grouped = rearrange(probs.to(v.dtype), "b (hkv g) t s -> b hkv g t s", hkv=v.shape[1])
         out = grouped @ v[:, :, None]  # [B, Hkv, G, T, Dh]
         return rearrange(out, "b hkv g t d -> b (hkv g) t d")
+
+
+# ---------------------------------------------------------------- one mask per kind of layer (Model.forward)
+def imposes_window(policy: "AttentionPolicy | None") -> bool:
+    """Whether a policy imposes its own window (window_size): then it masks every layer, the model's
+    sliding layers too (the config allows at most their own window: combinations.RUN_RULES)."""
+    return policy is not None and policy.window_size is not None
+
+
+def layer_mask(input_pos: Tensor, key_pos: Tensor, policy: "AttentionPolicy | None", cache, window: int | None,
+               dtype: torch.dtype) -> "Tensor | Causal | None":
+    """The mask of the layers that attend `window` tokens (None: every earlier one) over the slots
+    holding key_pos: `Causal` where SDPA's own causal tiles will do, else [T, S] or [B, 1, T, S]."""
+    plain = policy is None or (policy.window_size is None and not policy.sparse and not policy.observers)
+    if cache is not None and policy is not None and policy.reads_blocks:
+        return None  # the Triton kernels mask from positions as they read the blocks: no [T, S] mask
+    if plain and prefix_causal(input_pos, key_pos) and (window is None or input_pos.shape[0] <= window):
+        return Causal(input_pos.shape[0])  # a prompt from position 0 (that fits the window)
+    # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
+    if imposes_window(policy):
+        mask = policy.mask(input_pos, key_pos)
+    else:  # (a policy without a window masks causally: `policy.mask` is causal_mask then)
+        mask = causal_mask(input_pos, key_pos) if window is None else window_mask(input_pos, key_pos, window)
+    if policy is None and input_pos.dim() == 1 and input_pos.shape[0] > 1 and not torch.compiler.is_compiling():
+        # a later piece of a prompt, or a verify chunk: the slots after the last one any query
+        # sees add only masked scores, which SDPA would compute anyway; attend up to it
+        mask = mask[:, :seen_slots(mask)]
+    if input_pos.dim() == 2:  # a padding query attends everything: its output is discarded, but finite
+        mask = mask | (input_pos < 0)[:, None, :, None]
+    if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
+        mask = torch.zeros(mask.shape, dtype=dtype, device=input_pos.device).masked_fill(~mask, float("-inf"))
+    return mask

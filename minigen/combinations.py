@@ -241,12 +241,7 @@ class Run:
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
-        return cls(arch=model_config.arch, head_dim=model_config.head_dim, model_window=model_window(model_config))
-
-
-def model_window(model_config) -> int:
-    """The sliding window of a model's sliding layers (ModelConfig.layer_types), 0 when none slides."""
-    return model_config.sliding_window if model_config.sliding_layers else 0
+        return cls(arch=model_config.arch, head_dim=model_config.head_dim, model_window=model_config.own_window)
 
 
 FUSED_WEIGHTS = ("float32", "bfloat16", "int8", "int4")  # int8 / int4: QuantizedWeight codes
@@ -301,17 +296,15 @@ RUN_RULES: tuple[RunRule, ...] = (
      "fused_decode=True with observers: the fused step keeps attention in C, where no observer sees it. "
      "Fix: fused_decode=False to observe attention."),
     ("fused_decode", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
-     f"fused_decode=True attends every cached position in every layer, and this model's sliding layers attend "
-     f"only the last {r.model_window} (its own sliding_window). {_FUSED}"),
-    # the model's own sliding layers (chapter 5): a window imposed on top must not see more than they do
+     f"fused_decode=True attends every cached position in every layer; this model's sliding layers attend only the last "
+     f"{r.model_window} (its own sliding_window). {_FUSED}"),
     ("window_size", ("model_window",), lambda c, r: c.window_size > r.model_window > 0, lambda c, r:
-     f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}: its sliding "
-     f"layers were trained to see {r.model_window} tokens, and a window imposed on every layer applies to them "
-     f"too. Fix: window_size <= {r.model_window} (the smaller window then masks every layer, sinks included), "
+     f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}, which its sliding "
+     f"layers were trained to see. Fix: window_size <= {r.model_window} (it then masks every layer, sinks included), "
      "or window_size=None to run the model's own windows"),
     ("attention_backend", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
-     f"attention_backend='triton' masks every layer with one window, and this model's sliding layers attend the "
-     f"last {r.model_window} tokens while its full layers attend all: use attention_backend='torch'"),
+     f"attention_backend='triton' masks every layer with one window; this model's sliding layers attend the last "
+     f"{r.model_window} tokens and its full layers all: use attention_backend='torch'"),
     ("speculative_method", ("observers",), lambda c, r: r.observers, lambda c, r:
      "speculative decoding with observers: they would see the attention of proposals that are then rejected. "
      "Fix: speculative_method=None to observe attention."),
@@ -378,19 +371,6 @@ RAGGED_REFUSED: dict[str, str] = {
     "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
     "attention_backend": "the Triton kernel reads rows at one shared length",
     "fused_decode": "the fused step decodes every row at one shared position",
-}
-# The serving engine (serving/engine.py) runs every sequence in one pool of full-precision paged
-# blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
-REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
-ENGINE_REFUSED: dict[str, str] = {
-    **RAGGED_REFUSED,
-    "prefetch_depth": "the engine's pool of blocks stays on the device",
-    "speculative_method": "the engine's steps decode one token per sequence: speculative decoding runs in "
-                          "generate and stream (a list of prompts is a ragged batch)",
-    "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer that the engine's "
-                  "changing rows cannot share, and a prefix-cache hit or a recompute after preemption would read "
-                  "quantized keys where the prompt alone is attended in full precision (generate(model, prompts) "
-                  "runs a quantized ragged batch, one cache per row)",
 }
 
 

@@ -26,7 +26,8 @@ from torch import nn
 
 from .errors import ConfigError
 from .kernels import dispatch
-from .model import Model, ModelConfig
+from .model import Model
+from .checkpoints.model_config import ModelConfig
 from .numerics import weight_quant
 
 

@@ -22,7 +22,8 @@ from .errors import ConfigError, ModelLoadError
 from .kernels import dispatch
 from .checkpoints import packaged
 from .checkpoints.hf_config import config_from_hf
-from .model import Model, ModelConfig
+from .model import Model
+from .checkpoints.model_config import ModelConfig
 from . import paths
 from .paths import bar, cache_dir, check_device, locked, read_digest, unwritable_dir, write_converted, write_digest
 from .numerics import w8a8

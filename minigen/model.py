@@ -7,8 +7,8 @@ Weights are stored as checkpoints ship them, [out, in] (nn.Linear's layout): eac
 contiguous row, which is what the C matrix-vector kernel of decoding streams (kernels/cpu.py),
 and a tied output head is the embedding itself, not a copy. q/k/v are fused into one matrix and
 gate/up into another, so a decode step launches fewer ops.
-The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig` and
-a state dict in this module's names.
+The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig`
+(checkpoints/model_config.py) and a state dict in this module's names.
 
 This file is the math, in plain torch. The few ops that a kernel may run instead (a product, a
 norm, one-query attention, attention over paged blocks) go through `ops`, passed down from
@@ -20,107 +20,16 @@ these references (every kernel is tested against them).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import (AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, causal_mask,
-                        prefix_causal, seen_slots, window_mask)
+from .attention import AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, imposes_window, layer_mask
 from .caches.contract import BlockView
+from .checkpoints.model_config import ModelConfig
 from .numerics import w8a8
 from .numerics.precision import Precision, prompt_dtype
 from .numerics.weight_quant import QuantizedWeight
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' names, as config.json's layer_types
-
-
-@dataclass
-class ModelConfig:
-    # "llama" (RMSNorm, RoPE, SwiGLU, GQA), "gemma3" (Llama's parts plus (1 + w) norms, four per block,
-    # q/k norms, embeddings scaled by sqrt(D), GeGLU) or "gpt2" (LayerNorm, learned positions, GELU)
-    arch: str
-    vocab_size: int  # V
-    dim: int  # D, the residual width
-    n_layers: int
-    n_heads: int  # H
-    n_kv_heads: int  # Hkv; H // Hkv query heads share each key/value head (grouped-query attention)
-    head_dim: int  # Dh
-    hidden_dim: int  # F, the MLP width
-    max_seq_len: int  # the context the model was trained for, in tokens
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0  # RoPE base; only for "llama"
-    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", ...}; None: plain RoPE
-    qkv_bias: bool = False  # Qwen2 and GPT-2 have biases on q, k, v
-    out_bias: bool = False  # GPT-2 has biases on the attention output and the MLP
-    tie_embeddings: bool = True  # the output head reuses the token embedding
-    eos_token_ids: tuple[int, ...] = ()  # default stop tokens
-    # Attention each layer was trained with (Mistral, Qwen2, Gemma 3): "full_attention" sees every
-    # earlier position, "sliding_attention" only the last `sliding_window` (itself included).
-    # None: every layer full.
-    layer_types: tuple[str, ...] | None = None
-    sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
-    # Gemma 3 only (None elsewhere):
-    query_pre_attn_scalar: float | None = None  # scores are q.k / sqrt(this), not / sqrt(Dh)
-    rope_local_theta: float | None = None  # RoPE base of the sliding layers ("local"); rope_theta: full ones
-    rope_local_scaling: dict | None = None  # the sliding layers' RoPE scaling, as rope_scaling
-    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-
-    def __post_init__(self) -> None:
-        if self.arch not in ("llama", "gemma3", "gpt2"):
-            raise ValueError(f"arch={self.arch!r}: use 'llama', 'gemma3' or 'gpt2'")
-        if self.arch == "gemma3" and not (self.query_pre_attn_scalar and self.rope_local_theta):
-            raise ValueError(f"arch='gemma3' needs query_pre_attn_scalar and rope_local_theta, got "
-                             f"{self.query_pre_attn_scalar!r} and {self.rope_local_theta!r}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.layer_types is not None:
-            self.layer_types = tuple(self.layer_types)
-            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
-            if unknown or len(self.layer_types) != self.n_layers:
-                raise ValueError(f"layer_types={list(self.layer_types)!r} is invalid: need one of {LAYER_TYPES} per "
-                                 f"layer, {self.n_layers} in all" + (f"; unknown: {unknown}" if unknown else ""))
-            if "sliding_attention" in self.layer_types and (
-                    not isinstance(self.sliding_window, int) or self.sliding_window < 1):
-                raise ValueError(f"sliding_window={self.sliding_window!r} is invalid: sliding layers need a "
-                                 "positive window (tokens each query sees)")
-
-    def window_of(self, layer: int) -> int | None:
-        """The window layer `layer` was trained with (tokens each query sees), or None: full attention."""
-        sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
-        return self.sliding_window if sliding else None
-
-    @property
-    def sliding_layers(self) -> int:
-        """How many layers attend a sliding window (0: a model of full attention only)."""
-        return sum(t == "sliding_attention" for t in self.layer_types or ())
-
-    def kv_positions(self, layer: int, context: int) -> int:
-        """Positions layer `layer`'s cache must hold for a context of `context` tokens: all of them
-        for a full layer, at most its window for a sliding one (the hybrid cache, caches/hybrid.py)."""
-        window = self.window_of(layer)
-        return context if window is None else min(context, window)
-
-    def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """2 (K and V) x layers x KV heads x head dim x bytes: the cache cost of one token."""
-        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * bytes_per_element
-
-    def forward_flops(self, new_tokens: int, context: int, logits_tokens: int = 1) -> int:
-        """Matmul FLOPs (2 per multiply-add) of one forward: `new_tokens` tokens through every
-        projection and the MLP, each attending `context` keys, logits for `logits_tokens` positions.
-
-        A naive step at length n is forward_flops(n, n); a cached decode step is forward_flops(1, S).
-        The masked [n, n] score matrix is counted whole, as SDPA with a mask computes it. Norms,
-        RoPE and softmax are O(T·D) and left out.
-        """
-        D, H, Hkv, Dh = self.dim, self.n_heads, self.n_kv_heads, self.head_dim
-        projections = 2 * D * (H + 2 * Hkv) * Dh + 2 * H * Dh * D  # q, k, v and the output, per token
-        mlp = 2 * D * self.hidden_dim * (2 if self.arch == "gpt2" else 3)  # gate, up, down (GPT-2: fc, proj)
-        attention = 2 * 2 * context * H * Dh  # q·k scores and the weighted sum of v, per token
-        return self.n_layers * new_tokens * (projections + mlp + attention) \
-            + 2 * logits_tokens * D * self.vocab_size
 
 
 # ---------------------------------------------------------------- norms
@@ -380,12 +289,6 @@ NORMS = {"llama": RMSNorm, "gemma3": GemmaRMSNorm, "gpt2": LayerNorm}  # each fa
 
 
 # ---------------------------------------------------------------- the model
-def policy_window(policy: AttentionPolicy | None) -> bool:
-    """Whether a policy imposes its own window (window_size): then it masks every layer, the model's
-    sliding layers too (the config allows at most their own window: combinations.RUN_RULES)."""
-    return policy is not None and policy.window_size is not None
-
-
 class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -422,30 +325,6 @@ class Model(nn.Module):
     def layer_types(self) -> tuple[str, ...]:
         """Each layer's attention, "full_attention" or "sliding_attention" (ModelConfig.layer_types)."""
         return self.config.layer_types or ("full_attention",) * self.config.n_layers
-
-    def _mask(self, input_pos: Tensor, key_pos: Tensor, policy: AttentionPolicy | None, cache, window: int | None,
-              dtype: torch.dtype) -> "Tensor | Causal | None":
-        """The mask of the layers that attend `window` tokens (None: every earlier one) over the slots
-        holding key_pos: `Causal` where SDPA's own causal tiles will do, else [T, S] or [B, 1, T, S]."""
-        plain = policy is None or (policy.window_size is None and not policy.sparse and not policy.observers)
-        if cache is not None and policy is not None and policy.reads_blocks:
-            return None  # the Triton kernels mask from positions as they read the blocks: no [T, S] mask
-        if plain and prefix_causal(input_pos, key_pos) and (window is None or input_pos.shape[0] <= window):
-            return Causal(input_pos.shape[0])  # a prompt from position 0 (that fits the window)
-        # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
-        if policy_window(policy):
-            mask = policy.mask(input_pos, key_pos)
-        else:  # (a policy without a window masks causally: `policy.mask` is causal_mask then)
-            mask = causal_mask(input_pos, key_pos) if window is None else window_mask(input_pos, key_pos, window)
-        if policy is None and input_pos.dim() == 1 and input_pos.shape[0] > 1 and not torch.compiler.is_compiling():
-            # a later piece of a prompt, or a verify chunk: the slots after the last one any query
-            # sees add only masked scores, which SDPA would compute anyway; attend up to it
-            mask = mask[:, :seen_slots(mask)]
-        if input_pos.dim() == 2:  # a padding query attends everything: its output is discarded, but finite
-            mask = mask | (input_pos < 0)[:, None, :, None]
-        if policy is None:  # as 0 / -inf, added to the scores: SDPA would convert a bool mask in every layer
-            mask = torch.zeros(mask.shape, dtype=dtype, device=input_pos.device).masked_fill(~mask, float("-inf"))
-        return mask
 
     @property
     def head(self) -> Tensor:
@@ -490,8 +369,8 @@ class Model(nn.Module):
         # step (cache.py), once for all layers; a hybrid cache (caches/hybrid.py) answers with the
         # positions of each kind of layer, {layer type: [S] or [B, S]}.
         key_pos = cache.prepare(input_pos) if cache is not None else input_pos
-        masks = {kind: self._mask(input_pos, key_pos[kind] if isinstance(key_pos, dict) else key_pos, policy,
-                                  cache, None if kind == "full_attention" or policy_window(policy) else
+        masks = {kind: layer_mask(input_pos, key_pos[kind] if isinstance(key_pos, dict) else key_pos, policy,
+                                  cache, None if kind == "full_attention" or imposes_window(policy) else
                                   self.config.sliding_window, x.dtype)
                  for kind in dict.fromkeys(self.layer_types)}
         for block, kind in zip(self.blocks, self.layer_types):

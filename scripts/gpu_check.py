@@ -30,7 +30,8 @@ import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
 from minigen.caches.make import make_cache
 from minigen.steps.eager import decode_step, prefill  # noqa: E402
-from minigen.model import Model, ModelConfig  # noqa: E402
+from minigen.model import Model  # noqa: E402
+from minigen.checkpoints.model_config import ModelConfig
 from minigen.caches.contract import BlockView
 from minigen.numerics.precision import Precision  # noqa: E402
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize  # noqa: E402

@@ -7,7 +7,7 @@ and in pieces, beside the memory planner's estimate of the same bytes.
 
 Chunk 0 is the whole prompt. The times are medians of `rounds`, the settings taking turns within
 each round, so that a busy neighbour slows them alike. The bytes come from a separate run under
-measure.plan.peak_tensor_bytes (which counts every storage torch's ops create), because a dispatch
+measure.profiling.peak_tensor_bytes (which counts every storage torch's ops create), because a dispatch
 mode turns the C kernels off and would distort the times.
 """
 
@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import minigen  # noqa: E402
 from minigen.measure import plan as planner  # noqa: E402
+from minigen.measure import profiling  # noqa: E402
 
 
 def main() -> None:
@@ -50,7 +51,7 @@ def main() -> None:
                 times[c].append(minigen.generate(model, ids, config).stats.ttft_s)
         whole = statistics.median(times[0]) if 0 in times else None
         for c, config in configs.items():
-            peak, _ = planner.peak_tensor_bytes(lambda: minigen.generate(model, ids, config))
+            peak, _ = profiling.peak_tensor_bytes(lambda: minigen.generate(model, ids, config))
             planned = (planner.kv_cache_bytes(cfg, config, 1, T + 1, prompt_len=T)
                        + planner.activation_bytes(cfg, 1, T + 1, config=config))
             ttft = statistics.median(times[c])

@@ -17,7 +17,7 @@ from ipywidgets.embed import dependency_state
 
 from minigen.course.book import article_page, claim_label, ledger_page, load_book
 from minigen.course.ledger import Claim, load_claims
-from minigen.model import ModelConfig
+from minigen.checkpoints.model_config import ModelConfig
 from minigen.course.widgets import LIVE_NOTE, quant_panel, snapshot_html
 
 ROOT = Path(__file__).resolve().parent.parent

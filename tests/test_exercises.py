@@ -14,7 +14,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import minigen.model
 from minigen.course.exercises import ExerciseFailed, ch01, ch02, ch03, ch04, ch05, ch06
-from minigen.model import Model, ModelConfig, rope_frequencies
+from minigen.model import Model, rope_frequencies
+from minigen.checkpoints.model_config import ModelConfig
 
 
 # ---------------------------------------------------------------- the oracle behind the checkers

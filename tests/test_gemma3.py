@@ -182,7 +182,7 @@ def test_parameter_count_and_flops_formulas_hold_for_gemma3(gemma):
 
 
 def test_gemma3_config_without_its_scale_is_refused_naming_the_fields():
-    from minigen.model import ModelConfig
+    from minigen.checkpoints.model_config import ModelConfig
     with pytest.raises(ValueError, match="query_pre_attn_scalar and rope_local_theta"):
         ModelConfig(arch="gemma3", vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                     hidden_dim=64, max_seq_len=128)

@@ -7,7 +7,7 @@ import torch
 from minigen.errors import BenchError
 from minigen.kernels import build as kernel_build
 from minigen.measure import hybrid
-from minigen.model import ModelConfig
+from minigen.checkpoints.model_config import ModelConfig
 
 # three sliding layers of a 4-token window, one full layer: 2 KV heads of 8
 TINY = ModelConfig(arch="llama", vocab_size=97, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64,

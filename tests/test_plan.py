@@ -18,6 +18,7 @@ from minigen.caches.blocks import BlockAllocator
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 planner = importlib.import_module("minigen.measure.plan")  # the module: `minigen.measure.plan` is the function
+from minigen.measure import profiling
 
 CONFIGS = [{}, dict(cache_chunk_size=16), dict(cache_chunk_size=4), dict(quant_bits=8, quant_group_size=8),
            dict(quant_bits=4, quant_group_size=8), dict(quant_bits=4, quant_group_size=8, cache_chunk_size=8),
@@ -216,12 +217,12 @@ PEAK_CASES = [(1, 1536, {}), (1, 1536, dict(prefill_chunk_size=256)), (3, 1024, 
                          ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else str(v))
 def test_the_planned_kv_and_activations_are_what_a_generation_allocates(smollm2, batch, context, fields):
     """The issue's bound: within 10% of the peak bytes of tensors a generation holds at once
-    (planner.peak_tensor_bytes counts every storage torch's ops create). SmolLM2's shapes, 2 layers."""
+    (profiling.peak_tensor_bytes counts every storage torch's ops create). SmolLM2's shapes, 2 layers."""
     model = _random_model(smollm2[0].config)
     new = 4
     config = GenerationConfig(max_new_tokens=new, stop_token_ids=[], **fields)
     ids = torch.randint(0, 1000, (batch, context - new), generator=torch.Generator().manual_seed(1))
-    peak, _ = planner.peak_tensor_bytes(lambda: minigen.generate(model, ids, config))
+    peak, _ = profiling.peak_tensor_bytes(lambda: minigen.generate(model, ids, config))
     planned = (planner.kv_cache_bytes(model.config, config, batch, context, prompt_len=context - new)
                + planner.activation_bytes(model.config, batch, context, config=config))
     assert abs(planned - peak) <= 0.10 * peak, (planned, peak)
@@ -245,7 +246,7 @@ def test_the_planned_engine_bytes_are_what_the_engine_allocates(smollm2, request
         engine.run()
         return engine
 
-    peak, engine = planner.peak_tensor_bytes(serve)
+    peak, engine = profiling.peak_tensor_bytes(serve)
     kv, activations = planner.engine_bytes(model.config, GenerationConfig(), requests, prompt + new, budget,
                                            num_blocks=engine.num_blocks)
     assert abs(kv + activations - peak) <= 0.10 * peak, (kv, activations, peak)
@@ -283,7 +284,7 @@ def test_the_peak_counter_sees_what_is_held_and_forgets_what_is_freed():
         a = torch.empty(1000, dtype=torch.float32)  # 4,000 bytes, freed on return
         b = torch.empty(250, dtype=torch.float64)  # 2,000 bytes, returned
         return b
-    peak, kept = planner.peak_tensor_bytes(hold)
+    peak, kept = profiling.peak_tensor_bytes(hold)
     assert peak == 6000 and kept.nbytes == 2000
 
 

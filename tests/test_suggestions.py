@@ -12,7 +12,7 @@ import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig, PromptError
 from minigen.combinations import Run, check_run
-from minigen.model import ModelConfig
+from minigen.checkpoints.model_config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

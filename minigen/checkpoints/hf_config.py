@@ -8,7 +8,7 @@ run exactly is refused with a ModelLoadError that names the key.
 from __future__ import annotations
 
 from ..errors import ModelLoadError
-from ..model import LAYER_TYPES, ModelConfig
+from .model_config import LAYER_TYPES, ModelConfig
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma3_text", "gpt2")
 # config.json keys without which the model's shapes are unknown

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from ..config import GenerationConfig
 from ..kernels import dispatch
-from ..model import Model, ModelConfig
+from ..model import Model
+from ..checkpoints.model_config import ModelConfig
 from ..sampling import probabilities
 
 

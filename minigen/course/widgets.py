@@ -16,7 +16,7 @@ import html
 import torch
 from torch import Tensor
 
-from ..model import ModelConfig
+from ..checkpoints.model_config import ModelConfig
 from ..numerics.quant import GROUP_AXIS, VALUE_AXIS, round_trip
 from ..caches.quantized import QuantizedKVCache
 

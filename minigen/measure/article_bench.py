@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..generate import generate
 from .machine import PeakRSS
 from ..evaluate import score
-from ..model import ModelConfig
+from ..checkpoints.model_config import ModelConfig
 from ..paths import bar
 from .plan import activation_bytes, kv_cache_bytes, weights_bytes
 from .roofline import A100_80GB, GPT3_175B, LLAMA2_7B, LLAMA2_70B, SMOLLM2_135M, Ceiling, streamed_params

@@ -33,7 +33,8 @@ from ..config import GenerationConfig
 from ..errors import BenchError
 from ..kernels import build as kernel_build
 from ..kernels import dispatch
-from ..model import Model, ModelConfig
+from ..model import Model
+from ..checkpoints.model_config import ModelConfig
 from ..numerics.precision import Precision
 from ..steps.choose import choose_step
 from .bench import bytes_per_decode_step

@@ -11,7 +11,7 @@ it gathers blocks into, counted here). The weights are counted the same way, on 
 The activations are counted from the tensors one layer of the prefill holds at its peak (the
 MLP's), for the rows one forward runs: the whole prompt, or `prefill_chunk_size` of them. Where the
 whole prompt's activations do not fit, the planner offers the largest prompt chunk that does
-(PREFILL_CHUNKS). `peak_tensor_bytes` measures what a generation really allocates, to hold the
+(PREFILL_CHUNKS). `profiling.peak_tensor_bytes` measures what a generation really allocates, to hold the
 estimate against (tests/test_plan.py: within 10%).
 
 A model trained with sliding layers (Gemma 3, Mistral; ModelConfig.layer_types) gets the hybrid
@@ -27,24 +27,19 @@ approximation: they were measured one at a time).
 
 from __future__ import annotations
 
-import gc
 import math
 import os
-import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from ..caches.make import make_cache
-from ..combinations import model_window
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..loading import read_config, resolve_folder
-from ..model import Model, ModelConfig
+from ..model import Model
+from ..checkpoints.model_config import ModelConfig
 from ..numerics.precision import DTYPES
 
 # setting -> (expected perplexity change in %, where it was measured), SmolLM2-135M
@@ -261,7 +256,7 @@ def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype
     and one larger than the model's own sliding window is refused (combinations.py), so not offered.
     A chunked prompt gives the same tokens (chapter 16), so chunking costs no quality, only some
     prefill speed: the whole prompt is offered wherever it fits."""
-    out, own = [], model_window(cfg)  # own: the model's sliding window, 0 when no layer slides
+    out, own = [], cfg.own_window  # own: the model's sliding window, 0 when no layer slides
     for storage in KV_STORAGE:
         for window in WINDOWS:
             if window is not None and ("quant_bits" in storage or window + 4 >= context or 0 < own < window):
@@ -363,43 +358,6 @@ def oom_remedies(model: str | os.PathLike | ModelConfig | Model = "smollm2-135m"
         "quant_bits=4": base - kv_cache_bytes(cfg, base_config.replace(quant_bits=4), batch, context, dtype),
         f"max_length={max_length}": base - kv_cache_bytes(cfg, base_config, batch, min(context, max_length), dtype),
     }
-
-
-class _LiveTensors(TorchDispatchMode):
-    """Counts the bytes of the tensor storages that torch ops create while it is on, and their peak:
-    the CPU's analogue of torch.cuda.max_memory_allocated. A storage counts from the op that made
-    it until it is freed; what a kernel allocates inside itself (scratch) is not seen."""
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self.seen: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key, n = storage.data_ptr(), storage.nbytes()
-                if n and key not in self.seen:
-                    self.seen.add(key)
-                    self.live += n
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, n)
-        return out
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self.seen.discard(key)
-
-
-def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
-    """(the peak bytes of tensors `fn` allocated and held at once, fn's result): what a generation
-    really allocates, cache included, to hold activation_bytes + kv_cache_bytes against."""
-    gc.collect()
-    with _LiveTensors() as live:
-        result = fn()
-    return live.peak, result
 
 
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -25,19 +25,24 @@ the two are timed at different moments, and a busy neighbour slows one and not t
 from __future__ import annotations
 
 import functools
+import gc
 import time
+import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .. import attention, model
 from ..numerics.precision import prompt_products
 from ..kernels import dispatch
 from ..steps.choose import choose_step
-from ..caches import contiguous, h2o, offload, paged, quantized, window
+from ..caches import contiguous, h2o, hybrid, offload, paged, quantized, window
 from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import BenchError, ConfigError
@@ -55,15 +60,16 @@ STEP = LABEL + "step"  # the range of one whole profiled decode step: what the c
 CATEGORIES = {
     # the C kernels that kernels/dispatch.py picks run inside these (a ctypes call, or minigen::matvec)
     "matrix products": [(model.TorchOps, "linear"), (dispatch.KernelOps, "linear")],
-    "attention": [(model, "attend"), (model, "causal_mask"), (attention.AttentionPolicy, "attend"),
+    "attention": [(model, "attend"), (model, "layer_mask"), (attention.AttentionPolicy, "attend"),
                   (attention.AttentionPolicy, "mask")]
                  + [(ops, name) for ops in (model.TorchOps, dispatch.KernelOps)
                     for name in ("decode_attention", "attend_blocks", "attend_prompt_blocks")],
-    "norms": [(model.RMSNorm, "forward"), (model.LayerNorm, "forward")],
+    "norms": [(model.RMSNorm, "forward"), (model.LayerNorm, "forward"), (model.GemmaRMSNorm, "forward")],
     "RoPE": [(model, "apply_rope")],
     "cache update": [(cls, name) for cls in (contiguous.KVCache, paged.PagedKVCache, quantized.QuantizedKVCache,
                                              quantized.QuantizedPagedKVCache, window.WindowKVCache,
-                                             h2o.HeavyHitterCache, offload.OffloadedKVCache)
+                                             h2o.HeavyHitterCache, offload.OffloadedKVCache, hybrid.HybridKVCache,
+                                             hybrid.HybridPagedKVCache)
                      for name in ("prepare", "update") if name in vars(cls)],
 }
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "minigen::matvec",
@@ -280,3 +286,41 @@ def format_profile(p: Profile) -> str:
         lines.append(f"{name:<18} {s * 1e3:8.3f} {s / p.profiled_step_s:6.1%}")
     lines.append(f"{'sum':<18} {total * 1e3:8.3f} ({total / p.profiled_step_s - 1:+.1%} against the profiled step)")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- what a run allocates (on a CPU too)
+class _LiveTensors(TorchDispatchMode):
+    """Counts the bytes of the tensor storages that torch ops create while it is on, and their peak:
+    the CPU's analogue of torch.cuda.max_memory_allocated. A storage counts from the op that made
+    it until it is freed; what a kernel allocates inside itself (scratch) is not seen."""
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key, n = storage.data_ptr(), storage.nbytes()
+                if n and key not in self.seen:
+                    self.seen.add(key)
+                    self.live += n
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, n)
+        return out
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self.seen.discard(key)
+
+
+def peak_tensor_bytes(fn: Callable[[], object]) -> tuple[int, object]:
+    """(the peak bytes of tensors `fn` allocated and held at once, fn's result): what a generation
+    really allocates, cache included, to hold activation_bytes + kv_cache_bytes against."""
+    gc.collect()
+    with _LiveTensors() as live:
+        result = fn()
+    return live.peak, result

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .machine import memory_read_bandwidth
-from ..model import ModelConfig
+from ..checkpoints.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ and masks), and each row samples from its own generator, seeded by its own `seed
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import reprlib
 import time
@@ -42,7 +41,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..combinations import ENGINE_REFUSED, REQUEST_KEYS, check_rows
+from ..combinations import check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
 from ..generate import check_prompt, make_policy
@@ -52,12 +51,12 @@ from ..sampling import make_generator, sample
 from ..steps.choose import choose_step
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
-from .scheduler import (PrefixAllocator, Request, blocks_for, can_admit, engine_metrics)
+from .scheduler import (ENGINE_REFUSED, REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for,
+                        can_admit, engine_metrics, prompt_tokens)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
 MAX_SLEEP_S = 3600.0  # stream() waits for a far arrival in naps of at most this: time.sleep overflows past ~3e2 years
-PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
 
 
 def available_bytes(device: torch.device) -> int:
@@ -69,46 +68,6 @@ def available_bytes(device: torch.device) -> int:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def prompt_tokens(prompt_ids, vocab_size: int) -> list[int]:
-    """A request's prompt -> its token ids, each in [0, vocab_size); PromptError for anything else.
-    Checked before any conversion: torch would truncate floats and bools to ids, and give raw errors
-    for text, None, ragged lists and ids past int64."""
-    given = f"{reprlib.repr(prompt_ids)} ({type(prompt_ids).__name__})"
-    if isinstance(prompt_ids, Tensor):
-        ids = prompt_ids[0] if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1 else prompt_ids
-        if ids.dim() != 1 or ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
-            raise PromptError(f"the prompt is a {prompt_ids.dtype} tensor of shape {tuple(prompt_ids.shape)}: "
-                              f"give {PROMPTS_ACCEPTED}")
-        tokens = ids.tolist()
-    elif isinstance(prompt_ids, (list, tuple)):
-        for i, x in enumerate(prompt_ids):  # a bool is an int to Python, never a token id
-            if not isinstance(x, numbers.Integral) or isinstance(x, bool):
-                raise PromptError(f"the prompt's item {i} is {reprlib.repr(x)} ({type(x).__name__}): give "
-                                  f"{PROMPTS_ACCEPTED}")
-        tokens = [int(x) for x in prompt_ids]
-    else:
-        raise PromptError(f"the prompt is {given}: give {PROMPTS_ACCEPTED} (text: encode it with the "
-                          "model's tokenizer first)")
-    if not tokens:
-        raise PromptError(f"the prompt is empty ({given}): give at least one token id")
-    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise PromptError(f"the prompt's token id {tokens[bad]} (item {bad}) is outside this model's vocabulary "
-                          f"[0, {vocab_size - 1}]: use the model's own tokenizer")
-    return tokens
-
-
-def arrival_seconds(arrival_s, now: float) -> float:
-    """`add_request`'s arrival_s -> seconds since t=0 (None: now); ConfigError unless finite and >= 0."""
-    if arrival_s is None:
-        return now
-    if (not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool)
-            or not math.isfinite(arrival_s) or arrival_s < 0):
-        raise ConfigError(f"arrival_s={reprlib.repr(arrival_s)} is invalid: use a finite number of seconds >= 0 "
-                          "since the engine started (engine.now() is now), or None to arrive now")
-    return float(arrival_s)
 
 
 class Engine:

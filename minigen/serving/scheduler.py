@@ -19,13 +19,75 @@ ones in least-recently-used order (`PrefixAllocator`).
 from __future__ import annotations
 
 import math
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from ..caches.blocks import BlockAllocator
+from ..combinations import RAGGED_REFUSED
 from ..config import GenerationConfig
+from ..errors import ConfigError, PromptError
 from .metrics import latency_stats
+
+
+# ---------------------------------------------------------------- what a request and the engine take
+# The serving engine (engine.py) runs every sequence in one pool of full-precision paged
+# blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
+REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+ENGINE_REFUSED: dict[str, str] = {
+    **RAGGED_REFUSED,
+    "prefetch_depth": "the engine's pool of blocks stays on the device",
+    "speculative_method": "the engine's steps decode one token per sequence: speculative decoding runs in "
+                          "generate and stream (a list of prompts is a ragged batch)",
+    "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer that the engine's "
+                  "changing rows cannot share, and a prefix-cache hit or a recompute after preemption would read "
+                  "quantized keys where the prompt alone is attended in full precision (generate(model, prompts) "
+                  "runs a quantized ragged batch, one cache per row)",
+}
+PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
+
+
+def prompt_tokens(prompt_ids, vocab_size: int) -> list[int]:
+    """A request's prompt -> its token ids, each in [0, vocab_size); PromptError for anything else.
+    Checked before any conversion: torch would truncate floats and bools to ids, and give raw errors
+    for text, None, ragged lists and ids past int64."""
+    given = f"{reprlib.repr(prompt_ids)} ({type(prompt_ids).__name__})"
+    if isinstance(prompt_ids, Tensor):
+        ids = prompt_ids[0] if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1 else prompt_ids
+        if ids.dim() != 1 or ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+            raise PromptError(f"the prompt is a {prompt_ids.dtype} tensor of shape {tuple(prompt_ids.shape)}: "
+                              f"give {PROMPTS_ACCEPTED}")
+        tokens = ids.tolist()
+    elif isinstance(prompt_ids, (list, tuple)):
+        for i, x in enumerate(prompt_ids):  # a bool is an int to Python, never a token id
+            if not isinstance(x, numbers.Integral) or isinstance(x, bool):
+                raise PromptError(f"the prompt's item {i} is {reprlib.repr(x)} ({type(x).__name__}): give "
+                                  f"{PROMPTS_ACCEPTED}")
+        tokens = [int(x) for x in prompt_ids]
+    else:
+        raise PromptError(f"the prompt is {given}: give {PROMPTS_ACCEPTED} (text: encode it with the "
+                          "model's tokenizer first)")
+    if not tokens:
+        raise PromptError(f"the prompt is empty ({given}): give at least one token id")
+    bad = next((i for i, t in enumerate(tokens) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise PromptError(f"the prompt's token id {tokens[bad]} (item {bad}) is outside this model's vocabulary "
+                          f"[0, {vocab_size - 1}]: use the model's own tokenizer")
+    return tokens
+
+
+def arrival_seconds(arrival_s, now: float) -> float:
+    """`add_request`'s arrival_s -> seconds since t=0 (None: now); ConfigError unless finite and >= 0."""
+    if arrival_s is None:
+        return now
+    if (not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool)
+            or not math.isfinite(arrival_s) or arrival_s < 0):
+        raise ConfigError(f"arrival_s={reprlib.repr(arrival_s)} is invalid: use a finite number of seconds >= 0 "
+                          "since the engine started (engine.now() is now), or None to arrive now")
+    return float(arrival_s)
 
 
 def can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int, max_batch_size: int) -> bool:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, model_window, refused_with, run_refusals
+from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_with, run_refusals
 from ..config import GenerationConfig
 from ..kernels import build as kernel_build
 from ..kernels import cpu, triton_attention
@@ -33,7 +33,7 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
     """What combinations.RUN_RULES reads of the model and the machine for this generation. The C
     kernel is built (once per machine) only where the fused step could run."""
     p = model.precision
-    run = Run(arch=model.config.arch, head_dim=model.config.head_dim, model_window=model_window(model.config),
+    run = Run(arch=model.config.arch, head_dim=model.config.head_dim, model_window=model.config.own_window,
               device=model.device.type,
               fp32_compute=p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits,
               precision=p.describe(model.dtype), kv_dtype=config.kv_dtype or _name(model.dtype), batch=batch,

@@ -15,7 +15,7 @@ raise: write the count from the architecture's numbers, do not read it off the p
 
 from __future__ import annotations
 
-from ...model import ModelConfig
+from ...checkpoints.model_config import ModelConfig
 from . import compare, forbidding, known_mistake
 
 # Architecture constants of published checkpoints (their config.json on the Hugging Face hub).

@@ -12,7 +12,7 @@ worked solutions patched to raise: write the count from the architecture's numbe
 
 from __future__ import annotations
 
-from ...model import ModelConfig
+from ...checkpoints.model_config import ModelConfig
 from . import compare, forbidding, known_mistake
 from .ch01 import GPT2_SMALL, LLAMA2_7B, SMOLLM2_135M
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ...model import ModelConfig
+from ...checkpoints.model_config import ModelConfig
 from ...caches.quantized import QuantizedKVCache
 from ...numerics import quant, weight_quant
 from . import ExerciseFailed, compare, forbidding, known_mistake

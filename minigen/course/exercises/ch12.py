@@ -17,7 +17,7 @@ functions patched to raise: your code must do the counting.
 
 from __future__ import annotations
 
-from ...model import ModelConfig
+from ...checkpoints.model_config import ModelConfig
 from ...measure.roofline import (A100_80GB, GPUS, SHAPES, Ceiling, decode_point, streamed_params, tokens_per_s)
 from . import ExerciseFailed, forbidding, known_mistake
 

@@ -24,7 +24,7 @@ import importlib
 import random
 
 from ...config import GenerationConfig
-from ...model import ModelConfig
+from ...checkpoints.model_config import ModelConfig
 from . import ExerciseFailed, forbidding
 
 planner = importlib.import_module("minigen.measure.plan")  # the module: `minigen.measure.plan` is the function
