@@ -18,7 +18,8 @@ MODEL_WINDOW: dict[str, tuple[str, str]] = {
     "use_cache=False": ("applied", "the naive loop masks each sliding layer to its window"),
     "attention_backend": ("refused", "the Triton kernels mask every layer with one window; use "
                                      "attention_backend='torch'"),
-    "cache_chunk_size": ("applied", f"the paged cache {_KEEP_EVERY}; so does the serving engine's pool"),
+    "cache_chunk_size": ("applied", f"the paged cache {_KEEP_EVERY}; the serving engine instead keeps the sliding "
+                         "layers in a pool of windows beside its full layers' pool (HybridPagedKVCache)"),
     "prefetch_depth": ("applied", f"the offload tier over a contiguous cache {_KEEP_EVERY}"),
     "quant_bits": ("applied", f"the quantized cache {_KEEP_EVERY}"),
     "window_size": ("applied up to the model's window", "window_size <= sliding_window: the smaller window (with "
@@ -73,7 +74,7 @@ def combination_table() -> str:
     rows += [f"- {', '.join(keys)} only with `{switch}`: set to anything but the default without it, refused."
              for switch, keys in needs.items()]
     rows += ["", "Models with their own sliding window (`ModelConfig.layer_types`: Mistral, Qwen2 with "
-             "`use_sliding_window`; chapter 5) get the hybrid cache, a ring per sliding layer and every position "
+             "`use_sliding_window`, Gemma 3; chapter 5) get the hybrid cache, a ring per sliding layer and every position "
              "per full layer. Beside it:"]
     rows += [f"- `{feature}`: {verdict}: {how}." for feature, (verdict, how) in MODEL_WINDOW.items()]
     return "\n".join(rows)
