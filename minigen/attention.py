@@ -298,10 +298,12 @@ def layer_mask(input_pos: Tensor, key_pos: Tensor, policy: "AttentionPolicy | No
     if plain and prefix_causal(input_pos, key_pos) and (window is None or input_pos.shape[0] <= window):
         return Causal(input_pos.shape[0])  # a prompt from position 0 (that fits the window)
     # [T, S] or [B, 1, T, S] bool; a policy may narrow it to a window with sinks
-    if imposes_window(policy):
+    if policy is not None and (window is None or imposes_window(policy)):
         mask = policy.mask(input_pos, key_pos)
-    else:  # (a policy without a window masks causally: `policy.mask` is causal_mask then)
-        mask = causal_mask(input_pos, key_pos) if window is None else window_mask(input_pos, key_pos, window)
+    elif window is None:
+        mask = causal_mask(input_pos, key_pos)
+    else:  # a sliding layer's own window (a policy without a window of its own masks causally)
+        mask = window_mask(input_pos, key_pos, window)
     if policy is None and input_pos.dim() == 1 and input_pos.shape[0] > 1 and not torch.compiler.is_compiling():
         # a later piece of a prompt, or a verify chunk: the slots after the last one any query
         # sees add only masked scores, which SDPA would compute anyway; attend up to it

@@ -321,6 +321,17 @@ def test_a_window_at_least_the_length_is_full_attention(kind):
                                             do_sample=False))
 
 
+def test_a_window_that_holds_the_whole_context_slides_nothing(sliding):
+    """Mistral's default sliding_window (4,096) in a model of 4,096 positions: full attention, so the
+    paths that mask every layer alike (fused_decode, the Triton backend) are not refused."""
+    _, _, model, _, _ = sliding
+    c = model.config
+    assert c.own_window == c.sliding_window < c.max_seq_len
+    wide = dataclasses.replace(c, sliding_window=c.max_seq_len)
+    assert wide.sliding_layers == c.sliding_layers and wide.own_window == 0
+    assert all(wide.kv_positions(i, c.max_seq_len) == c.max_seq_len for i in range(c.n_layers))
+
+
 # ---------------------------------------------------------------- the README's list (course/table.py: MODEL_WINDOW)
 SWITCH = {"use_cache=False": dict(use_cache=False), "attention_backend": dict(attention_backend="triton",
                                                                               cache_chunk_size=4),

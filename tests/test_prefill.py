@@ -33,7 +33,7 @@ def test_prefix_causal_holds_only_where_the_mask_is_the_lower_triangle_of_the_fi
 
 
 def _without_causal(monkeypatch):
-    monkeypatch.setattr("minigen.model.prefix_causal", lambda q, k: False)
+    monkeypatch.setattr("minigen.attention.prefix_causal", lambda q, k: False)
 
 
 @pytest.mark.parametrize("kv", ["naive", "contiguous", "paged", "window", "quantized", "bf16 cache"])
@@ -413,7 +413,7 @@ def test_a_later_piece_attends_only_up_to_the_last_slot_it_sees(tiny_llama, monk
             return model(ids[:, 10:], torch.arange(10, 18), cache)
     trimmed = piece()
     assert set(widths) == {18}, widths
-    monkeypatch.setattr("minigen.model.seen_slots", lambda mask: mask.shape[-1])
+    monkeypatch.setattr("minigen.attention.seen_slots", lambda mask: mask.shape[-1])
     whole = piece()
     assert set(widths) == {64}, widths
     torch.testing.assert_close(trimmed, whole, atol=1e-5, rtol=1e-5)

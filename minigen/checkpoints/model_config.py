@@ -70,8 +70,9 @@ class ModelConfig:
 
     @property
     def own_window(self) -> int:
-        """The window its sliding layers were trained with; 0 when no layer slides."""
-        return self.sliding_window if self.sliding_layers else 0
+        """The window its sliding layers were trained with; 0 when no layer slides, or when the window
+        holds the whole context (Mistral's default 4,096 in a 4,096-token model): that is full attention."""
+        return self.sliding_window if self.sliding_layers and self.sliding_window < self.max_seq_len else 0
 
     @property
     def sliding_layers(self) -> int:
