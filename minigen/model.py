@@ -371,7 +371,7 @@ class Model(nn.Module):
         key_pos = cache.prepare(input_pos) if cache is not None else input_pos
         masks = {kind: layer_mask(input_pos, key_pos[kind] if isinstance(key_pos, dict) else key_pos, policy,
                                   cache, None if kind == "full_attention" or imposes_window(policy) else
-                                  self.config.sliding_window, x.dtype)
+                                  self.config.own_window or None, x.dtype)
                  for kind in dict.fromkeys(self.layer_types)}
         for block, kind in zip(self.blocks, self.layer_types):
             x = block(x, ropes[kind], masks[kind], cache, self.ops, policy, p)

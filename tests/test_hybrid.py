@@ -328,8 +328,11 @@ def test_a_window_that_holds_the_whole_context_slides_nothing(sliding):
     c = model.config
     assert c.own_window == c.sliding_window < c.max_seq_len
     wide = dataclasses.replace(c, sliding_window=c.max_seq_len)
-    assert wide.sliding_layers == c.sliding_layers and wide.own_window == 0
+    assert wide.layer_types == c.layer_types and wide.sliding_layers == 0 and wide.own_window == 0
     assert all(wide.kv_positions(i, c.max_seq_len) == c.max_seq_len for i in range(c.n_layers))
+    model = minigen.Model(wide).eval()
+    for run in (dict(), dict(fused_decode="auto")):
+        assert not isinstance(make_cache(model, GenerationConfig(**run), 1, 32), HybridKVCache)
 
 
 # ---------------------------------------------------------------- the README's list (course/table.py: MODEL_WINDOW)

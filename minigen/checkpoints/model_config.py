@@ -64,20 +64,22 @@ class ModelConfig:
                                  "positive window (tokens each query sees)")
 
     def window_of(self, layer: int) -> int | None:
-        """The window layer `layer` was trained with (tokens each query sees), or None: full attention."""
+        """The window layer `layer` was trained with (tokens each query sees), or None: full attention.
+        A window that holds the whole context is full attention too (transformers' default Mistral:
+        4,096 of 4,096 positions); its layers keep their type, which picks Gemma's RoPE base."""
         sliding = self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
-        return self.sliding_window if sliding else None
+        return self.sliding_window if sliding and self.sliding_window < self.max_seq_len else None
 
     @property
     def own_window(self) -> int:
-        """The window its sliding layers were trained with; 0 when no layer slides, or when the window
-        holds the whole context (Mistral's default 4,096 in a 4,096-token model): that is full attention."""
-        return self.sliding_window if self.sliding_layers and self.sliding_window < self.max_seq_len else 0
+        """The window its sliding layers were trained with; 0 when no layer slides (see window_of)."""
+        slides = self.layer_types is not None and "sliding_attention" in self.layer_types
+        return self.sliding_window if slides and self.sliding_window < self.max_seq_len else 0
 
     @property
     def sliding_layers(self) -> int:
         """How many layers attend a sliding window (0: a model of full attention only)."""
-        return sum(t == "sliding_attention" for t in self.layer_types or ())
+        return sum(self.window_of(i) is not None for i in range(self.n_layers))
 
     def kv_positions(self, layer: int, context: int) -> int:
         """Positions layer `layer`'s cache must hold for a context of `context` tokens: all of them
