@@ -602,6 +602,16 @@ def _():
     minigen.generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
 
 
+@case("offload-a-hybrid-cache")
+def _():
+    from minigen.caches.hybrid import HybridKVCache
+    from minigen.caches.offload import OffloadedKVCache
+    # two full layers and two sliding ones: the full part has prefetch_depth + 1 = 2 layers, so the
+    # depth check passes, and the tier would move the rings' tensors as if they were layers
+    kinds = ("full_attention", "full_attention", "sliding_attention", "sliding_attention")
+    OffloadedKVCache(HybridKVCache(kinds, 1, 2, 32, 8, sliding_window=8), n_layers=4, prefetch_depth=1)
+
+
 @case("from-hf-in-place-change")
 def _():
     hf = tiny_hf("llama", seed=2)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..errors import ConfigError
 from .contract import one_vector
+from .hybrid import HybridKVCache, HybridPagedKVCache
 
 
 class OffloadedKVCache:
@@ -29,9 +30,18 @@ class OffloadedKVCache:
     every layer's state lives in the second tier. Any cache of the contract (cache.py) whose
     `prepare` leaves per-layer state alone can be wrapped: contiguous, ring buffer, quantized,
     paged (build and fork it before wrapping: the wrapper holds its tensors). Heavy hitters
-    cannot: they compact every layer at once (config.py refuses the pair)."""
+    cannot: they compact every layer at once (config.py refuses the pair). Nor can the hybrid
+    caches: their tensors are per part (full layers, sliding rings), not per model layer, so
+    make_cache offloads a KVCache on a model with sliding layers and the model masks them."""
 
     def __init__(self, inner, n_layers: int, prefetch_depth: int):
+        if isinstance(inner, (HybridKVCache, HybridPagedKVCache)):
+            # its tensors are per part (full layers, sliding rings), not per model layer: the tier
+            # would move a sliding layer's ring into a full layer's slot
+            raise ConfigError(f"OffloadedKVCache cannot wrap a {type(inner).__name__}: it keeps full and sliding "
+                              "layers in separate parts, and the tier moves one model layer per slot. Fix: wrap a "
+                              "KVCache of min(n_layers, prefetch_depth + 1) layers (the model masks each sliding "
+                              "layer), as make_cache does with prefetch_depth")
         self.inner, self.n_layers, self.depth = inner, n_layers, prefetch_depth
         self.slots = inner.layer_tensors()  # each [P + 1, ...] on the device
         self.n_slots = self.slots[0].shape[0]
