@@ -61,10 +61,19 @@ def make(w) -> Tensor:
 def prepare(model) -> None:
     """Make the bf16 copy of every block weight that takes one (once per model: a later call only
     checks that each copy is there and current)."""
-    with torch.inference_mode():
-        for w in block_weights(model):
-            if takes(w) and copy_of(w) is None:
-                _COPIES[w] = (_version(w), make(w))
+    for w in block_weights(model):
+        keep(w)
+
+
+def keep(w) -> Tensor | None:
+    """w's bf16 copy, made now if it has none or a stale one; None where w takes none (`takes`)."""
+    if not takes(w):
+        return None
+    if (kept := copy_of(w)) is None:
+        with torch.inference_mode():
+            kept = make(w)
+        _COPIES[w] = (_version(w), kept)
+    return kept
 
 
 def copy_of(w) -> Tensor | None:
