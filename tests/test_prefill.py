@@ -189,7 +189,7 @@ def test_bench_counts_a_bf16_prompt_as_lossy():
 
 # the bf16 copies of a model's block weights (numerics/bf16_copies.py)
 from minigen.numerics import bf16_copies  # noqa: E402
-from minigen.numerics.weight_quant import QuantizedWeight, quantize_weights  # noqa: E402
+from minigen.numerics.weight_quant import QuantizedWeight, linear_weights, quantize_weights  # noqa: E402
 
 needs_bf16_gemm = pytest.mark.skipif(not cpu_kernel._ONEDNN_BF16 or kernel_build.compiler() is None,
                                      reason="needs oneDNN with bf16 GEMMs (AVX-512 or AMX) and the C kernel")
@@ -206,6 +206,7 @@ def test_bf16_copies_are_made_once_reused_and_counted_and_the_head_has_none(tiny
     model = _fresh_tiny(tiny_llama, weights)
     blocks = bf16_copies.block_weights(model)
     assert len(blocks) == 4 * len(model.blocks) and all(w is not model.head for w in blocks)
+    assert [id(w) for w in blocks] == [id(getattr(m, name)) for m, name in linear_weights(model)]
     assert all(bf16_copies.copy_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
     with prompt_products("bfloat16"):  # no model given: nothing is made
         pass
