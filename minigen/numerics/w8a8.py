@@ -65,22 +65,48 @@ CALIBRATION_TOKENS = 256  # seeded random ids where the model came without a tok
 class Int8Weight:
     """A weight [n, k] as int8 codes with one fp32 scale per output channel, but for its outlier
     input columns, which it keeps in fp32 (none: `outliers` empty and `keep` None)."""
-    packed: Tensor  # the codes qw [n, k] (0 in outlier columns), in oneDNN's layout (qlinear_prepack)
+    packed: Tensor | None  # the codes qw [n, k] (0 in outlier columns), in oneDNN's layout (qlinear_prepack); None without oneDNN's int8
     scales: Tensor  # b [n] fp32
     keep: Tensor | None  # [k] fp32, 1 and 0 at the outliers: multiplies the activations before they are quantized
     outliers: Tensor  # [m] int64: the input channels kept fp32
     outlier_weights: Tensor  # w[:, outliers] [n, m] fp32
     zero_points: Tensor  # [n] int64 zeros: symmetric codes (oneDNN's call asks for them)
+    blocked: Tensor  # the codes for csrc/gemm_s8.c: [n64 / 16, k4 / 4, 16, 4] int8 (block_codes)
+    code_sums: Tensor  # [n] int32: 128 sum_k qw[n, k], what gemm_s8's activations + 128 add to each sum
+    shape: tuple[int, int]  # (n, k) of the weight
 
     @property
     def nbytes(self) -> int:
         keep = 0 if self.keep is None else self.keep.nbytes
-        return (self.packed.numel() + self.scales.nbytes + keep + self.outliers.nbytes
-                + self.outlier_weights.nbytes + self.zero_points.nbytes)
+        packed = 0 if self.packed is None else self.packed.numel()
+        return (packed + self.scales.nbytes + keep + self.outliers.nbytes + self.outlier_weights.nbytes
+                + self.zero_points.nbytes + self.blocked.nbytes + self.code_sums.nbytes)
 
     def codes(self) -> Tensor:
         """qw [n, k] int8, a copy in torch's layout (the reference's and the tests' way to read them)."""
-        return self.packed.to_dense().t().contiguous()
+        if self.packed is not None:
+            return self.packed.to_dense().t().contiguous()
+        return unblock_codes(self.blocked, *self.shape)
+
+
+BLOCK_CHANNELS = 16  # output channels of a block of gemm_s8's codes: one 512-bit load, 16 channels x 4 bytes
+PAD_CHANNELS = 64  # n rounded up to this (zero codes), so that a panel of the kernel's never reads past them
+
+
+def block_codes(codes: Tensor) -> Tensor:
+    """qw [n, k] int8 -> [n64 / 16, k4 / 4, 16, 4] (n64, k4: n and k rounded up to 64 and 4, zeros
+    there): each 64 bytes are 16 channels' next 4 codes, one vpdpbusd's operand (csrc/gemm_s8.c)."""
+    n, k = codes.shape
+    n64, k4 = -(-n // PAD_CHANNELS) * PAD_CHANNELS, -(-k // 4) * 4
+    padded = torch.zeros(n64, k4, dtype=torch.int8)
+    padded[:n, :k] = codes
+    return padded.view(n64 // 16, 16, k4 // 4, 4).transpose(1, 2).contiguous()  # [n64/16, k4/4, 16, 4]
+
+
+def unblock_codes(blocked: Tensor, n: int, k: int) -> Tensor:
+    """block_codes undone -> qw [n, k] int8."""
+    b16, kq = blocked.shape[:2]
+    return blocked.transpose(1, 2).reshape(b16 * 16, kq * 4)[:n, :k].contiguous()
 
 
 # the int8 copy of each weight that has one, keyed by the weight tensor itself: a model's copies
@@ -134,8 +160,9 @@ def quantize_weight(w: Tensor, outliers: Tensor | None = None) -> Int8Weight:
     b = coded.abs().amax(-1).div_(QMAX)
     b = torch.where(b > 0, b, torch.ones_like(b))
     codes = torch.round(coded / b[:, None]).to(torch.int8)
-    return Int8Weight(torch.ops.onednn.qlinear_prepack(codes, None), b, keep, outliers,
-                      w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long))
+    packed = torch.ops.onednn.qlinear_prepack(codes, None) if onednn_int8() else None
+    return Int8Weight(packed, b, keep, outliers, w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long),
+                      block_codes(codes), codes.sum(1, dtype=torch.int32) * 128, tuple(w.shape))
 
 
 def reference_linear(x: Tensor, w8: Int8Weight) -> Tensor:

@@ -1,0 +1,238 @@
+/* A prompt's products under prefill_precision="int8" (kernels/int8.py, numerics/w8a8.py):
+ *     y[r, j] = a[r] * b[j] * sum_k qx[r, k] qw[j, k]     int8 codes, exact int32 sums, fp32 y [M, n]
+ * with qx [M, k] a prompt's rows (a scale a[r] each) and qw [n, k] a weight's (a scale b[j] per
+ * output channel).
+ *
+ * Why our own: oneDNN's int8 linear ran a reference loop on an AMD Zen 5 (10 s for 512 x 576 x 1,536,
+ * where its fp32 GEMM took 12 ms), and torch._int_mm was slower than fp32 there. The instruction
+ * that makes int8 fast is `vpdpbusd`: in each 32-bit lane, four unsigned bytes times four signed
+ * bytes, summed into an int32 (64 multiply-adds a 512-bit instruction, 4x an fp32 FMA's 16). Every
+ * x86 with VNNI has it: AVX512-VNNI (Intel since Cascade Lake, AMD Zen 4 and 5) 512 bits wide, and
+ * AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5) 256 bits wide. One side must be unsigned, so the
+ * activations become u = qx + 128 (a flip of the sign bit) and the sum loses what that added:
+ *     sum_k qx qw = sum_k u qw - 128 sum_k qw[j, k]
+ * the second term fixed per weight row (int8.py's code_sums, made once per weight). The sums are
+ * exact (|u qw| <= 255 * 127: k up to 66,000 fits int32), so each output is
+ * (float)(sum) * a[r] * b[j], in that order: w8a8.reference_linear's bits wherever its fp32 sums
+ * are exact too, and the same bits whatever the thread count, blocking or variant.
+ *
+ * Layout: the weight's codes come blocked (int8.py: w8a8.Int8Weight.blocked) as 16 output channels
+ * x 4 bytes of k, [n / 16][k / 4][16][4], k padded with zeros to a multiple of 4 and n to a multiple
+ * of 64 (so a panel never reads past them): one 64-byte load is one vpdpbusd's signed operand, 16
+ * channels' next 4 codes. Each call packs the rows of x the same way, MR rows x 4 bytes, [M / MR][k
+ * / 4][MR] int32 (u, the sign bits flipped), so the micro-kernel broadcasts each row's 4 bytes from
+ * one pointer at constant offsets.
+ *
+ * The micro-kernel holds MR x NV vectors of int32 sums (MR rows of x against NV vectors of output
+ * channels); for each 4 bytes of k it loads NV vectors of codes and broadcasts MR times: NV + MR loads
+ * for MR NV vpdpbusd, which the vector units limit, not the loads:
+ *   AVX512-VNNI  MR 12, NV 2 (32 channels): 24 sums + 2 codes + a broadcast of 32 registers;
+ *   AVX-VNNI     MR 6, NV 2 (16 channels): 12 sums + 2 + 1 of 16;
+ *   AVX2         the same shape, vpdpbusd emulated exactly: the bytes widened to int16 pairs, two
+ *                vpmaddwd (not vpmaddubsw, whose int16 sums saturate at 2 * 255 * 127);
+ *   portable C   MR 4, 16 channels, plain int32 loops (no x86, or no AVX2).
+ * The threads share (group of rows, panel of channels) pairs through parallel_rows (parallel.c: its
+ * back-off on a busy machine), as gemm_q does; a group of rows of packed x stays in L2 while each
+ * panel of codes (NV vectors x k, 18 KB for k = 576) sweeps it from L1.
+ */
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define S8_VARIANT "avx512vnni"
+#define LANES 16
+#define MR 12
+#define NV 2
+#define SIMD 1
+typedef __m512i vi;
+static inline vi loadv(const int8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi bcast(int32_t x) { return _mm512_set1_epi32(x); }
+static inline vi dot4(vi acc, vi u, vi w) { return _mm512_dpbusd_epi32(acc, u, w); }
+#elif defined(__AVXVNNI__) || defined(__AVX2__)
+#define LANES 8
+#define MR 6
+#define NV 2
+#define SIMD 1
+typedef __m256i vi;
+static inline vi loadv(const int8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi bcast(int32_t x) { return _mm256_set1_epi32(x); }
+#ifdef __AVXVNNI__
+#define S8_VARIANT "avxvnni"
+static inline vi dot4(vi acc, vi u, vi w) { return _mm256_dpbusd_avx_epi32(acc, u, w); }
+#else
+#define S8_VARIANT "avx2"
+/* vpdpbusd's sums exactly: the even and the odd bytes of each 16-bit pair widened (u: zero-extended,
+ * w: sign-extended), then vpmaddwd adds each pair of products into the 32-bit lane (inlined into the
+ * tile, the widenings of u and w are made once per broadcast and per load, not per product) */
+static inline vi dot4(vi acc, vi u, vi w) {
+    const vi low = _mm256_set1_epi16(0x00FF);
+    const vi ue = _mm256_and_si256(u, low), uo = _mm256_srli_epi16(u, 8);
+    const vi we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, we), _mm256_madd_epi16(uo, wo)));
+}
+#endif
+#else
+#define S8_VARIANT "portable"
+#define LANES 16
+#define MR 4
+#define NV 1
+#endif
+#define PANEL (NV * LANES)  /* output channels a panel: 32 or 16, within the 64 that n is padded to */
+
+/* Which loop this build runs (tests and reports): "avx512vnni", "avxvnni", "avx2" or "portable". */
+const char *gemm_s8_variant(void) { return S8_VARIANT; }
+
+typedef struct {
+    Mat m;                  /* first, so that parallel_rows' Mat pointer is this struct's (m.M, m.n, m.k) */
+    const int8_t *w;        /* the blocked codes [n / 16][kq][16][4] */
+    const int32_t *wsum;    /* 128 sum_k qw[j, k], [n] */
+    const float *a, *b;     /* the rows' scales [M], the channels' [n] */
+    const int32_t *xp;      /* x packed, [M / MR][kq][MR] */
+    int64_t kq, rows;       /* groups of 4 bytes of k; rows of x a group (a multiple of MR) */
+} GemmS8;
+
+/* y[r, c0 + l] for l < nl of one row's sums s[l] (LANES of them): (float)(s - wsum) * a * b, in that
+ * order (the reference's); the last vector of an n that LANES does not divide one number at a time */
+static inline void store_row(const int32_t *s, const GemmS8 *g, float *y, float a, int64_t c0, int64_t nl) {
+    for (int64_t l = 0; l < nl; l++) y[c0 + l] = (float)(s[l] - g->wsum[c0 + l]) * a * g->b[c0 + l];
+}
+
+#ifdef SIMD
+/* acc += the MR x PANEL sums of one block of packed x (xb) against one panel of codes (wp), over all
+ * of k. Vector v of the panel is 16-channel block v LANES / 16 (wstride bytes apart), its bytes from
+ * (v LANES % 16) * 4 on: 512-bit vectors are whole blocks, 256-bit ones halves. */
+static inline __attribute__((always_inline)) void tile(const int8_t *wp, int64_t wstride, const int32_t *xb,
+                                                        int64_t kq, vi acc[MR][NV]) {
+    for (int64_t p = 0; p < kq; p++) {
+        vi w[NV];
+        for (int v = 0; v < NV; v++) w[v] = loadv(wp + (v * LANES / 16) * wstride + p * 64 + (v * LANES % 16) * 4);
+        #pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) {
+            const vi u = bcast(xb[p * MR + r]);
+            for (int v = 0; v < NV; v++) acc[r][v] = dot4(acc[r][v], u, w[v]);
+        }
+    }
+}
+
+/* the tile's sums into y: each vector to fp32 through the correction and the scales */
+static void store_tile(vi acc[MR][NV], const GemmS8 *g, float *y, int64_t r0, int64_t c0) {
+    const int64_t n = g->m.n;
+    for (int r = 0; r < MR && r0 + r < g->m.M; r++) {
+        float *yr = y + (r0 + r) * n;
+        const float a = g->a[r0 + r];
+        for (int v = 0; v < NV; v++) {
+            const int64_t c = c0 + v * LANES, nl = n - c < LANES ? n - c : LANES;
+            if (nl <= 0) break;
+#if LANES == 16
+            if (nl == LANES) {  /* the same operations as store_row, 16 at once */
+                __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], _mm512_loadu_si512(g->wsum + c)));
+                f = _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(a)), _mm512_loadu_ps(g->b + c));
+                _mm512_storeu_ps(yr + c, f);
+                continue;
+            }
+#else
+            if (nl == LANES) {
+                __m256 f = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[r][v], _mm256_loadu_si256((const __m256i *)(g->wsum + c))));
+                f = _mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(a)), _mm256_loadu_ps(g->b + c));
+                _mm256_storeu_ps(yr + c, f);
+                continue;
+            }
+#endif
+            int32_t s[LANES];
+            memcpy(s, &acc[r][v], sizeof s);
+            store_row(s, g, yr, a, c, nl);
+        }
+    }
+}
+#endif
+
+/* Unit i: panel i % panels (channels PANEL (i % panels) ..) against every block of x of group
+ * i / panels. */
+static void panel_rows(const Mat *m, float *y, int64_t i) {
+    const GemmS8 *g = (const GemmS8 *)m;
+    const int64_t panels = (m->n + PANEL - 1) / PANEL, c0 = i % panels * PANEL;
+    const int64_t start = i / panels * g->rows, end = start + g->rows < m->M ? start + g->rows : m->M;
+    const int64_t kq = g->kq, wstride = kq * 64;  /* bytes of a 16-channel block */
+    const int8_t *wp = g->w + c0 / 16 * wstride;
+    for (int64_t r0 = start; r0 < end; r0 += MR) {
+        const int32_t *xb = g->xp + r0 / MR * kq * MR;
+#ifdef SIMD
+        vi acc[MR][NV];
+        memset(acc, 0, sizeof acc);
+        tile(wp, wstride, xb, kq, acc);
+        store_tile(acc, g, y, r0, c0);
+#else
+        int32_t acc[MR][16] = {{0}};
+        for (int64_t p = 0; p < kq; p++) {
+            const int8_t *w = wp + p * 64;
+            for (int r = 0; r < MR; r++) {
+                uint8_t u[4];
+                memcpy(u, xb + p * MR + r, 4);
+                for (int c = 0; c < 16; c++)
+                    acc[r][c] += u[0] * w[4 * c] + u[1] * w[4 * c + 1] + u[2] * w[4 * c + 2] + u[3] * w[4 * c + 3];
+            }
+        }
+        const int64_t nl = m->n - c0 < 16 ? m->n - c0 : 16;
+        for (int r = 0; r < MR && r0 + r < m->M; r++) store_row(acc[r], g, y + (r0 + r) * m->n, g->a[r0 + r], c0, nl);
+#endif
+    }
+}
+
+/* Block blk of qx [M, k] (rows MR blk ..) -> xp's block: [kq][MR] int32 of 4 bytes of a row each, the
+ * sign bits flipped (u = q + 128), k's padding and the rows past M zeros (against zero codes, or not
+ * stored: any value would do). */
+static void pack_block(const int8_t *qx, int64_t M, int64_t k, int64_t kq, int32_t *xp, int64_t blk) {
+    int32_t *out = xp + blk * kq * MR;
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = blk * MR + r;
+        const int8_t *q = qx + row * k;
+        for (int64_t p = 0; p < kq; p++) {
+            uint32_t word = 0;
+            if (row < M) {
+                if (4 * p + 4 <= k) memcpy(&word, q + 4 * p, 4);
+                else for (int64_t i = 4 * p; i < k; i++) word |= (uint32_t)(uint8_t)q[i] << (8 * (i - 4 * p));
+                word ^= 0x80808080u;  /* each byte + 128 */
+                if (4 * p + 4 > k)
+                    word &= 0xFFFFFFFFu >> (8 * (4 * p + 4 - k));  /* past k: zeros */
+            }
+            out[p * MR + r] = (int32_t)word;
+        }
+    }
+}
+
+/* Rows of x a group: every panel sweeps its group's packed rows, which should stay in L2 (1 MB on
+ * Zen 4 and 5, 2 MB on the Xeon): at most 512 KB a group, in equal groups of whole blocks. */
+#define X_GROUP_BYTES (512 * 1024)
+
+static int64_t group_rows(int64_t M, int64_t kq) {
+    int64_t most = X_GROUP_BYTES / (4 * kq) / MR * MR;
+    if (most < MR) most = MR;
+    const int64_t groups = (M + most - 1) / most;
+    return ((M + groups - 1) / groups + MR - 1) / MR * MR;
+}
+
+/* y [M, n] fp32 = a[r] b[j] sum_k qx[r, k] qw[j, k]: qx [M, k] int8 codes with scales a [M], the weight
+ * as int8.py blocks it (w [n64 / 16][k4 / 4][16][4], n64 and k4 n and k rounded up to 64 and 4,
+ * zeros there), wsum [n] = 128 sum_k qw[j, k], b [n]. Returns 0, or -1 without memory for x packed
+ * (y is then not written). */
+int gemm_s8(const int8_t *qx, const float *a, const int8_t *w, const int32_t *wsum, const float *b, float *y,
+            int64_t M, int64_t n, int64_t k, int threads) {
+    const int64_t kq = (k + 3) / 4, blocks = (M + MR - 1) / MR;
+    int32_t *xp = malloc((size_t)(blocks * kq * MR) * sizeof *xp);
+    if (!xp) return -1;
+    /* the blocks shared out among the threads, only following the products' back-off (gemm_q's pack_x
+     * says why not through parallel_rows) */
+    int par = threads > 1 && blocks >= 2 * threads;
+#ifdef _OPENMP
+    par = par && !backing_off();
+#endif
+    #pragma omp parallel for num_threads(threads) if(par) schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) pack_block(qx, M, k, kq, xp, blk);
+    GemmS8 g = {.m = {.M = M, .n = n, .k = k}, .w = w, .wsum = wsum, .a = a, .b = b, .xp = xp, .kq = kq,
+                .rows = group_rows(M, kq)};
+    const int64_t units = (M + g.rows - 1) / g.rows * ((n + PANEL - 1) / PANEL);  /* (group, panel) pairs */
+    parallel_rows(panel_rows, &g.m, y, units, threads, 2);
+    free(xp);
+    return 0;
+}
