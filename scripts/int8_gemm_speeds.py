@@ -1,0 +1,92 @@
+"""Times a prompt's int8 products at SmolLM2's shapes (M = 512 rows), interleaved, medians:
+fp32 (cpu.linear, oneDNN's GEMM), oneDNN's int8 linear, torch._int_mm, and csrc/gemm_s8.c built
+as each variant this CPU can run (MINIGEN_CPU_KERNEL_CFLAGS), on 1 and 2 threads.
+
+    python scripts/int8_gemm_speeds.py [--rounds 15] [--rows 512]
+
+Each int8 time includes quantizing the rows (quantize_rows_s8) and no outlier columns: the GEMMs
+alone, on the same codes. Prints ms and multiply-adds per ns."""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from minigen.kernels import build, cpu, int8
+from minigen.numerics import w8a8
+
+SHAPES = ((576, 1536), (576, 960), (576, 576), (1536, 576))  # (k, n): wqkv-like, gate_up halves, wo, w_down
+VARIANT_FLAGS = {"avx512vnni": "", "avxvnni": "-mno-avx512f", "avx2": "-mno-avx512f -mno-avxvnni",
+                 "portable": "-mno-avx512f -mno-avxvnni -mno-avx2"}
+
+
+def libraries() -> dict:
+    """variant -> a library built with its flags (the ones that build and report that variant here)."""
+    libs = {}
+    before = os.environ.get("MINIGEN_CPU_KERNEL_CFLAGS")
+    try:
+        for want, flags in VARIANT_FLAGS.items():
+            os.environ["MINIGEN_CPU_KERNEL_CFLAGS"] = flags
+            lib, _ = build._build()
+            got = lib.gemm_s8_variant().decode()
+            if got == want:
+                libs[got] = lib
+    finally:
+        if before is None:
+            os.environ.pop("MINIGEN_CPU_KERNEL_CFLAGS", None)
+        else:
+            os.environ["MINIGEN_CPU_KERNEL_CFLAGS"] = before
+    return libs
+
+
+def c_product(lib, x, w8):
+    def run():
+        q, a = int8.quantize(x, w8)
+        y = torch.empty(x.shape[0], w8.shape[0])
+        lib.gemm_s8(q.data_ptr(), a.data_ptr(), w8.blocked.data_ptr(), w8.code_sums.data_ptr(), w8.scales.data_ptr(),
+                    y.data_ptr(), x.shape[0], w8.shape[0], w8.shape[1], torch.get_num_threads())
+        return y
+    return run
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    args = p.parse_args()
+    libs = libraries()
+    print(f"native variant: {int8.variant()}; built: {', '.join(libs)}")
+    g = torch.Generator().manual_seed(0)
+    for k, n in SHAPES:
+        w, x = torch.randn(n, k, generator=g), torch.randn(args.rows, k, generator=g)
+        w8 = w8a8.quantize_weight(w)
+        ref = w8a8.reference_linear(x, w8)
+        runs = {"fp32": lambda: cpu.linear(x, w)}
+        for b in ("onednn", "int_mm"):
+            if int8.available(b):
+                runs[b] = (lambda b=b: int8.int8_linear(x, w8, b))
+        for v, lib in libs.items():
+            runs[f"c {v}"] = c_product(lib, x, w8)
+        for name, run in runs.items():  # each right before timing: the same answer
+            if name != "fp32":
+                assert ((run() - ref).abs() <= 1e-5 * (x.abs() @ w.abs().T)).all(), name
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            times = {name: [] for name in runs}
+            for name, run in runs.items():
+                run()
+            for _ in range(args.rounds):
+                for name, run in runs.items():
+                    t = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - t)
+            macs = args.rows * k * n
+            line = "  ".join(f"{name} {1e3 * statistics.median(t):.2f} ms ({macs / statistics.median(t) / 1e9:.0f}/ns)"
+                             for name, t in times.items())
+            print(f"M={args.rows} k={k} n={n} threads={threads}: {line}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
