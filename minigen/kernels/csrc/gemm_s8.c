@@ -189,8 +189,8 @@ static void panel_rows(const Mat *m, float *y, int64_t i) {
 }
 
 /* Block blk of qx [M, k] (rows MR blk ..) -> xp's block: [kq][MR] int32 of 4 bytes of a row each, the
- * sign bits flipped (u = q + 128), k's padding and the rows past M zeros (against zero codes, or not
- * stored: any value would do). */
+ * sign bits flipped (u = q + 128). Past k (128 there) and past M (0) any value would do: the codes
+ * there are zeros, and those rows are not stored. */
 static void pack_block(const int8_t *qx, int64_t M, int64_t k, int64_t kq, int32_t *xp, int64_t blk) {
     int32_t *out = xp + blk * kq * MR;
     for (int r = 0; r < MR; r++) {
@@ -202,8 +202,6 @@ static void pack_block(const int8_t *qx, int64_t M, int64_t k, int64_t kq, int32
                 if (4 * p + 4 <= k) memcpy(&word, q + 4 * p, 4);
                 else for (int64_t i = 4 * p; i < k; i++) word |= (uint32_t)(uint8_t)q[i] << (8 * (i - 4 * p));
                 word ^= 0x80808080u;  /* each byte + 128 */
-                if (4 * p + 4 > k)
-                    word &= 0xFFFFFFFFu >> (8 * (4 * p + 4 - k));  /* past k: zeros */
             }
             out[p * MR + r] = (int32_t)word;
         }
