@@ -29,7 +29,9 @@
  *   AVX512-VNNI  MR 12, NV 2 (32 channels): 24 sums + 2 codes + a broadcast of 32 registers;
  *   AVX-VNNI     MR 6, NV 2 (16 channels): 12 sums + 2 + 1 of 16;
  *   AVX2         the same shape, vpdpbusd emulated exactly: the bytes widened to int16 pairs, two
- *                vpmaddwd (not vpmaddubsw, whose int16 sums saturate at 2 * 255 * 127);
+ *                vpmaddwd (not vpmaddubsw, whose int16 sums saturate at 2 * 255 * 127): ~5 instructions
+ *                where VNNI has one, 0.8x of oneDNN's fp32 GEMM on the Xeon (an AVX2-only Zen 3 has
+ *                more integer ports; not measured there);
  *   portable C   MR 4, 16 channels, plain int32 loops (no x86, or no AVX2).
  * The threads share (group of rows, panel of channels) pairs through parallel_rows (parallel.c: its
  * back-off on a busy machine), as gemm_q does; a group of rows of packed x stays in L2 while each
@@ -51,7 +53,7 @@ static inline vi bcast(int32_t x) { return _mm512_set1_epi32(x); }
 static inline vi dot4(vi acc, vi u, vi w) { return _mm512_dpbusd_epi32(acc, u, w); }
 #elif defined(__AVXVNNI__) || defined(__AVX2__)
 #define LANES 8
-#define MR 6
+#define MR 6  /* AVX2 too: its widened halves of the codes and a row spill 4 sums, and 4 rows measured slower */
 #define NV 2
 #define SIMD 1
 typedef __m256i vi;
@@ -172,18 +174,28 @@ static void panel_rows(const Mat *m, float *y, int64_t i) {
         tile(wp, wstride, xb, kq, out);
         store_tile(out, g, y, r0, c0);
 #else
-        int32_t acc[MR][16] = {{0}};
+        /* 16 channels as one vector of int32 sums a row (GCC's vector extensions: NEON or SSE): each 4
+         * bytes of k, the block's 64 codes as 16 int32 lanes (a channel's 4 codes each), byte i of
+         * every lane sign-extended by two shifts, then 4 multiply-adds a row (one byte at a time, the
+         * strided loop ran 2 multiply-adds per ns on the Xeon; a shuffle per byte, 3) */
+        typedef int32_t i32x16 __attribute__((vector_size(64)));
+        i32x16 acc[MR] = {{0}};
         for (int64_t p = 0; p < kq; p++) {
-            const int8_t *w = wp + p * 64;
+            i32x16 w;
+            memcpy(&w, wp + p * 64, sizeof w);
+            const i32x16 wi[4] = {(w << 24) >> 24, (w << 16) >> 24, (w << 8) >> 24, w >> 24};  /* little-endian */
             for (int r = 0; r < MR; r++) {
                 uint8_t u[4];
                 memcpy(u, xb + p * MR + r, 4);
-                for (int c = 0; c < 16; c++)
-                    acc[r][c] += u[0] * w[4 * c] + u[1] * w[4 * c + 1] + u[2] * w[4 * c + 2] + u[3] * w[4 * c + 3];
+                acc[r] += (int32_t)u[0] * wi[0] + (int32_t)u[1] * wi[1] + (int32_t)u[2] * wi[2] + (int32_t)u[3] * wi[3];
             }
         }
         const int64_t nl = m->n - c0 < 16 ? m->n - c0 : 16;
-        for (int r = 0; r < MR && r0 + r < m->M; r++) store_row(acc[r], g, y + (r0 + r) * m->n, g->a[r0 + r], c0, nl);
+        for (int r = 0; r < MR && r0 + r < m->M; r++) {
+            int32_t sums[16];
+            memcpy(sums, &acc[r], sizeof sums);
+            store_row(sums, g, y + (r0 + r) * m->n, g->a[r0 + r], c0, nl);
+        }
 #endif
     }
 }
