@@ -75,17 +75,20 @@ def main():
         for threads in args.threads:
             torch.set_num_threads(threads)
             times = {name: [] for name in runs}
-            for name, run in runs.items():
+            cpu_times = {name: [] for name in runs}  # one thread: the CPU time of this thread, which a
+            for name, run in runs.items():           # neighbour's time slices do not count in
                 run()
             for _ in range(args.rounds):
                 for name, run in runs.items():
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.thread_time()
                     run()
                     times[name].append(time.perf_counter() - t)
+                    cpu_times[name].append(time.thread_time() - c)
             macs = args.rows * k * n
-            line = "  ".join(f"{name} {1e3 * statistics.median(t):.2f} ms ({macs / statistics.median(t) / 1e9:.0f}/ns)"
-                             for name, t in times.items())
-            print(f"M={args.rows} k={k} n={n} threads={threads}: {line}", flush=True)
+            for label, ts in (("wall", times), ("cpu", cpu_times)) if threads == 1 else (("wall", times),):
+                line = "  ".join(f"{name} {1e3 * statistics.median(t):.2f} ms ({macs / statistics.median(t) / 1e9:.0f}/ns)"
+                                 for name, t in ts.items())
+                print(f"M={args.rows} k={k} n={n} threads={threads} {label}: {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,27 @@ def test_the_c_kernel_gives_the_same_bits_on_one_and_two_threads():
     assert torch.equal(two, int8.int8_linear(x, w8, "c"))
 
 
+@pytest.mark.skipif(not int8.available("c"), reason="the C kernels are not built here")
+def test_c_codes_are_torchs_bits_at_ties_extremes_and_tails():
+    """quantize_rows_s8 (8 lanes, rounding through 1.5 2^23) against w8a8.quantize_rows: values exactly
+    half a step apart (ties go to even), tiny and huge rows, an all-zero row, k not a multiple of 8."""
+    ties = torch.arange(-254, 255).float()[None] / 2  # max 127: a = 1, every other value a tie
+    g = torch.Generator().manual_seed(7)
+    rows = [ties, torch.zeros(1, 509), torch.randn(3, 509, generator=g) * 1e-30, torch.randn(3, 509, generator=g) * 1e30]
+    x = torch.cat(rows)
+    keep = torch.ones(509)
+    keep[::7] = 0
+    for kept in (None, keep):
+        for k in (509, 13, 8):
+            w8 = w8a8.quantize_weight(torch.ones(1, k), None)
+            w8 = w8 if kept is None else w8a8.quantize_weight(torch.ones(1, k), (kept[:k] == 0).nonzero()[:, 0])
+            xk = x[:, :k].contiguous()
+            q, a = int8.quantize(xk, w8)
+            q_ref, a_ref = w8a8.quantize_rows(xk, w8.keep)
+            assert torch.equal(q, q_ref) and torch.equal(a, a_ref)
+    assert int8.quantize(ties, w8a8.quantize_weight(torch.ones(1, 509)))[0][0, :6].tolist() == [-127, -126, -126, -126, -125, -124]
+
+
 def test_blocked_codes_are_the_codes_16_channels_by_4_bytes():
     """w8a8.quantize_weight's blocked copy: codes round(w / b) (computed here), 16 channels x 4 bytes of
     k a 64-byte block, n padded to 64 and k to 4 with zeros; the code sums 128 sum_k qw."""

@@ -23,10 +23,11 @@ finds in each batch; here they are fixed per weight):
   columns fixed per weight, so a row of a batch gets the same codes as alone: rows never influence
   each other (a scale or an outlier set found in the batch would make one prompt's numbers depend
   on another's).
-- Weights: one scale per output channel, so the GEMM is oneDNN's plain int8 one (a scale per
-  group along k would need one GEMM per group: no fast kernel takes it). The codes are made once
-  per model (`prepare`) and kept: an fp32 model gains a quarter of its blocks' weight bytes, and
-  the outlier columns in fp32.
+- Weights: one scale per output channel, so the GEMM is a plain int8 one (a scale per group along
+  k would need one GEMM per group: no fast kernel takes it). The codes are made once per model
+  (`prepare`) and kept, twice: in oneDNN's layout (where torch has its int8 linear) and blocked
+  for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's code sum): an fp32 model gains half
+  of its blocks' weight bytes, and the outlier columns in fp32.
 - Calibration: max|x_k| of every product's input, over a forward of the last CALIBRATION_CHARS
   characters of data/english.txt, through the tokenizer `minigen.load` returned with the model (for
   SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py and the tests score); a model loaded without one calibrates on seeded random ids.
@@ -39,8 +40,9 @@ finds in each batch; here they are fixed per weight):
   step's kernel), and the logits are the most sensitive product (chapter 14). A product without
   an int8 copy runs as it would under "float32".
 
-`reference_linear` is the scheme in plain torch (codes back to floats, an fp32 GEMM); the fast path
-is kernels/cpu.py's `int8_linear` (oneDNN's int8 GEMM), chosen per call by kernels/dispatch.py.
+`reference_linear` is the scheme in plain torch (codes back to floats, an fp32 GEMM); the fast paths
+are kernels/int8.py's `int8_linear` backends (our vpdpbusd GEMM in C, oneDNN's int8 GEMM,
+torch._int_mm), chosen per call by kernels/dispatch.py.
 """
 
 from __future__ import annotations
