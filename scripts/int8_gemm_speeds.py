@@ -4,8 +4,8 @@ as each variant this CPU can run (MINIGEN_CPU_KERNEL_CFLAGS), on 1 and 2 threads
 
     python scripts/int8_gemm_speeds.py [--rounds 15] [--rows 512]
 
-Each int8 time includes quantizing the rows (quantize_rows_s8) and no outlier columns: the GEMMs
-alone, on the same codes. Prints ms and multiply-adds per ns."""
+Each int8 time includes quantizing the rows (the C kernel's inside its call, the others' through
+quantize_rows_s8 before) and no outlier columns: the GEMMs on the same codes. Prints ms and multiply-adds per ns."""
 import argparse
 import os
 import statistics
@@ -41,11 +41,11 @@ def libraries() -> dict:
 
 
 def c_product(lib, x, w8):
-    def run():
-        q, a = int8.quantize(x, w8)
-        y = torch.empty(x.shape[0], w8.shape[0])
-        lib.gemm_s8(q.data_ptr(), a.data_ptr(), w8.blocked.data_ptr(), w8.code_sums.data_ptr(), w8.scales.data_ptr(),
-                    y.data_ptr(), x.shape[0], w8.shape[0], w8.shape[1], torch.get_num_threads())
+    def run():  # int8.py's _gemm_s8 through this library: the rows quantized inside the call
+        (T, k), n = x.shape, w8.shape[0]
+        q, a, y = torch.empty(T, k, dtype=torch.int8), torch.empty(T), torch.empty(T, n)
+        lib.gemm_s8(x.data_ptr(), None, q.data_ptr(), a.data_ptr(), w8.blocked.data_ptr(), w8.code_sums.data_ptr(),
+                    w8.scales.data_ptr(), y.data_ptr(), T, n, k, torch.get_num_threads())
         return y
     return run
 

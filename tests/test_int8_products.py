@@ -100,6 +100,22 @@ def test_the_c_kernel_gives_the_same_bits_on_one_and_two_threads():
 
 
 @pytest.mark.skipif(not int8.available("c"), reason="the C kernels are not built here")
+def test_gemm_s8_quantizes_as_torch_or_takes_codes():
+    """gemm_s8 given x writes w8a8.quantize_rows' codes and scales; given those codes instead (x NULL),
+    the same product."""
+    x, _, w8 = _case(40, 576, 70, [3, 17], seed=8)
+    lib, (n, k) = kernel_build.library(), w8.shape
+    q_ref, a_ref = w8a8.quantize_rows(x, w8.keep)
+    q, a, y = torch.empty(40, k, dtype=torch.int8), torch.empty(40), torch.empty(40, n)
+    args = (w8.blocked.data_ptr(), w8.code_sums.data_ptr(), w8.scales.data_ptr())
+    assert lib.gemm_s8(x.data_ptr(), w8.keep.data_ptr(), q.data_ptr(), a.data_ptr(), *args, y.data_ptr(), 40, n, k, 1) == 0
+    assert torch.equal(q, q_ref) and torch.equal(a, a_ref[:, 0])
+    y2 = torch.full((40, n), float("nan"))
+    assert lib.gemm_s8(None, None, q_ref.data_ptr(), a_ref.data_ptr(), *args, y2.data_ptr(), 40, n, k, 1) == 0
+    assert torch.equal(y2, y) and not y.isnan().any()
+
+
+@pytest.mark.skipif(not int8.available("c"), reason="the C kernels are not built here")
 def test_c_codes_are_torchs_bits_at_ties_extremes_and_tails():
     """quantize_rows_s8 (8 lanes, rounding through 1.5 2^23) against w8a8.quantize_rows: values exactly
     half a step apart (ties go to even), tiny and huge rows, an all-zero row, k not a multiple of 8."""

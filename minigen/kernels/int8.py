@@ -7,8 +7,9 @@ numerics/w8a8.py holds the scheme and its plain-torch oracle, `reference_linear`
 
     y[t, j] = a[t] b[j] sum_{k not outlier} qx[t, k] qw[j, k]  +  sum_{k outlier} x[t, k] w[j, k]
 
-Every backend makes the same codes qx of x (quantize_rows_s8 in C, else w8a8.quantize_rows: the same
-bits) and adds the same fp32 product of the outlier columns; they differ in who sums the codes:
+Every backend makes the same codes qx of x (quantize_rows_s8's row function in C, else
+w8a8.quantize_rows: the same bits) and adds the same fp32 product of the outlier columns; they
+differ in who sums the codes:
   "c"       csrc/gemm_s8.c: our vpdpbusd GEMM (AVX512-VNNI, AVX-VNNI, or exact emulations where the
             CPU has neither), on the weight's codes blocked once (w8a8.Int8Weight.blocked);
   "onednn"  oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise): fast on this course's Xeon, but
@@ -87,8 +88,11 @@ def int8_linear(x: Tensor, w8: Int8Weight, backend: str = "c") -> Tensor | None:
     if backend == "c" and k > MAX_K:
         return None
     x2 = x.reshape(-1, k).contiguous()
-    q, a = quantize(x2, w8)
-    y = {"c": _gemm_s8, "onednn": _onednn, "int_mm": _int_mm}[backend](q, a, w8)
+    if backend == "c":
+        y = _gemm_s8(x2, w8)
+    else:
+        q, a = quantize(x2, w8)
+        y = (_onednn if backend == "onednn" else _int_mm)(q, a, w8)
     if y is None:
         return None
     if len(w8.outliers):  # [T, m] @ [m, n]: m = 32 columns of fp32
@@ -104,13 +108,16 @@ def _onednn(q: Tensor, a: Tensor, w8: Int8Weight) -> Tensor | None:
                                               torch.float32, "none", [], "").mul_(a)
 
 
-def _gemm_s8(q: Tensor, a: Tensor, w8: Int8Weight) -> Tensor:
-    """csrc/gemm_s8.c on the blocked codes: q [T, k] int8, a [T, 1] -> [T, n] fp32 (sum * a * b)."""
-    (T, k), n = q.shape, w8.shape[0]
-    y = torch.empty(T, n)
-    if build.loaded().gemm_s8(q.data_ptr(), a.data_ptr(), w8.blocked.data_ptr(), w8.code_sums.data_ptr(),
-                              w8.scales.data_ptr(), y.data_ptr(), T, n, k, torch.get_num_threads()) != 0:
-        raise MemoryError(f"minigen's C kernel could not allocate x packed ({T * (k + 3) // 4 * 4 + 48 * k:,} bytes)")
+def _gemm_s8(x2: Tensor, w8: Int8Weight) -> Tensor:
+    """csrc/gemm_s8.c: x2 [T, k] fp32, its rows quantized inside the kernel's parallel region (the codes
+    and scales of quantize_rows_s8) -> [T, n] fp32 (sum * a * b)."""
+    (T, k), n = x2.shape, w8.shape[0]
+    q, a, y = torch.empty(T, k, dtype=torch.int8), torch.empty(T), torch.empty(T, n)
+    keep = w8.keep
+    if build.loaded().gemm_s8(x2.data_ptr(), None if keep is None else keep.data_ptr(), q.data_ptr(), a.data_ptr(),
+                              w8.blocked.data_ptr(), w8.code_sums.data_ptr(), w8.scales.data_ptr(), y.data_ptr(),
+                              T, n, k, torch.get_num_threads()) != 0:
+        raise MemoryError(f"minigen's C kernel could not allocate x packed ({(T + 11) * (k + 3) // 4 * 4:,} bytes)")
     return y
 
 

@@ -202,12 +202,15 @@ static void panel_rows(const Mat *m, float *y, int64_t i) {
 
 /* Block blk of qx [M, k] (rows MR blk ..) -> xp's block: [kq][MR] int32 of 4 bytes of a row each, the
  * sign bits flipped (u = q + 128). Past k (128 there) and past M (0) any value would do: the codes
- * there are zeros, and those rows are not stored. */
-static void pack_block(const int8_t *qx, int64_t M, int64_t k, int64_t kq, int32_t *xp, int64_t blk) {
+ * there are zeros, and those rows are not stored. With x, the block's rows are quantized first
+ * (quantize_row: quantize_rows_s8's bits) into qx and a. */
+static void pack_block(const float *x, const float *keep, int8_t *qx, float *a, int64_t M, int64_t k, int64_t kq,
+                       int32_t *xp, int64_t blk) {
     int32_t *out = xp + blk * kq * MR;
     for (int r = 0; r < MR; r++) {
         const int64_t row = blk * MR + r;
         const int8_t *q = qx + row * k;
+        if (x && row < M) a[row] = quantize_row(x + row * k, keep, qx + row * k, k);
         for (int64_t p = 0; p < kq; p++) {
             uint32_t word = 0;
             if (row < M) {
@@ -232,11 +235,14 @@ static int64_t group_rows(int64_t M, int64_t kq) {
 }
 
 /* y [M, n] fp32 = a[r] b[j] sum_k qx[r, k] qw[j, k]: qx [M, k] int8 codes with scales a [M], the weight
- * as int8.py blocks it (w [n64 / 16][k4 / 4][16][4], n64 and k4 n and k rounded up to 64 and 4,
- * zeros there), wsum [n] = 128 sum_k qw[j, k], b [n]. Returns 0, or -1 without memory for x packed
- * (y is then not written). */
-int gemm_s8(const int8_t *qx, const float *a, const int8_t *w, const int32_t *wsum, const float *b, float *y,
-            int64_t M, int64_t n, int64_t k, int threads) {
+ * as w8a8.block_codes blocks it (w [n64 / 16][k4 / 4][16][4], n64 and k4 n and k rounded up to 64
+ * and 4, zeros there), wsum [n] = 128 sum_k qw[j, k], b [n]. With x [M, k] fp32 (else NULL), qx and a
+ * are outputs: x's rows quantized (times keep [k], or NULL) as quantize_rows_s8 does, inside the
+ * parallel region that packs them (quantize_rows_s8 before the call ran alone: a quarter of a
+ * 512-row product's time on two threads). Returns 0, or -1 without memory for x packed (y, and
+ * qx and a, then not written). */
+int gemm_s8(const float *x, const float *keep, int8_t *qx, float *a, const int8_t *w, const int32_t *wsum,
+            const float *b, float *y, int64_t M, int64_t n, int64_t k, int threads) {
     const int64_t kq = (k + 3) / 4, blocks = (M + MR - 1) / MR;
     int32_t *xp = malloc((size_t)(blocks * kq * MR) * sizeof *xp);
     if (!xp) return -1;
@@ -247,7 +253,7 @@ int gemm_s8(const int8_t *qx, const float *a, const int8_t *w, const int32_t *ws
     par = par && !backing_off();
 #endif
     #pragma omp parallel for num_threads(threads) if(par) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) pack_block(qx, M, k, kq, xp, blk);
+    for (int64_t blk = 0; blk < blocks; blk++) pack_block(x, keep, qx, a, M, k, kq, xp, blk);
     GemmS8 g = {.m = {.M = M, .n = n, .k = k}, .w = w, .wsum = wsum, .a = a, .b = b, .xp = xp, .kq = kq,
                 .rows = group_rows(M, kq)};
     const int64_t units = (M + g.rows - 1) / g.rows * ((n + PANEL - 1) / PANEL);  /* (group, panel) pairs */

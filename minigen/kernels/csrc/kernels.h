@@ -113,6 +113,9 @@ INTERNAL void parallel_rows(row_fn row, const Mat *m, float *y, int64_t n, int t
 INTERNAL int backing_off(void);
 #endif
 
+/* quantize.c: one row of x [k] (times keep [k], or NULL) as int8 codes q [k] -> its scale (quantize_rows_s8's) */
+INTERNAL float quantize_row(const float *x, const float *keep, int8_t *q, int64_t k);
+
 /* attend.c: one RMSNorm row, and one query head against its cached keys and values */
 INTERNAL void rms_norm(const float *x, const float *weight, float *out, int64_t D, float eps);
 INTERNAL void attend_head(const float *q, const void *kc, const void *vc, int bf16, int64_t base, int64_t n,
