@@ -78,6 +78,13 @@ def test_sums_past_fp32s_integers_stay_exact(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_prompt_has_an_empty_product(backend):
+    _, _, w8 = _case(1, 64, 33, [3])
+    y = int8.int8_linear(torch.zeros(2, 0, 64), w8, backend)
+    assert y is not None and y.shape == (2, 0, 33)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_never_influence_each_other(backend):
     """A row's products are the same bits alone and beside rows 1000x larger, before and after them."""
     x, _, w8 = _case(20, 576, 300, [3, 17])

@@ -247,6 +247,7 @@ static int64_t group_rows(int64_t M, int64_t kq) {
 int gemm_s8(const float *x, const float *keep, int8_t *qx, float *a, const int8_t *w, const int32_t *wsum,
             const float *b, float *y, int64_t M, int64_t n, int64_t k, int threads) {
     const int64_t kq = (k + 3) / 4, blocks = (M + MR - 1) / MR;
+    if (M <= 0 || n <= 0) return 0;  /* nothing to write (and malloc(0) may return NULL) */
     int32_t *xp = malloc((size_t)(blocks * kq * MR) * sizeof *xp);
     if (!xp) return -1;
     /* the blocks shared out among the threads, only following the products' back-off (gemm_q's pack_x
