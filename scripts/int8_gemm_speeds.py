@@ -2,7 +2,7 @@
 fp32 (cpu.linear, oneDNN's GEMM), oneDNN's int8 linear, torch._int_mm, and csrc/gemm_s8.c built
 as each variant this CPU can run (MINIGEN_CPU_KERNEL_CFLAGS), on 1 and 2 threads.
 
-    python scripts/int8_gemm_speeds.py [--rounds 15] [--rows 512]
+    python scripts/int8_gemm_speeds.py [--rounds 15] [--rows 512] [--threads 1 2] [--variants avx512vnni ...]
 
 Each int8 time includes quantizing the rows (the C kernel's inside its call, the others' through
 quantize_rows_s8 before) and no outlier columns: the GEMMs on the same codes. Prints ms and multiply-adds per ns."""
@@ -21,12 +21,14 @@ VARIANT_FLAGS = {"avx512vnni": "", "avxvnni": "-mno-avx512f", "avx2": "-mno-avx5
                  "portable": "-mno-avx512f -mno-avxvnni -mno-avx2"}
 
 
-def libraries() -> dict:
+def libraries(variants) -> dict:
     """variant -> a library built with its flags (the ones that build and report that variant here)."""
     libs = {}
     before = os.environ.get("MINIGEN_CPU_KERNEL_CFLAGS")
     try:
         for want, flags in VARIANT_FLAGS.items():
+            if want not in variants:
+                continue
             os.environ["MINIGEN_CPU_KERNEL_CFLAGS"] = flags
             lib, _ = build._build()
             got = lib.gemm_s8_variant().decode()
@@ -55,8 +57,9 @@ def main():
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--variants", nargs="+", default=list(VARIANT_FLAGS), choices=list(VARIANT_FLAGS))
     args = p.parse_args()
-    libs = libraries()
+    libs = libraries(args.variants)
     print(f"native variant: {int8.variant()}; built: {', '.join(libs)}")
     g = torch.Generator().manual_seed(0)
     for k, n in SHAPES:
