@@ -36,9 +36,9 @@
  * Measured on this course's Xeon, one core, 512 rows of SmolLM2's products (the GEMM alone, rows
  * given as codes): 323-335 multiply-adds per ns with AVX512-VNNI (two vpdpbusd a cycle: about its
  * peak), ~190 with AVX-VNNI, ~58 with AVX2, 7 portable; oneDNN's fp32 GEMM 70.
- * The threads share (group of rows, panel of channels) pairs through parallel_rows (parallel.c: its
- * back-off on a busy machine), as gemm_q does; a group of rows of packed x stays in L2 while each
- * panel of codes (NV vectors x k, 18 KB for k = 576) sweeps it from L1.
+ * The threads share groups of rows through parallel_rows (parallel.c: its back-off on a busy
+ * machine); a group of rows of packed x stays in L2 while each panel of codes (NV vectors x k,
+ * 18 KB for k = 576) sweeps it from L1.
  */
 #include <stdlib.h>
 
@@ -92,8 +92,11 @@ typedef struct {
     Mat m;                  /* first, so that parallel_rows' Mat pointer is this struct's (m.M, m.n, m.k) */
     const int8_t *w;        /* the blocked codes [n / 16][kq][16][4] */
     const int32_t *wsum;    /* 128 sum_k qw[j, k], [n] */
-    const float *a, *b;     /* the rows' scales [M], the channels' [n] */
-    const int32_t *xp;      /* x packed, [M / MR][kq][MR] */
+    float *a;               /* the rows' scales [M] (written with x) */
+    const float *b;         /* the channels' [n] */
+    const float *x, *keep;  /* the rows in fp32 [M, k] and the columns they keep [k] (NULL: codes given) */
+    int8_t *qx;             /* the rows' codes [M, k] (written with x) */
+    int32_t *xp;            /* x packed, [M / MR][kq][MR] */
     int64_t kq, rows;       /* groups of 4 bytes of k; rows of x a group (a multiple of MR) */
 } GemmS8;
 
@@ -162,12 +165,31 @@ static void store_tile(int32_t out[MR][PANEL], const GemmS8 *g, float *y, int64_
 }
 #endif
 
-/* Unit i: panel i % panels (channels PANEL (i % panels) ..) against every block of x of group
- * i / panels. */
-static void panel_rows(const Mat *m, float *y, int64_t i) {
-    const GemmS8 *g = (const GemmS8 *)m;
-    const int64_t panels = (m->n + PANEL - 1) / PANEL, c0 = i % panels * PANEL;
-    const int64_t start = i / panels * g->rows, end = start + g->rows < m->M ? start + g->rows : m->M;
+/* Block blk of qx [M, k] (rows MR blk ..) -> xp's block: [kq][MR] int32 of 4 bytes of a row each, the
+ * sign bits flipped (u = q + 128). Past k (128 there) and past M (0) any value would do: the codes
+ * there are zeros, and those rows are not stored. With x, the block's rows are quantized first
+ * (quantize_row: quantize_rows_s8's bits) into qx and a. */
+static void pack_block(const float *x, const float *keep, int8_t *qx, float *a, int64_t M, int64_t k, int64_t kq,
+                       int32_t *xp, int64_t blk) {
+    int32_t *out = xp + blk * kq * MR;
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = blk * MR + r;
+        const int8_t *q = qx + row * k;
+        if (x && row < M) a[row] = quantize_row(x + row * k, keep, qx + row * k, k);
+        for (int64_t p = 0; p < kq; p++) {
+            uint32_t word = 0;
+            if (row < M) {
+                if (4 * p + 4 <= k) memcpy(&word, q + 4 * p, 4);
+                else for (int64_t i = 4 * p; i < k; i++) word |= (uint32_t)(uint8_t)q[i] << (8 * (i - 4 * p));
+                word ^= 0x80808080u;  /* each byte + 128 */
+            }
+            out[p * MR + r] = (int32_t)word;
+        }
+    }
+}
+
+/* Channels c0 .. c0 + PANEL against the packed rows start .. end (whole blocks from start). */
+static void panel_rows(const GemmS8 *g, float *y, int64_t c0, int64_t start, int64_t end) {
     const int64_t kq = g->kq, wstride = kq * 64;  /* bytes of a 16-channel block */
     const int8_t *wp = g->w + c0 / 16 * wstride;
     for (int64_t r0 = start; r0 < end; r0 += MR) {
@@ -193,75 +215,61 @@ static void panel_rows(const Mat *m, float *y, int64_t i) {
                 acc[r] += (int32_t)u[0] * wi[0] + (int32_t)u[1] * wi[1] + (int32_t)u[2] * wi[2] + (int32_t)u[3] * wi[3];
             }
         }
-        const int64_t nl = m->n - c0 < 16 ? m->n - c0 : 16;
-        for (int r = 0; r < MR && r0 + r < m->M; r++) {
+        const int64_t n = g->m.n, nl = n - c0 < 16 ? n - c0 : 16;
+        for (int r = 0; r < MR && r0 + r < g->m.M; r++) {
             int32_t sums[16];
             memcpy(sums, &acc[r], sizeof sums);
-            store_row(sums, g, y + (r0 + r) * m->n, g->a[r0 + r], c0, nl);
+            store_row(sums, g, y + (r0 + r) * n, g->a[r0 + r], c0, nl);
         }
 #endif
     }
 }
 
-/* Block blk of qx [M, k] (rows MR blk ..) -> xp's block: [kq][MR] int32 of 4 bytes of a row each, the
- * sign bits flipped (u = q + 128). Past k (128 there) and past M (0) any value would do: the codes
- * there are zeros, and those rows are not stored. With x, the block's rows are quantized first
- * (quantize_row: quantize_rows_s8's bits) into qx and a. */
-static void pack_block(const float *x, const float *keep, int8_t *qx, float *a, int64_t M, int64_t k, int64_t kq,
-                       int32_t *xp, int64_t blk) {
-    int32_t *out = xp + blk * kq * MR;
-    for (int r = 0; r < MR; r++) {
-        const int64_t row = blk * MR + r;
-        const int8_t *q = qx + row * k;
-        if (x && row < M) a[row] = quantize_row(x + row * k, keep, qx + row * k, k);
-        for (int64_t p = 0; p < kq; p++) {
-            uint32_t word = 0;
-            if (row < M) {
-                if (4 * p + 4 <= k) memcpy(&word, q + 4 * p, 4);
-                else for (int64_t i = 4 * p; i < k; i++) word |= (uint32_t)(uint8_t)q[i] << (8 * (i - 4 * p));
-                word ^= 0x80808080u;  /* each byte + 128 */
-            }
-            out[p * MR + r] = (int32_t)word;
-        }
-    }
+/* Unit i: group i of rows (rows i g->rows ..) quantized where x is given and packed, then multiplied
+ * by every panel of codes (PANEL channels), each panel against all of the group's blocks. */
+static void group_unit(const Mat *m, float *y, int64_t i) {
+    const GemmS8 *g = (const GemmS8 *)m;
+    const int64_t start = i * g->rows, end = start + g->rows < m->M ? start + g->rows : m->M;
+    for (int64_t blk = start / MR; blk * MR < end; blk++)
+        pack_block(g->x, g->keep, g->qx, g->a, m->M, m->k, g->kq, g->xp, blk);
+    for (int64_t c0 = 0; c0 < m->n; c0 += PANEL)
+        panel_rows(g, y, c0, start, end);
 }
 
 /* Rows of x a group: every panel sweeps its group's packed rows, which should stay in L2 (1 MB on
- * Zen 4 and 5, 2 MB on the Xeon): at most 512 KB a group, in equal groups of whole blocks. */
+ * Zen 4 and 5, 2 MB on the Xeon): at most 512 KB a group, and at least one group a thread (each
+ * thread quantizes and packs its own groups: one parallel region a call, no hand-over between
+ * threads), in equal groups of whole blocks. */
 #define X_GROUP_BYTES (512 * 1024)
 
-static int64_t group_rows(int64_t M, int64_t kq) {
+static int64_t group_rows(int64_t M, int64_t kq, int threads) {
     int64_t most = X_GROUP_BYTES / (4 * kq) / MR * MR;
     if (most < MR) most = MR;
-    const int64_t groups = (M + most - 1) / most;
+    int64_t groups = (M + most - 1) / most;
+    if (threads > 1) groups = (groups + threads - 1) / threads * threads;  /* as many a thread */
     return ((M + groups - 1) / groups + MR - 1) / MR * MR;
 }
 
 /* y [M, n] fp32 = a[r] b[j] sum_k qx[r, k] qw[j, k]: qx [M, k] int8 codes with scales a [M], the weight
  * as w8a8.block_codes blocks it (w [n64 / 16][k4 / 4][16][4], n64 and k4 n and k rounded up to 64
  * and 4, zeros there), wsum [n] = 128 sum_k qw[j, k], b [n]. With x [M, k] fp32 (else NULL), qx and a
- * are outputs: x's rows quantized (times keep [k], or NULL) as quantize_rows_s8 does, inside the
- * parallel region that packs them (quantize_rows_s8 before the call ran alone: a quarter of a
- * 512-row product's time on two threads). Returns 0, or -1 without memory for x packed (y, and
- * qx and a, then not written). */
+ * are outputs: x's rows quantized (times keep [k], or NULL) as quantize_rows_s8 does, by the thread
+ * that multiplies them (quantize_rows_s8 before the call ran on one thread: a quarter of a 512-row
+ * product's time on two). Returns 0, or -1 without memory for x packed (y, and qx and a, then not
+ * written).
+ * One parallel region a call, through parallel_rows (its back-off on a busy machine): each of its
+ * units a group of rows. A first version packed x in a region of its own: next to two busy
+ * processes, every region waits for a time slice, and its products took twice fp32's (24 ms
+ * against 12, 2 threads). */
 int gemm_s8(const float *x, const float *keep, int8_t *qx, float *a, const int8_t *w, const int32_t *wsum,
             const float *b, float *y, int64_t M, int64_t n, int64_t k, int threads) {
     const int64_t kq = (k + 3) / 4, blocks = (M + MR - 1) / MR;
     if (M <= 0 || n <= 0) return 0;  /* nothing to write (and malloc(0) may return NULL) */
     int32_t *xp = malloc((size_t)(blocks * kq * MR) * sizeof *xp);
     if (!xp) return -1;
-    /* the blocks shared out among the threads, only following the products' back-off (gemm_q's pack_x
-     * says why not through parallel_rows) */
-    int par = threads > 1 && blocks >= 2 * threads;
-#ifdef _OPENMP
-    par = par && !backing_off();
-#endif
-    #pragma omp parallel for num_threads(threads) if(par) schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) pack_block(x, keep, qx, a, M, k, kq, xp, blk);
-    GemmS8 g = {.m = {.M = M, .n = n, .k = k}, .w = w, .wsum = wsum, .a = a, .b = b, .xp = xp, .kq = kq,
-                .rows = group_rows(M, kq)};
-    const int64_t units = (M + g.rows - 1) / g.rows * ((n + PANEL - 1) / PANEL);  /* (group, panel) pairs */
-    parallel_rows(panel_rows, &g.m, y, units, threads, 2);
+    GemmS8 g = {.m = {.M = M, .n = n, .k = k}, .w = w, .wsum = wsum, .a = a, .b = b, .x = x, .keep = keep, .qx = qx,
+                .xp = xp, .kq = kq, .rows = group_rows(M, kq, threads)};
+    parallel_rows(group_unit, &g.m, y, (M + g.rows - 1) / g.rows, threads, 1);
     free(xp);
     return 0;
 }
