@@ -4,6 +4,8 @@ against each other."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -182,6 +184,7 @@ FLAGS = {  # what to take away from -march=native for each variant, and the CPU 
 
 @pytest.mark.skipif(kernel_build.compiler() is None, reason="no C compiler on this machine")
 @pytest.mark.skipif(not int8.available("c"), reason="the C kernels are not built here (MINIGEN_CPU_KERNEL=0?)")
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the variants are x86's (-mno-avx512f...)")
 @pytest.mark.parametrize("variant", list(FLAGS))
 def test_each_variant_gives_the_native_bits(variant, monkeypatch, tmp_path):
     """gemm_s8 built with fewer instructions than -march=native gives (a Zen 3's AVX2, a Zen 5's AVX-VNNI
