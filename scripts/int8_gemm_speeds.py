@@ -5,7 +5,8 @@ as each variant this CPU can run (MINIGEN_CPU_KERNEL_CFLAGS), on 1 and 2 threads
     python scripts/int8_gemm_speeds.py [--rounds 15] [--rows 512] [--threads 1 2] [--variants avx512vnni ...]
 
 Each int8 time includes quantizing the rows (the C kernel's inside its call, the others' through
-quantize_rows_s8 before) and no outlier columns: the GEMMs on the same codes. Prints ms and multiply-adds per ns."""
+quantize_rows_s8 before) and no outlier columns: the GEMMs on the same codes. Medians, and the best
+run (what a quiet machine gives: next to busy processes, a 2-thread product waits a time slice). Prints ms and multiply-adds per ns."""
 import argparse
 import os
 import statistics
@@ -89,8 +90,8 @@ def main():
                     cpu_times[name].append(time.thread_time() - c)
             macs = args.rows * k * n
             for label, ts in (("wall", times), ("cpu", cpu_times)) if threads == 1 else (("wall", times),):
-                line = "  ".join(f"{name} {1e3 * statistics.median(t):.2f} ms ({macs / statistics.median(t) / 1e9:.0f}/ns)"
-                                 for name, t in ts.items())
+                line = "  ".join(f"{name} {1e3 * statistics.median(t):.2f} ms ({macs / statistics.median(t) / 1e9:.0f}/ns, "
+                                 f"best {1e3 * min(t):.2f})" for name, t in ts.items())
                 print(f"M={args.rows} k={k} n={n} threads={threads} {label}: {line}", flush=True)
 
 
