@@ -196,6 +196,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
     lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.gemm_q.restype = ctypes.c_int
+    # x (or NULL), keep, qx, a (outputs with x), blocked codes, code sums, b, y, M, n, k, threads -> 0,
+    # or -1 without memory (csrc/gemm_s8.c)
+    lib.gemm_s8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.gemm_s8.restype = ctypes.c_int
+    lib.gemm_s8_variant.restype = ctypes.c_char_p  # the loop this build runs: b"avx512vnni", b"avxvnni", ...
 
 
 def library() -> ctypes.CDLL | None:
