@@ -54,7 +54,6 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import ConfigError
 from .weight_quant import QuantizedWeight
 
 QMAX = 127  # symmetric codes in [-127, 127]: -128 unused, so that -q is a code too
@@ -195,9 +194,6 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
     dequantized once here, not per call."""
     if all(_COPIES.get(w) is not None for w in _products(model)):
         return
-    if not onednn_int8():
-        raise ConfigError("prefill_precision='int8' needs oneDNN's int8 linear (torch.ops.onednn), which this "
-                          "torch build lacks: use prefill_precision='bfloat16' or 'float32'")
     amax = {}
     products = {id(w) for w in _products(model)}
     reference = model.ops
