@@ -176,3 +176,15 @@ def test_book_errors_name_the_key(change, key):
     with pytest.raises(BookError, match=repr(key)):
         parse_book(data)
     assert parse_book({**data, "chapter": [GOOD_CHAPTER]}).chapters[0].minutes == 1.0
+
+
+# ---------------------------------------------------------------- time limits (pytest-timeout)
+def test_every_test_has_a_time_limit_of_120_s_by_default(pytestconfig):
+    # a test stuck in a slow path must fail, named, instead of running past CI's limit; the few
+    # longer tests carry their own @pytest.mark.timeout(N)
+    import pytest_timeout  # noqa: F401  (a declared dependency; without it `timeout` is no setting)
+    assert "pytest-timeout" in pyproject_deps()
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert ini.get("timeout") == 120, "pyproject.toml's [tool.pytest.ini_options] must set timeout = 120"
+    assert float(pytestconfig.getini("timeout")) == 120  # the setting this run of pytest read
+
