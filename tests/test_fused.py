@@ -237,6 +237,7 @@ def test_tiny_models_verify_matches_the_eager_verify(kind, overrides):
         torch.testing.assert_close(mine.v, eager.v, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
 def test_smollm2_verify_matches_the_eager_verify(smollm2, english_text_ids, kv_dtype):
     """SmolLM2 after a 120-token prompt (long enough for attention to share heads over the threads),
@@ -288,6 +289,7 @@ def _smollm2_as(kind: str):
                                     int(group))
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind, threads", [("float32", 1), ("float32", 2), ("bfloat16", 2), ("int8:32", 1),
                                            ("int8:32", 2), ("int8:64", 2), ("int4:32", 1), ("int4:32", 2),
                                            ("int4:64", 2)])
