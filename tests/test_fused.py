@@ -69,6 +69,7 @@ def test_smollm2_fp32_logits_and_cache_match_the_eager_step(smollm2, prompt, thr
     torch.testing.assert_close(mine.v[:, :, :, written], eager.v[:, :, :, written], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.timeout(240)
 def test_smollm2_greedy_tokens_equal_eager_and_transformers(smollm2, prompt):
     import transformers as tf
     model, tokenizer = smollm2
