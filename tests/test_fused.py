@@ -69,6 +69,7 @@ def test_smollm2_fp32_logits_and_cache_match_the_eager_step(smollm2, prompt, thr
     torch.testing.assert_close(mine.v[:, :, :, written], eager.v[:, :, :, written], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.timeout(240)
 def test_smollm2_greedy_tokens_equal_eager_and_transformers(smollm2, prompt):
     import transformers as tf
     model, tokenizer = smollm2
@@ -239,6 +240,7 @@ def test_tiny_models_verify_matches_the_eager_verify(kind, overrides):
         torch.testing.assert_close(mine.v, eager.v, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("kv_dtype", [None, "bfloat16"])
 def test_smollm2_verify_matches_the_eager_verify(smollm2, english_text_ids, kv_dtype):
     """SmolLM2 after a 120-token prompt (long enough for attention to share heads over the threads),
@@ -290,6 +292,7 @@ def _smollm2_as(kind: str):
                                     int(group))
 
 
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("kind, threads", [("float32", 1), ("float32", 2), ("bfloat16", 2), ("int8:32", 1),
                                            ("int8:32", 2), ("int8:64", 2), ("int4:32", 1), ("int4:32", 2),
                                            ("int4:64", 2)])
