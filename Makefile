@@ -21,6 +21,12 @@ LIST_NOTEBOOKS = import os, sys; from minigen.course.book import load_book; \
 # claim already holds next to a busy process. Serially, CI's last run (install included) took 2,314 s,
 # over the 30 minutes make test may take on 2 cores. PARALLEL= runs it serially.
 PARALLEL ?= -n 2 --dist loadfile
+# How pytest runs the chapters (make test, make figures). A cell gets 300 s (--nbval-cell-timeout):
+# past that nbval interrupts the kernel and fails the cell, named, and the next cells run as usual.
+# pytest-timeout's limit for each cell's test item (its default, 120 s in pyproject.toml, is meant
+# for the tests) is a backstop for nbval itself, so it is longer: had it fired first, the kernel
+# would still be busy with the cell and every later cell of the chapter would time out behind it.
+NBVAL = --nbval-lax --nbval-current-env -p no:randomly --nbval-cell-timeout=300 --timeout=360
 
 .PHONY: venv model test figures lab book clean
 
@@ -47,8 +53,8 @@ test: model
 	if [ -z "$$notebooks" ]; then \
 	  echo "make test: no chapter notebook exists yet; skipping nbval"; \
 	else \
-	  echo "MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) --nbval-lax --nbval-current-env -p no:randomly $$notebooks"; \
-	  MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) --nbval-lax --nbval-current-env -p no:randomly $$notebooks; \
+	  echo "MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) $(NBVAL) $$notebooks"; \
+	  MINIGEN_FIGURES=$(CURDIR)/_build/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) $(NBVAL) $$notebooks; \
 	fi
 
 # Runs every chapter with its figures written to figures/, the images committed with the course.
@@ -58,7 +64,7 @@ test: model
 figures: model
 	@notebooks="$$($(PY) -c "$(LIST_NOTEBOOKS)" $(BOOK))"; \
 	echo "MINIGEN_FIGURES=$(CURDIR)/figures: running $$notebooks"; \
-	MINIGEN_FIGURES=$(CURDIR)/figures MPLBACKEND=Agg $(PY) -m pytest -q --nbval-lax --nbval-current-env -p no:randomly $$notebooks
+	MINIGEN_FIGURES=$(CURDIR)/figures MPLBACKEND=Agg $(PY) -m pytest -q $(NBVAL) $$notebooks
 
 # Bound to this machine only; Jupyter's token stays on (open the URL with the token it prints).
 lab: model

@@ -236,7 +236,7 @@ class Run:
     cuda: bool | None = None  # torch.cuda.is_available()
     bf16_dot: bool | None = None  # a CPU with bf16 dot products (AVX512-BF16 or AMX-BF16; ARM's BF16); None: unknown
     int8_dot: bool | None = None  # an x86 CPU with int8 dot products (AVX512-VNNI, AVX-VNNI or AMX-INT8); None: unknown
-    onednn_int8: bool | None = None  # torch has oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise)
+    int8_product: bool | None = None  # an int8 product runs here (kernels/int8.py: minigen's C, oneDNN's or torch._int_mm)
     model_window: int | None = None  # the window the model's sliding layers were trained with; 0: none slides
 
     @classmethod
@@ -323,8 +323,9 @@ RUN_RULES: tuple[RunRule, ...] = (
      "prefill_precision='float32'"),
     ("prefill_precision", ("device",), lambda c, r: c.prefill_precision == "int8" and r.device != "cpu", lambda c, r:
      f"prefill_precision='int8' runs on a CPU, and the model is on {r.device}: use prefill_precision='bfloat16'"),
-    ("prefill_precision", ("onednn_int8",), lambda c, r: c.prefill_precision == "int8" and not r.onednn_int8, lambda c, r:
-     "prefill_precision='int8' needs torch.ops.onednn.qlinear_pointwise, which this torch lacks: use 'float32'"),
+    ("prefill_precision", ("int8_product",), lambda c, r: c.prefill_precision == "int8" and not r.int8_product,
+     lambda c, r: "prefill_precision='int8' needs an int8 product: minigen's C kernels (a C compiler), oneDNN's int8 "
+     "linear or torch._int_mm, and none runs here: use 'float32'"),
     ("prefill_precision", ("int8_dot",), lambda c, r: c.prefill_precision == "int8" and not r.int8_dot,
      lambda c, r: "prefill_precision='int8' needs int8 dot products, and this CPU has none (no avx512_vnni, avx_vnni "
      "or amx_int8): its int8 products would run no faster than fp32. Use prefill_precision='float32' (or "

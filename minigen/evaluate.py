@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .combinations import check_run
 from .steps import fused
-from .steps.choose import run_of
+from .steps.choose import run_of, warn_demanded
 from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
@@ -67,6 +67,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
     C = chunk_size or (1 if reads_back else config.prefill_chunk_size or T)
     check_run(config, run_of(model, config, 1, tuple(observers)))  # what the model and machine cannot run
+    warn_demanded(model, config)  # a prompt format that measured slower than fp32 here runs, with a warning
     # fused_decode=True scores what the fused step computes, one token at a time; "auto" keeps the
     # chunked forward, which reads each weight once per chunk rather than once per token
     step = fused.FusedStep() if config.fused_decode is True else None

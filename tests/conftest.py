@@ -159,3 +159,20 @@ def files_built_kernel(tmp_path_factory):
     if not done.stdout.startswith("built"):
         pytest.skip(f"the C kernel does not build here: {done.stdout}{done.stderr[-300:]}")
     return cache / "kernels"
+
+
+# ---------------------------------------------------------------- fast paths measured here
+def skip_where_aside(path: str, model=None) -> None:
+    """Skip the calling test where the fast path `path` stands aside on this machine (kernels/fastpaths.py:
+    it measured slower than its reference), naming the ratio: a test of what "auto" runs has nothing to
+    check there, and a slow path must not eat CI's time."""
+    from minigen.kernels import fastpaths, probes
+    from minigen.steps import choose, fused
+    paths = (choose.measurements(model) if model is not None
+             else fastpaths.measured(probes.Shapes(**probes.FLOOR), probes.PROBES + fused.PROBES))
+    m = paths.best_int8() if path == "int8" else paths.get(path)
+    if path == "int8" and m is None:
+        pytest.skip("no int8 prompt product runs here")
+    if m is not None and m.stands_aside:
+        pytest.skip(f"{m.fast} stands aside on this machine: {m.ratio:.2f}x its reference ({m.reference}), "
+                    f"measured by minigen's kernels/fastpaths.py ({m.path})")

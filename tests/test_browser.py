@@ -53,7 +53,7 @@ INSTALL = "apt-get install -y chromium  (Debian's package, as root; Playwright's
 BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 BOOK_EXECUTE = "00"  # the chapters the book check executes (see the module's docstring)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 def find_chromium() -> str | None:

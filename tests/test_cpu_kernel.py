@@ -246,6 +246,7 @@ def test_a_build_without_openmp_is_single_threaded_with_a_notice(monkeypatch, tm
 
 
 @needs_cc
+@pytest.mark.timeout(200)
 def test_kernel_and_torch_decode_the_same_greedy_tokens(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids

@@ -89,6 +89,7 @@ def test_cuda_graphs_on_a_cpu_name_cuda_and_suggest_compile(tiny):
             run()  # refused where it would run, before any work
 
 
+@pytest.mark.timeout(180)
 def test_gpu_check_runs_on_tiny_shapes(tmp_path):
     """scripts/gpu_check.py --smoke: the acceptance script's own code, on the CPU, writes its JSON."""
     spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")

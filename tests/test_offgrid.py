@@ -109,6 +109,7 @@ def test_bf16_weight_kl_is_small_and_zero_for_weights_already_in_bf16():
 
 
 @pytest.mark.slow  # copies and rotates the 135M weights: minutes on a busy two-core CPU
+@pytest.mark.timeout(180)
 def test_rotation_keeps_smollm2s_logits_and_takes_it_off_its_grid(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer("It is a truth universally acknowledged", return_tensors="pt").input_ids[0]

@@ -176,3 +176,29 @@ def test_book_errors_name_the_key(change, key):
     with pytest.raises(BookError, match=repr(key)):
         parse_book(data)
     assert parse_book({**data, "chapter": [GOOD_CHAPTER]}).chapters[0].minutes == 1.0
+
+
+# ---------------------------------------------------------------- time limits (pytest-timeout)
+def test_every_test_has_a_time_limit_of_120_s_by_default(pytestconfig):
+    # a test stuck in a slow path must fail, named, instead of running past CI's limit; the few
+    # longer tests carry their own @pytest.mark.timeout(N)
+    import pytest_timeout  # noqa: F401  (a declared dependency; without it `timeout` is no setting)
+    assert "pytest-timeout" in pyproject_deps()
+    ini = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert ini.get("timeout") == 120, "pyproject.toml's [tool.pytest.ini_options] must set timeout = 120"
+    assert float(pytestconfig.getini("timeout")) == 120  # the setting this run of pytest read
+
+
+def test_the_makefiles_chapter_runs_have_a_time_limit():
+    # make test and make figures run the chapters with $(NBVAL): a cell gets 300 s from nbval, and
+    # pytest-timeout (whose default of 120 s would otherwise apply to each cell too) gets longer, so
+    # that nbval's timeout fires first and interrupts the kernel; pytest-timeout's would leave the
+    # kernel busy and every later cell of the chapter timing out behind it
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    nbval = re.search(r"^NBVAL\s*:?=(.*)$", makefile, re.M)
+    assert nbval, "the Makefile must define NBVAL, the options of its nbval runs"
+    options = dict(o.split("=", 1) for o in nbval.group(1).split() if o.startswith("--") and "=" in o)
+    assert float(options.get("--nbval-cell-timeout", "inf")) == 300, nbval.group(1)
+    assert 300 < float(options.get("--timeout", "0")) <= 600, nbval.group(1)
+    runs = [line for line in makefile.splitlines() if "-m pytest" in line and "$$notebooks" in line]
+    assert len(runs) == 3 and all("$(NBVAL)" in line for line in runs), runs  # test (echo, run), figures

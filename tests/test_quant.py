@@ -275,6 +275,7 @@ def test_group_size_must_divide_the_head_dim(tiny_llama):
 
 
 # ---------------------------------------------------------------- quality on the real model
+@pytest.mark.timeout(500)
 def test_smollm2_perplexity_at_8_and_4_bits(smollm2, english_text_ids):
     """Teacher-forced at chunk_size=1, so every prediction reads the cache as decoding does. The
     storage measured is the package's: bf16 scales and zeros for SmolLM2 in fp32."""

@@ -261,6 +261,7 @@ def test_load_takes_weight_bits():
 
 # ---------------------------------------------------------------- SmolLM2
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_smollm2_quality_and_the_shipped_values(smollm2, english_text_ids):
     """Perplexity on 256 tokens of English, fed one at a time (the decode path: the kernel): int8
     within +0.5% of fp32, int4 within +3%. The fp32 weights are the shipped GGUF's Q4_1 (linear

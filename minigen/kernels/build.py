@@ -54,6 +54,10 @@ X86_FLAGS = ["-mprefer-vector-width=256"]
 
 _lib: ctypes.CDLL | None = None
 _reason = "not built yet"
+# Flags of the variant in use beside the native build's: fastpaths.py measures the AVX-512 loops against
+# the same loops built with NO_AVX512 (the AVX2 ones), and where those win, this holds NO_AVX512.
+_variant: list[str] = []
+NO_AVX512 = ["-mno-avx512f"]
 _enabled = os.environ.get("MINIGEN_CPU_KERNEL", "1") != "0"  # the switch: enabled(False), MINIGEN_CPU_KERNEL=0
 
 
@@ -128,15 +132,16 @@ def _load(lib_path: Path) -> ctypes.CDLL | None:
     return lib
 
 
-def _build() -> tuple[ctypes.CDLL, bool]:
+def _build(extra: list[str] | None = None) -> tuple[ctypes.CDLL, bool]:
     """Compile csrc/*.c into one library (once per content of the sources and headers, compiler, flags
     and CPU) and load it -> (library, whether it has OpenMP). Tries OpenMP first; a compiler that
-    rejects it builds without."""
+    rejects it builds without. `extra`: flags after the others (default: the variant in use)."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set $CC, or install one: apt install gcc)")
     base = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else [])
     base += os.environ.get("MINIGEN_CPU_KERNEL_CFLAGS", "").split()
+    base += _variant if extra is None else extra
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     attempts = [(base + OPENMP_FLAGS, True), (base, False)]
     if os.environ.get("MINIGEN_CPU_KERNEL_OPENMP", "1") == "0":
@@ -196,6 +201,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     # codes, scales, mins, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q.c)
     lib.gemm_q.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.gemm_q.restype = ctypes.c_int
+    # x (or NULL), keep, qx, a (outputs with x), blocked codes, code sums, b, y, M, n, k, threads -> 0,
+    # or -1 without memory (csrc/gemm_s8.c)
+    lib.gemm_s8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.gemm_s8.restype = ctypes.c_int
+    lib.gemm_s8_variant.restype = ctypes.c_char_p  # the loop this build runs: b"avx512vnni", b"avxvnni", ...
 
 
 def library() -> ctypes.CDLL | None:
@@ -207,7 +217,7 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 _lib, openmp = _build()
-                _reason = f"built with {compiler()} from {SOURCE.name}/"
+                _reason = f"built with {compiler()} from {SOURCE.name}/" + (f" ({' '.join(_variant)})" if _variant else "")
                 if not openmp:
                     _reason += ", without OpenMP: single-threaded"
                     warnings.warn(f"minigen's C matrix-vector kernel was {_reason} "
@@ -219,6 +229,35 @@ def library() -> ctypes.CDLL | None:
             warnings.warn(f"minigen's C matrix-vector kernel is {_reason}; decoding falls back to "
                           "torch (same tokens, about 1.5x slower in fp32).", RuntimeWarning, stacklevel=3)
     return _lib
+
+
+def has_avx512() -> bool:
+    """Whether the native build runs the AVX-512 loops: an x86 CPU with avx512f, not turned off by
+    MINIGEN_CPU_KERNEL_CFLAGS."""
+    return (platform.machine() in ("x86_64", "AMD64") and " avx512f " in f" {cpu_fingerprint()} "
+            and "-mno-avx512f" not in os.environ.get("MINIGEN_CPU_KERNEL_CFLAGS", ""))
+
+
+def variant(flags: list[str]) -> ctypes.CDLL | None:
+    """The kernels built with `flags` added (a second library beside the one in use, cached the same
+    way), or None where it cannot be built."""
+    try:
+        return _build(flags)[0]
+    except (RuntimeError, OSError):
+        return None
+
+
+def use_variant(flags: list[str]) -> None:
+    """Run the kernels built with `flags` added from now on (fastpaths.py: the AVX2 loops where they beat
+    the AVX-512 ones); the next call to library() loads that build."""
+    global _lib, _reason, _variant
+    if flags != _variant:
+        _variant, _lib, _reason = list(flags), None, "not built yet"
+        library()
+
+
+def variant_in_use() -> list[str]:
+    return list(_variant)
 
 
 def status() -> str:

@@ -13,8 +13,6 @@ import torch
 from torch import Tensor
 
 from ..numerics import bf16_copies
-from ..numerics import w8a8
-from ..numerics.w8a8 import Int8Weight
 from ..numerics.weight_quant import QuantizedWeight
 from . import build
 
@@ -151,6 +149,16 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_l
 _ONEDNN_BF16 = _ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def onednn_fp32() -> bool:
+    """Whether torch has oneDNN's fp32 linear here (`linear`)."""
+    return _ONEDNN
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN runs bf16 GEMMs here (`bf16_linear`): AVX-512 or AMX, not an AVX2 CPU."""
+    return _ONEDNN_BF16
+
+
 def linear(x: Tensor, w: Tensor) -> Tensor | None:
     """x [..., k] @ w [n, k].T in fp32 through oneDNN (torch.ops.mkldnn._linear_pointwise), or None
     where it does not apply: the kernels switched off, not fp32, not on the CPU, autograd tracking,
@@ -237,31 +245,6 @@ def int8_dot_products() -> bool | None:
         return None
     flags = {f for line in info.splitlines() if line.startswith("flags") for f in line.split()}
     return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-def int8_linear(x: Tensor, w8: Int8Weight) -> Tensor | None:
-    """x [..., k] @ w.T under prefill_precision="int8" -> [..., n] fp32: x's rows as int8 codes with a
-    scale each, its outlier columns zeroed (quantize_rows_s8 in C, else w8a8.quantize_rows: the same
-    codes), oneDNN's int8 GEMM (int32 sums, times the weights' scale per output channel), times each
-    row's scale, plus the outlier columns' fp32 product. The result is w8a8.reference_linear's up to
-    the fp32 rounding of the sums. None where it does not apply (the rules of `linear`)."""
-    k = x.shape[-1]
-    if not (_ONEDNN and x.dtype == torch.float32 and _takes(x, built=False)):
-        return None
-    x2 = x.reshape(-1, k).contiguous()
-    lib = build.library() if build.is_enabled() else None
-    if lib is not None:
-        q, a = torch.empty(x2.shape, dtype=torch.int8), torch.empty(x2.shape[0], 1)
-        keep = w8.keep
-        lib.quantize_rows_s8(x2.data_ptr(), None if keep is None else keep.data_ptr(), q.data_ptr(), a.data_ptr(),
-                             x2.shape[0], k)
-    else:
-        q, a = w8a8.quantize_rows(x2, w8.keep)
-    y = torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, w8.packed, w8.scales, w8.zero_points, None, 1.0, 0,
-                                           torch.float32, "none", [], "").mul_(a)
-    if len(w8.outliers):  # [T, m] @ [m, n]: m = 32 columns of fp32
-        y.addmm_(x2[:, w8.outliers], w8.outlier_weights.t())
-    return y.view(*x.shape[:-1], -1)
 
 
 def _tiled(x: Tensor, w: Tensor | QuantizedWeight, dtype: torch.dtype) -> Tensor:

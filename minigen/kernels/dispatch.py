@@ -20,6 +20,10 @@ accepts it and otherwise to the reference:
     attend_prompt_blocks
                        a prompt's T queries: Triton's FlashAttention over the blocks  gather + attend
 
+A kernel runs only where fastpaths.py measured it on this machine, at the model's shapes, no slower
+than its reference (KernelOps.on): a CPU flag says an instruction exists, not that a kernel is fast
+here. Each path that stands aside says so once, with its ratio.
+
 Each kernel function in cpu.py returns None where it does not apply (not on the CPU, autograd,
 torch.compile or a dispatch mode that must see the op, the kernels switched off: build.enabled),
 so the choice is made per call, and the same results come back up to rounding
@@ -34,50 +38,76 @@ from torch import Tensor
 from ..numerics import w8a8
 from ..numerics.precision import prompt_dtype
 from ..numerics.weight_quant import QuantizedWeight
-from . import cpu, triton_attention, triton_prefill
+from . import build, cpu, fastpaths, int8, triton_attention, triton_prefill
+from .probes import FLOOR, Shapes
 
 
 class KernelOps:
     """The reference's ops (model.TorchOps), each run by a kernel where one takes the call."""
 
-    def __init__(self, reference):
+    def __init__(self, reference, shapes: Shapes | None = None):
         self.reference = reference  # the plain torch ops: every call a kernel declines goes there
+        self.shapes = shapes  # the model's, for the measurements (None: SmolLM2's)
+        self.measured: fastpaths.FastPaths | None = None  # read at the first choice
+
+    def paths(self) -> fastpaths.FastPaths:
+        """The fast paths' measurements at this model's shapes (fastpaths.measured: once per machine)."""
+        if self.measured is None:
+            self.measured = fastpaths.measured(self.shapes or Shapes(**FLOOR))
+        return self.measured
+
+    def on(self, path: str, x: Tensor) -> bool:
+        """Whether the fast path `path` may take this call: it measured no slower than its reference here.
+        Off the CPU, with the kernels switched off, or while torch.compile or a dispatch mode watches,
+        the kernels' own rules decide (they stand aside there), and nothing is measured."""
+        if x.device.type != "cpu" or not build.is_enabled() or not fastpaths.applies():
+            return True
+        return self.paths().allowed(path)
+
+    def int8_backend(self) -> str | None:
+        """The int8 prompt product measured fastest here (kernels/int8.py), or None where none was measured."""
+        best = self.paths().best_int8()
+        return None if best is None else best.path.removeprefix("int8_")
 
     def linear(self, x: Tensor, w, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [..., in] @ w [out, in].T -> [..., out] in out_dtype (default x's), as the reference."""
         out_dtype = out_dtype or x.dtype
         fmt = prompt_dtype(x.numel() // x.shape[-1])
-        if fmt == torch.bfloat16:  # prefill_precision="bfloat16"
+        if fmt == torch.bfloat16:  # prefill_precision="bfloat16": demanded, so it runs (steps/choose.py warns)
             y = cpu.bf16_linear(x.float(), w)  # bf16 dot products, the weights a tile at a time
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # prefill_precision="int8"
-            y = cpu.int8_linear(x.float(), w8)  # int8 dot products against the weights' int8 copy
+            # int8 dot products against the weights' int8 copy, by the product measured fastest here
+            y = int8.int8_linear(x.float(), w8, self.int8_backend() or "onednn") if x.device.type == "cpu" else None
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
-        if x.numel() == x.shape[-1]:  # one row (a decode step at batch 1): stream the weights once
-            y = cpu.matvec(x.float(), w)
+        quantized = isinstance(w, QuantizedWeight)
+        if x.numel() == x.shape[-1] and self.on(_ONE_ROW.get(quantized and w.bits or w.dtype, "c_matvec"), x):
+            y = cpu.matvec(x.float(), w)  # one row (a decode step at batch 1): stream the weights once
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
         rows = x.numel() // x.shape[-1]
-        if rows <= cpu.MAX_ROWS and x.dtype == torch.float32 and not isinstance(w, QuantizedWeight):
+        if (rows <= cpu.MAX_ROWS and x.dtype == torch.float32 and not quantized and self.on("c_rows", x)):
             y = cpu.matmul_rows(x.reshape(rows, x.shape[-1]), w)  # a batch's rows read each weight once
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
-        if isinstance(w, QuantizedWeight):  # several rows (a prompt, a batch): a tile of codes at a time
-            y = cpu.quantized_linear(x.float(), w)
+        if quantized:  # several rows (a prompt, a batch): a tile of codes at a time
+            y = cpu.quantized_linear(x.float(), w) if self.on("gemm_q", x) else None
             if y is not None:
                 return y.to(out_dtype)
             w = w.dequantize()
         if x.dtype != w.dtype or (out_dtype == torch.float32 and x.dtype != torch.float32):
             x, w = x.float(), w.float()  # fp32 sums and result, as the reference
-        y = cpu.linear(x, w)  # a prompt's fp32 rows: oneDNN's GEMM (cpu.linear says why)
+        y = cpu.linear(x, w) if self.on("onednn_fp32", x) else None  # a prompt's fp32 rows: oneDNN's GEMM
         return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y = cpu.rms_norm(x, weight, eps)  # a decode step's few rows: one C call instead of torch's ops
+        # a decode step's few rows: one C call instead of torch's ops
+        y = cpu.rms_norm(x, weight, eps) if self.on("c_rms_norm", x) else None
         return y if y is not None else self.reference.rms_norm(x, weight, eps)
 
     def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = True) -> Tensor:
-        out = cpu.attend_decode(q, k, v, mask)  # the same softmax as SDPA's, each (row, head) alone
+        # the same softmax as SDPA's, each (row, head) alone
+        out = cpu.attend_decode(q, k, v, mask) if self.on("c_attention", q) else None
         return out if out is not None else self.reference.decode_attention(q, k, v, mask, fp32_softmax)
 
     def attend_blocks(self, q: Tensor, view, window_size: int | None, sink_tokens: int) -> Tensor:
@@ -88,7 +118,11 @@ class KernelOps:
         return triton_prefill.prefill_attention(q, view, query_pos, window_size, sink_tokens)
 
 
+# the one-row measurement that decides each weight format's matrix-vector product
+_ONE_ROW = {torch.float32: "c_matvec", torch.bfloat16: "c_matvec_bf16", 4: "c_matvec_q4", 8: "c_matvec_q8"}
+
+
 def install(model) -> None:
     """Run `model`'s ops on the kernels from now on (idempotent): what every loaded model gets."""
     if not isinstance(model.ops, KernelOps):
-        model.ops = KernelOps(model.ops)
+        model.ops = KernelOps(model.ops, Shapes.of(model.config))

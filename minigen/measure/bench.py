@@ -20,7 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,8 @@ from .. import drafts
 from ..config import GenerationConfig
 from ..errors import BenchError
 from ..generate import generate
+from ..kernels.probes import SLOWER, Measurement
+from ..steps.choose import measurements
 from .machine import PeakRSS, hardware_info, memory_read_bandwidth
 from ..numerics.precision import DTYPES, dtype_of
 from ..numerics.weight_quant import check_weight_bits, quantize_weights
@@ -204,6 +206,9 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     state = read_safetensors(folder)
     model = _minigen_model(model_config, state, dtype, compute)
     hw = hardware_info()
+    paths = measurements(model) if model.device.type == "cpu" else None  # each fast path against its reference
+    hw["fastpaths"] = None if paths is None else {"machine": paths.machine, "threads": paths.threads,
+                                                  "measured": [asdict(m) for m in paths.measured.values()]}
     kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
     engines, model, compile_s = _build_engines(model, model_config, state, folder, ids, config, dtype=dtype,
                                                compute=compute, weight_bits=weight_bits, baseline=baseline,
@@ -345,6 +350,10 @@ def print_report(result: dict) -> None:
     print(f"\nhardware: {hw['cpu']} | {hw['threads']} threads | torch {hw['torch']} | GPU: {hw['gpu'] or 'none'}")
     if "cpu_kernel" in hw and not hw["gpu"]:
         print(f"minigen's batch-1 matrix-vector kernel: {hw['cpu_kernel']}")
+    if hw.get("fastpaths"):  # kernels/fastpaths.py: ratio = reference time / fast time, at one thread
+        print(f"fast paths measured here ({hw['fastpaths']['threads']} thread; below {SLOWER}x a path stands aside):")
+        for m in hw["fastpaths"]["measured"]:
+            print("  " + Measurement(**m).line())
     print(f"model {result['model']} ({result['dtype']}), prompt {result['prompt_len']} tokens, "
           f"{result['new_tokens']} new tokens, median of {result['repeats']}")
     if "precision" in result:

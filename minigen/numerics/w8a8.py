@@ -23,10 +23,11 @@ finds in each batch; here they are fixed per weight):
   columns fixed per weight, so a row of a batch gets the same codes as alone: rows never influence
   each other (a scale or an outlier set found in the batch would make one prompt's numbers depend
   on another's).
-- Weights: one scale per output channel, so the GEMM is oneDNN's plain int8 one (a scale per
-  group along k would need one GEMM per group: no fast kernel takes it). The codes are made once
-  per model (`prepare`) and kept: an fp32 model gains a quarter of its blocks' weight bytes, and
-  the outlier columns in fp32.
+- Weights: one scale per output channel, so the GEMM is a plain int8 one (a scale per group along
+  k would need one GEMM per group: no fast kernel takes it). The codes are made once per model
+  (`prepare`) and kept, twice: in oneDNN's layout (where torch has its int8 linear) and blocked
+  for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's code sum): an fp32 model gains half
+  of its blocks' weight bytes, and the outlier columns in fp32.
 - Calibration: max|x_k| of every product's input, over a forward of the last CALIBRATION_CHARS
   characters of data/english.txt, through the tokenizer `minigen.load` returned with the model (for
   SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py and the tests score); a model loaded without one calibrates on seeded random ids.
@@ -39,8 +40,9 @@ finds in each batch; here they are fixed per weight):
   step's kernel), and the logits are the most sensitive product (chapter 14). A product without
   an int8 copy runs as it would under "float32".
 
-`reference_linear` is the scheme in plain torch (codes back to floats, an fp32 GEMM); the fast path
-is kernels/cpu.py's `int8_linear` (oneDNN's int8 GEMM), chosen per call by kernels/dispatch.py.
+`reference_linear` is the scheme in plain torch (codes back to floats, an fp32 GEMM); the fast paths
+are kernels/int8.py's `int8_linear` backends (our vpdpbusd GEMM in C, oneDNN's int8 GEMM,
+torch._int_mm), chosen per call by kernels/dispatch.py.
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import ConfigError
 from .weight_quant import QuantizedWeight
 
 QMAX = 127  # symmetric codes in [-127, 127]: -128 unused, so that -q is a code too
@@ -65,22 +66,48 @@ CALIBRATION_TOKENS = 256  # seeded random ids where the model came without a tok
 class Int8Weight:
     """A weight [n, k] as int8 codes with one fp32 scale per output channel, but for its outlier
     input columns, which it keeps in fp32 (none: `outliers` empty and `keep` None)."""
-    packed: Tensor  # the codes qw [n, k] (0 in outlier columns), in oneDNN's layout (qlinear_prepack)
+    packed: Tensor | None  # the codes qw [n, k] (0 in outlier columns), in oneDNN's layout (qlinear_prepack); None without oneDNN's int8
     scales: Tensor  # b [n] fp32
     keep: Tensor | None  # [k] fp32, 1 and 0 at the outliers: multiplies the activations before they are quantized
     outliers: Tensor  # [m] int64: the input channels kept fp32
     outlier_weights: Tensor  # w[:, outliers] [n, m] fp32
     zero_points: Tensor  # [n] int64 zeros: symmetric codes (oneDNN's call asks for them)
+    blocked: Tensor  # the codes for csrc/gemm_s8.c: [n64 / 16, k4 / 4, 16, 4] int8 (block_codes)
+    code_sums: Tensor  # [n] int32: 128 sum_k qw[n, k], what gemm_s8's activations + 128 add to each sum
+    shape: tuple[int, int]  # (n, k) of the weight
 
     @property
     def nbytes(self) -> int:
         keep = 0 if self.keep is None else self.keep.nbytes
-        return (self.packed.numel() + self.scales.nbytes + keep + self.outliers.nbytes
-                + self.outlier_weights.nbytes + self.zero_points.nbytes)
+        packed = 0 if self.packed is None else self.packed.numel()
+        return (packed + self.scales.nbytes + keep + self.outliers.nbytes + self.outlier_weights.nbytes
+                + self.zero_points.nbytes + self.blocked.nbytes + self.code_sums.nbytes)
 
     def codes(self) -> Tensor:
         """qw [n, k] int8, a copy in torch's layout (the reference's and the tests' way to read them)."""
-        return self.packed.to_dense().t().contiguous()
+        if self.packed is not None:
+            return self.packed.to_dense().t().contiguous()
+        return unblock_codes(self.blocked, *self.shape)
+
+
+BLOCK_CHANNELS = 16  # output channels of a block of gemm_s8's codes: one 512-bit load, 16 channels x 4 bytes
+PAD_CHANNELS = 64  # n rounded up to this (zero codes), so that a panel of the kernel's never reads past them
+
+
+def block_codes(codes: Tensor) -> Tensor:
+    """qw [n, k] int8 -> [n64 / 16, k4 / 4, 16, 4] (n64, k4: n and k rounded up to 64 and 4, zeros
+    there): each 64 bytes are 16 channels' next 4 codes, one vpdpbusd's operand (csrc/gemm_s8.c)."""
+    n, k = codes.shape
+    n64, k4 = -(-n // PAD_CHANNELS) * PAD_CHANNELS, -(-k // 4) * 4
+    padded = torch.zeros(n64, k4, dtype=torch.int8)
+    padded[:n, :k] = codes
+    return padded.view(n64 // 16, 16, k4 // 4, 4).transpose(1, 2).contiguous()  # [n64/16, k4/4, 16, 4]
+
+
+def unblock_codes(blocked: Tensor, n: int, k: int) -> Tensor:
+    """block_codes undone -> qw [n, k] int8."""
+    b16, kq = blocked.shape[:2]
+    return blocked.transpose(1, 2).reshape(b16 * 16, kq * 4)[:n, :k].contiguous()
 
 
 # the int8 copy of each weight that has one, keyed by the weight tensor itself: a model's copies
@@ -134,8 +161,9 @@ def quantize_weight(w: Tensor, outliers: Tensor | None = None) -> Int8Weight:
     b = coded.abs().amax(-1).div_(QMAX)
     b = torch.where(b > 0, b, torch.ones_like(b))
     codes = torch.round(coded / b[:, None]).to(torch.int8)
-    return Int8Weight(torch.ops.onednn.qlinear_prepack(codes, None), b, keep, outliers,
-                      w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long))
+    packed = torch.ops.onednn.qlinear_prepack(codes, None) if onednn_int8() else None
+    return Int8Weight(packed, b, keep, outliers, w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long),
+                      block_codes(codes), codes.sum(1, dtype=torch.int32) * 128, tuple(w.shape))
 
 
 def reference_linear(x: Tensor, w8: Int8Weight) -> Tensor:
@@ -166,9 +194,6 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
     dequantized once here, not per call."""
     if all(_COPIES.get(w) is not None for w in _products(model)):
         return
-    if not onednn_int8():
-        raise ConfigError("prefill_precision='int8' needs oneDNN's int8 linear (torch.ops.onednn), which this "
-                          "torch build lacks: use prefill_precision='bfloat16' or 'float32'")
     amax = {}
     products = {id(w) for w in _products(model)}
     reference = model.ops

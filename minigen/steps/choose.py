@@ -18,11 +18,12 @@ from typing import Callable
 
 import torch
 
+from ..attention import attend_blocks
+from ..caches.contract import BlockView
 from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_with, run_refusals
 from ..config import GenerationConfig
 from ..kernels import build as kernel_build
-from ..kernels import cpu, triton_attention
-from ..numerics import w8a8
+from ..kernels import cpu, fastpaths, int8, probes, triton_attention
 from ..sampling import Generators
 from . import fused, speculative
 from .eager import EagerStep, NaiveStep
@@ -47,10 +48,57 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
     if config.prefill_precision == "bfloat16" and run.device == "cpu":
         run = dataclasses.replace(run, bf16_dot=cpu.bf16_dot_products())
     if config.prefill_precision == "int8" and run.device == "cpu":
-        run = dataclasses.replace(run, onednn_int8=w8a8.onednn_int8(), int8_dot=cpu.int8_dot_products())
+        run = dataclasses.replace(run, int8_product=any(map(int8.available, int8.BACKENDS)),
+                                  int8_dot=cpu.int8_dot_products())
     if config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"):
         run = dataclasses.replace(run, c_kernel_ok=kernel_build.available(), c_kernel=kernel_build.status())
     return run
+
+
+def measurements(model) -> fastpaths.FastPaths:
+    """This machine's measurements of the kernels and the fused step at `model`'s shapes (fastpaths.py)."""
+    return fastpaths.measured(probes.Shapes.of(model.config), probes.PROBES + fused.PROBES)
+
+
+def measured_fast(model, path: str) -> bool:
+    """Whether `path` may run on "auto" for `model` here: a CPU model whose measurement does not stand aside."""
+    return model.device.type != "cpu" or not kernel_build.available() or measurements(model).allowed(path)
+
+
+def _triton_probe(context: int):
+    """attention_backend='triton' on a GPU: the fused decode kernel against the torch path it replaces
+    (attention.attend_blocks: gather the blocks, SDPA), one row of `context` positions in blocks of 16,
+    in the model's dtype and heads. A demanded backend: measured where it runs, to warn, never to refuse."""
+    def make(s: probes.Shapes, rows: int, device: str = "cuda", dtype=torch.bfloat16):
+        bs, n = 16, -(-context // 16)
+        g = torch.Generator(device=device).manual_seed(0)
+        pool = [torch.randn(n, bs, s.kv_heads, s.head_dim, generator=g, device=device).to(dtype) for _ in range(2)]
+        view = BlockView(pool[0], pool[1], torch.arange(n, device=device)[None], bs,
+                         torch.tensor([context], device=device), torch.tensor([context], device=device))
+        q = torch.randn(1, s.heads, s.head_dim, generator=g, device=device).to(dtype)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        return ((lambda: (triton_attention.decode_attention(q, view), sync())[0]),
+                (lambda: (attend_blocks(q, view), sync())[0]))
+    return probes.Probe(f"triton_decode_{context}", f"Triton's paged decode attention ({context:,} positions)",
+                        "gather + SDPA (attention.attend_blocks)", make)
+
+
+TRITON_PROBES = (_triton_probe(4096),)
+
+
+def warn_demanded(model, config: GenerationConfig) -> None:
+    """A prompt format the config demands (prefill_precision) that measured slower than fp32 here still
+    runs: say so with the ratio. The int8 products run by the fastest int8 backend measured."""
+    if config.attention_backend == "triton" and model.device.type == "cuda":
+        paths = fastpaths.measured(probes.Shapes.of(model.config), TRITON_PROBES)
+        fastpaths.demanded(paths.get(TRITON_PROBES[0].path), "attention_backend='triton'")
+    if model.device.type != "cpu" or config.prefill_precision == "float32":
+        return
+    paths = measurements(model)
+    if config.prefill_precision == "bfloat16":
+        fastpaths.demanded(paths.get("bf16_prompt"), "prefill_precision='bfloat16'")
+    else:
+        fastpaths.demanded(paths.best_int8(), "prefill_precision='int8'")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -95,14 +143,18 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
         check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
     run = run_of(model, config, batch, observers)
     check_run(config, run)
+    warn_demanded(model, config)
     if not config.use_cache:
         return NaiveStep()  # (prefill_chunk_size needs a cache: the config refuses it here)
     if config.cuda_graphs:
         step = GraphedStep(sample, config, generators)
     elif config.compile:
         step = CompiledStep(model)
-    elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)):
-        step = fused.FusedStep()  # a ragged batch refused True above (RAGGED_REFUSED)
+    elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)
+                                         and measured_fast(model, "fused_step")):
+        step = fused.FusedStep(verify_in_c=measured_fast(model, "fused_verify"))  # ragged: refused True above
+        if config.fused_decode is True:
+            fastpaths.demanded(measurements(model).get("fused_step"), "fused_decode=True")
     else:
         step = EagerStep()
     step.prefill_chunk_size = config.prefill_chunk_size  # every step prefills eagerly, in pieces or whole

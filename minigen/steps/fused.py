@@ -41,8 +41,11 @@ import ctypes
 import torch
 from torch import Tensor
 
+from ..checkpoints.model_config import ModelConfig
 from ..combinations import FUSED_MAX_ROWS
 from ..kernels import build as kernel_build
+from ..kernels import dispatch
+from ..kernels.probes import Probe, Shapes
 from ..errors import PromptError
 from ..caches.contiguous import KVCache
 from .eager import EagerStep
@@ -132,7 +135,8 @@ class FusedStep(EagerStep):
     on the cache."""
     name = "fused"
 
-    def __init__(self):
+    def __init__(self, verify_in_c: bool = True):
+        self.verify_in_c = verify_in_c  # False where fastpaths measured the C verify slower than the eager one
         self.plan: _Plan | None = None
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
 
@@ -142,7 +146,7 @@ class FusedStep(EagerStep):
         of its last token [1, V]. Anything else runs EagerStep.prefill (torch's GEMMs)."""
         T = input_ids.shape[1]
         C = min(self.prefill_chunk_size or T, T)
-        if not (input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
+        if not (self.verify_in_c and input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
             return super().prefill(model, input_ids, input_pos, cache, policy)
         for start in range(0, T, C):  # a last piece of one token runs verify's torch fallback
             logits = self.verify(model, input_ids[:, start:start + C], input_pos[start:start + C], cache)
@@ -164,7 +168,7 @@ class FusedStep(EagerStep):
         attends, so the chunk is causal) -> logits [1, T, V]. Anything else (several rows at their own
         positions, a longer chunk) runs EagerStep's torch forward."""
         B, T = tokens.shape
-        if not (B == 1 and policy is None and input_pos.dim() == 1 and 2 <= T <= FUSED_MAX_ROWS
+        if not (self.verify_in_c and B == 1 and policy is None and input_pos.dim() == 1 and 2 <= T <= FUSED_MAX_ROWS
                 and bool((input_pos.diff() == 1).all())):
             return super().verify(model, tokens, input_pos, cache, policy)
         lib = kernel_build.library()
@@ -195,3 +199,37 @@ class FusedStep(EagerStep):
                  plan.x.data_ptr(), pos) != 0:
             raise MemoryError("fused_decode: the C step could not allocate its work buffers")
         return logits
+
+
+# ---------------------------------------------------------------- measured where it runs (kernels/fastpaths.py)
+VERIFY_TOKENS = 4  # a verify chunk of the probe: speculative decoding's k = 3 proposals and the last token
+
+
+def _probe(kind: str):
+    """fastpaths' probe of the fused step: a two-layer Llama of the model's shapes (random weights, a
+    4,096-token vocabulary), one decode token (or a verify chunk of VERIFY_TOKENS) at position 8, in C
+    and through the eager step, on one cache (each call rewrites the same slots)."""
+    def make(s: Shapes, rows: int):
+        if not kernel_build.available():
+            return None
+        cfg = ModelConfig(arch="llama", vocab_size=4096, dim=s.dim, n_layers=2, n_heads=s.heads,
+                          n_kv_heads=s.kv_heads, head_dim=s.head_dim, hidden_dim=s.hidden, max_seq_len=64)
+        model = Model(cfg)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+        dispatch.install(model)
+        cache = KVCache.for_model(model, 1, 64)
+        T = 1 if kind == "decode" else VERIFY_TOKENS
+        ids, pos = torch.arange(1, T + 1)[None], torch.arange(8, 8 + T)
+        fused, eager = FusedStep(), EagerStep()
+        if kind == "decode":
+            return (lambda: fused.decode(model, ids, pos[:1], cache)), (lambda: eager.decode(model, ids, pos[:1], cache))
+        return (lambda: fused.verify(model, ids, pos, cache)), (lambda: eager.verify(model, ids, pos, cache))
+    return make
+
+
+PROBES = (Probe("fused_step", "the fused C step (a decode token)", "the eager step", _probe("decode")),
+          Probe("fused_verify", f"the fused C verify ({VERIFY_TOKENS} tokens)", "the eager verify",
+                          _probe("verify")))

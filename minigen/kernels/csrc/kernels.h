@@ -26,8 +26,10 @@
  *   decode.c       a whole decode step in C (decode_layers), and a chunk of one sequence (verify_layers).
  *   dequant.c      int8 / int4 codes to fp32 rows at a time: a bf16 prompt's tiles (dequant_rows), gemm_q's panels;
  *   gemm_q.c       a prompt's products with int8 / int4 codes in one call, a panel of rows at a time (gemm_q).
- *   quantize.c     a prompt's activations as int8 codes with a scale per row, for oneDNN's int8 GEMM
- *                  (quantize_rows_s8, prefill_precision="int8").
+ *   quantize.c     a prompt's activations as int8 codes with a scale per row, for the int8 GEMMs
+ *                  (quantize_rows_s8, prefill_precision="int8");
+ *   gemm_s8.c      int8 codes times int8 codes, exact int32 sums through vpdpbusd (AVX512-VNNI,
+ *                  AVX-VNNI) or its exact emulation: a prompt's int8 products (gemm_s8, gemm_s8_variant).
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
  * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
  * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
@@ -110,6 +112,9 @@ INTERNAL void parallel_rows(row_fn row, const Mat *m, float *y, int64_t n, int t
  * parallel.c); attention's parallel loops follow them */
 INTERNAL int backing_off(void);
 #endif
+
+/* quantize.c: one row of x [k] (times keep [k], or NULL) as int8 codes q [k] -> its scale (quantize_rows_s8's) */
+INTERNAL float quantize_row(const float *x, const float *keep, int8_t *q, int64_t k);
 
 /* attend.c: one RMSNorm row, and one query head against its cached keys and values */
 INTERNAL void rms_norm(const float *x, const float *weight, float *out, int64_t D, float eps);
