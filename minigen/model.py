@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from .attention import AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, imposes_window, layer_mask
 from .caches.contract import BlockView
 from .checkpoints.model_config import ModelConfig
-from .numerics import w8a8
+from .numerics import bf16_copies, w8a8
 from .numerics.precision import Precision, prompt_dtype
 from .numerics.weight_quant import QuantizedWeight
 
@@ -128,6 +128,8 @@ class TorchOps:
         fmt = prompt_dtype(x.numel() // x.shape[-1])  # prefill_precision (chapter 16)
         if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # a block's weight: its int8 copy
             return w8a8.reference_linear(x, w8).to(out_dtype)
+        if fmt == torch.bfloat16 and (wb := bf16_copies.copy_of(w)) is not None:  # a block's weight: its bf16 copy
+            return F.linear(x.bfloat16(), wb).to(out_dtype)
         if isinstance(w, QuantizedWeight):
             w = w.dequantize()
         if fmt == torch.bfloat16:

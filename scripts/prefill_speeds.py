@@ -11,7 +11,8 @@ prefill_precision "float32", "bfloat16" and "int8", minigen int8 and int4 weight
 and transformers fp32 (its own generate, one new token). Quality: teacher forcing over --quality
 tokens of the text (evaluate.score, one forward, so every row's products run in the prompt's
 format, the head's too, except under "int8", whose head stays fp32): perplexity and top-1 agreement
-against fp32. The int8 format's copies of the weights are made before the timings (w8a8.prepare).
+against fp32. The int8 format's copies of the weights are made before the timings (w8a8.prepare),
+the bf16 format's by the warm-up's bf16 prompts (bf16_copies.prepare); both print their bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
 from minigen.evaluate import score  # noqa: E402
-from minigen.numerics import w8a8  # noqa: E402
+from minigen.numerics import bf16_copies, w8a8  # noqa: E402
 
 FORMATS = ("float32", "bfloat16", "int8")
 
@@ -75,7 +76,10 @@ def main() -> None:
         print(f"int8 copies: {w8a8.nbytes(m) / 2**20:.0f} MiB beside {sum(t.nbytes for t in [*m.parameters(), *m.buffers()]) / 2**20:.0f} "
               "MiB of weights", flush=True)
     for name in names:
-        once(name, 32)  # warm-up
+        once(name, 32)  # warm-up (a 32-token bf16 prompt makes each model's bf16 copies: bf16_copies.prepare)
+    for w, m in models.items():
+        print(f"bf16 copies of {w} weights: {bf16_copies.nbytes(m):,} bytes beside "
+              f"{sum(t.nbytes for t in [*m.parameters(), *m.buffers()]):,} bytes of weights", flush=True)
     table = {}
     for T in args.lengths:
         t = {name: [] for name in names}

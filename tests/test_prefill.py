@@ -188,6 +188,146 @@ def test_bench_counts_a_bf16_prompt_as_lossy():
     assert not bench.exact(GenerationConfig(prefill_precision="int8"))
 
 
+# the bf16 copies of a model's block weights (numerics/bf16_copies.py)
+from minigen.numerics import bf16_copies  # noqa: E402
+from minigen.numerics.weight_quant import QuantizedWeight, linear_weights, quantize_weights  # noqa: E402
+
+needs_bf16_gemm = pytest.mark.skipif(not cpu_kernel._ONEDNN_BF16 or kernel_build.compiler() is None,
+                                     reason="needs oneDNN with bf16 GEMMs (AVX-512 or AMX) and the C kernel")
+
+
+def _fresh_tiny(tiny_llama, weights: str = "float32"):
+    """A tiny Llama of its own (new weight tensors: no copies yet), fp32 or int4 codes (head int8)."""
+    model = minigen.from_hf(tiny_llama[0])
+    return quantize_weights(model, 4, 32, head_bits=8) if weights == "int4" else model
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_bf16_copies_are_made_once_reused_and_counted_and_the_head_has_none(tiny_llama, weights):
+    model = _fresh_tiny(tiny_llama, weights)
+    blocks = bf16_copies.block_weights(model)
+    assert len(blocks) == 4 * len(model.blocks) and all(w is not model.head for w in blocks)
+    assert [id(w) for w in blocks] == [id(getattr(m, name)) for m, name in linear_weights(model)]
+    assert all(bf16_copies.copy_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
+    with prompt_products("bfloat16"):  # no model given: nothing is made
+        pass
+    assert bf16_copies.nbytes(model) == 0
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
+    first = [bf16_copies.copy_of(w) for w in blocks]
+    for w, c in zip(blocks, first):
+        dense = w.dequantize() if isinstance(w, QuantizedWeight) else w
+        assert c is not None and c.dtype == torch.bfloat16 and torch.equal(c, dense.float().bfloat16())
+    minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
+    with prompt_products("bfloat16", model):
+        assert all(bf16_copies.copy_of(w) is c for w, c in zip(blocks, first))  # the same objects: made once
+    assert bf16_copies.copy_of(model.head) is None  # the head: a prefill's last row only, in fp32
+    assert bf16_copies.nbytes(model) == 2 * sum(w.shape[0] * w.shape[1] for w in blocks)  # 2 bytes a weight
+    if weights == "float32":  # a weight written in place: its copy is stale, and the next bf16 prompt makes it again
+        w = blocks[0]
+        with torch.no_grad():
+            w.mul_(2)
+        assert bf16_copies.copy_of(w) is None
+        with prompt_products("bfloat16", model):
+            assert torch.equal(bf16_copies.copy_of(w), w.bfloat16())
+        bf16 = minigen.from_hf(tiny_llama[0], dtype=torch.bfloat16)  # a bf16 weight is its own copy
+        with prompt_products("bfloat16", bf16):
+            assert bf16_copies.nbytes(bf16) == 0
+
+
+@needs_bf16_gemm
+def test_the_head_takes_the_bf16_path_only_in_a_teacher_forced_score_and_without_a_copy(tiny_llama, monkeypatch):
+    """generate's prefill computes the last row's logits only: the head never reaches bf16_linear; a
+    score computes every row's, and its head is converted per call (it has no copy)."""
+    from minigen.evaluate import score
+    model = _fresh_tiny(tiny_llama)
+    heads = []
+    real = cpu_kernel.bf16_linear
+
+    def spy(x, w):
+        if w is model.head:
+            heads.append(bf16_copies.copy_of(w))
+        return real(x, w)
+
+    monkeypatch.setattr(cpu_kernel, "bf16_linear", spy)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
+    minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
+    assert heads == [] and bf16_copies.nbytes(model) > 0
+    score(model, ids[0], prefill_precision="bfloat16")
+    assert heads == [None]
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("weights", ["float32", "int8", "int4", "int4 of bf16"])
+def test_bf16_linear_gives_the_same_bits_with_the_copy_as_without(weights, monkeypatch):
+    """The copy is the per-call rounding done once: the same bits, on a matrix of several tiles of
+    codes (3,072 rows of 576: two 4 MB fp32 tiles) and on a small one; and with the copy the
+    product reads it, no widening of codes (_tiled) and no conversion of the weight."""
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((3072, 576), (96, 64)):
+        w = torch.randn(n, k, generator=g)
+        w = {"float32": w, "int8": quantize_matrix(w, 8, 32), "int4": quantize_matrix(w, 4, 32),
+             "int4 of bf16": quantize_matrix(w.bfloat16(), 4, 32)}[weights]
+        x = torch.randn(2, 20, k, generator=g)
+        without = cpu_kernel.bf16_linear(x, w)
+        kept = bf16_copies.keep(w)
+        assert kept is not None and bf16_copies.copy_of(w) is kept
+        with monkeypatch.context() as m:
+            m.setattr(cpu_kernel, "_tiled", lambda *a: pytest.fail("codes widened per call"))
+            m.setattr(QuantizedWeight, "dequantize", lambda *a: pytest.fail("codes dequantized per call"))
+            m.setattr(torch.Tensor, "bfloat16", lambda t: pytest.fail("a weight converted per call")
+                      if t is w else torch.Tensor.to(t, torch.bfloat16))
+            with_copy = cpu_kernel.bf16_linear(x, w)
+        assert with_copy is not None and torch.equal(with_copy, without), (weights, n, k)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+def test_no_weight_is_converted_to_bf16_per_call_after_the_first_bf16_prompt(tiny_llama, monkeypatch, weights):
+    """A spy on every conversion of a weight (Tensor.bfloat16 on a block weight, codes widened by
+    _tiled or dequantized): the first bf16 prompt converts each block weight once (its copy), the
+    second none; without a model (no copies) every prompt converts them, which is what the spy sees."""
+    model = _fresh_tiny(tiny_llama, weights)
+    blocks = bf16_copies.block_weights(model)
+    weight_ids = {id(w) for w in blocks}
+    seen = []
+    bfloat16, tiled, dequantize = torch.Tensor.bfloat16, cpu_kernel._tiled, QuantizedWeight.dequantize
+
+    def spy_bfloat16(t):
+        if id(t) in weight_ids:
+            seen.append(id(t))
+        return bfloat16(t)
+
+    def spy_tiled(x, w, dtype):
+        if id(w) in weight_ids:  # not the head: a forward's every row reaches it (no copy, see above)
+            seen.append(id(w))
+        return tiled(x, w, dtype)
+
+    def spy_dequantize(w, rows=None):
+        if id(w) in weight_ids:
+            seen.append(id(w))
+        return dequantize(w, rows)
+
+    monkeypatch.setattr(torch.Tensor, "bfloat16", spy_bfloat16)
+    monkeypatch.setattr(cpu_kernel, "_tiled", spy_tiled)
+    monkeypatch.setattr(QuantizedWeight, "dequantize", spy_dequantize)
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(40)
+    with torch.inference_mode():
+        with prompt_products("bfloat16"):  # no copies: each product converts its weight
+            model(ids, pos)
+        assert sorted(seen) == sorted(weight_ids), len(seen)
+        seen.clear()
+        with prompt_products("bfloat16", model):  # the first with the model: at most one each, the copies
+            first = model(ids, pos)
+        assert len(seen) == len(set(seen)) and bf16_copies.nbytes(model) > 0, len(seen)
+        seen.clear()
+        with prompt_products("bfloat16", model):
+            second = model(ids, pos)
+    assert seen == [] and torch.equal(first, second)
+    minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
+    assert seen == []
+
+
 # ---------------------------------------------------------------- prefill_precision="int8"
 from minigen.numerics import w8a8  # noqa: E402
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..errors import ConfigError
-from . import w8a8
+from . import bf16_copies, w8a8
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,13 +84,16 @@ def prompt_products(name: str = "float32", model=None):
     "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM; attention.attend's SDPA takes
     bf16 q, k and v with an fp32 softmax), int8 codes when it is "int8"
     (int32 sums; numerics/w8a8.py, whose copies of `model`'s weights are made here the first time);
-    "float32" changes nothing."""
+    "float32" changes nothing. Under "bfloat16", `model`'s block weights get their bf16 copies here
+    the first time (numerics/bf16_copies.py); without a model each product converts its weight."""
     if name not in PROMPT_DTYPES:
         raise ConfigError(f"prefill_precision={name!r} is invalid: use {', '.join(map(repr, PROMPT_DTYPES))}")
     if name == "int8":
         if model is None:
             raise ConfigError("prompt_products('int8') needs the model, whose weights it quantizes once")
         w8a8.prepare(model)
+    if name == "bfloat16" and model is not None:
+        bf16_copies.prepare(model)
     token = _PROMPT_DTYPE.set(PROMPT_DTYPES[name])
     try:
         yield

@@ -1,0 +1,105 @@
+"""bf16 copies of a model's block weights for bf16 prompts (chapter 16): prefill_precision="bfloat16".
+
+A bf16 prompt multiplies bf16 inputs with fp32 sums (kernels/cpu.py's `bf16_linear`, oneDNN's bf16
+GEMM). Its weights must be bf16 too: converting an fp32 matrix on every call (`w.bfloat16()`, a new
+2-byte-a-weight tensor each time), or widening int8 / int4 codes a tile at a time, was a large
+share of a bf16 prompt. So, as numerics/w8a8.py does for int8 prompts, the first bf16 prompt of a
+model (`prompt_products("bfloat16", model)`) makes a bf16 copy of each block weight once, and
+`bf16_linear` reads it (`copy_of`) instead of converting.
+
+- Which weights: every block's products (`block_weights`); fp32 weights, and int8 / int4 codes
+  (the copy is their dequantized values rounded to bf16: the bits the tile widening gave). Measured
+  on this course's Xeon (AMX), 512 rows of SmolLM2's shapes, 2 threads: a product with the copy took
+  1/1.4 to 1/4 of the time of the tile widening (w_gate_up, two 4 MB tiles, the most); a whole
+  512-token bf16 forward at 1 thread, 2.52x fp32's speed without copies and 3.00x with (int4
+  weights), 2.58x and 2.97x (fp32 weights). A bf16 weight is its own copy (none is made); fp16
+  weights do not take the bf16 path at all.
+- The output head has none: a prefill computes the last row's logits only (one row: the decode
+  step's fp32 kernel), so only a teacher-forced score (evaluate.score) or more than 16 prompts in
+  one step reach it with many rows, and there `bf16_linear` converts it per call as before. A copy
+  of SmolLM2's tied head would be 57 MB.
+- The cost: 2 bytes a block weight (`nbytes`), kept beside the weights the decode steps read: on
+  SmolLM2, 212 MB beside the fp32 model's 538 MB (+39%), the int8 model's 143 MB (+148%) and the
+  int4 model's 97 MB (+220%): a model loaded with weight_bits=4 for its memory keeps "float32"
+  prompts where memory matters more than the prompt's time. Making them is the first bf16
+  prompt's cost, once: on SmolLM2, 79 ms (fp32 weights) and 115 ms (int4) on a quiet machine, 2.7 s
+  measured next to busy processes.
+- The same rounding: a copy holds exactly what the per-call conversion makes (round to nearest
+  even, once, from fp32), so a product with it gives the same bits as without it.
+- A weight changed in place after its copy was made (offgrid.rotate, a test) makes its copy stale:
+  each copy remembers the weight's version counter, `copy_of` answers None for a stale one (the
+  product converts per call), and the next `prepare` makes it again.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .weight_quant import QuantizedWeight
+
+# weight -> (its version when copied, the bf16 copy), keyed by the weight itself (a Parameter or a
+# QuantizedWeight): a model's copies live as long as its weights, and a weight without one is not a key
+_COPIES = WeakIdKeyDictionary()
+
+
+def _version(w) -> int:
+    """The version counter of the tensor that holds w's numbers (in-place writes bump it)."""
+    return (w.codes if isinstance(w, QuantizedWeight) else w)._version
+
+
+def takes(w) -> bool:
+    """Whether a bf16 prompt keeps a copy of w: fp32 weights and int8 / int4 codes (of an fp32 or bf16
+    model) on the CPU. A bf16 weight is its own copy; an fp16 one runs the reference's path."""
+    return w.device.type == "cpu" and (w.dtype == torch.float32 or isinstance(w, QuantizedWeight)
+                                       and w.dtype == torch.bfloat16)
+
+
+def make(w) -> Tensor:
+    """w [n, k] (fp32, or codes) -> its bf16 copy [n, k], contiguous: the fp32 values (codes
+    dequantized in fp32) rounded to nearest even once, as the per-call conversion rounds them."""
+    if isinstance(w, QuantizedWeight):  # in fp32 whatever its dtype (a bf16 one's dequantize() rounds itself)
+        w = QuantizedWeight(w.codes, w.scales, w.mins, w.bits, w.group_size, w.shape, torch.float32).dequantize()
+    return w.float().bfloat16().contiguous()
+
+
+def prepare(model) -> None:
+    """Make the bf16 copy of every block weight that takes one (once per model: a later call only
+    checks that each copy is there and current)."""
+    for w in block_weights(model):
+        keep(w)
+
+
+def keep(w) -> Tensor | None:
+    """w's bf16 copy, made now if it has none or a stale one; None where w takes none (`takes`)."""
+    if not takes(w):
+        return None
+    if (kept := copy_of(w)) is None:
+        with torch.inference_mode():
+            kept = make(w)
+        _COPIES[w] = (_version(w), kept)
+    return kept
+
+
+def copy_of(w) -> Tensor | None:
+    """The bf16 copy `prepare` made of weight w, or None (none made: the head, a bf16 weight, a
+    model whose bf16 prompt has not run; or stale: w was written since)."""
+    kept = _COPIES.get(w)
+    if kept is None or kept[0] != _version(w):
+        return None
+    return kept[1]
+
+
+def nbytes(model) -> int:
+    """Bytes held by the bf16 copies of `model`'s weights (0 before its first bf16 prompt)."""
+    return sum(c.nbytes for w in block_weights(model) if (c := copy_of(w)) is not None)
+
+
+def block_weights(model) -> list:
+    """Every block's weights that a prompt multiplies (weight_quant.linear_weights's, the head not
+    among them), read directly: 0.1 ms for SmolLM2 where walking the modules takes 1.2 ms, and
+    every bf16 prompt asks (`prepare`)."""
+    gpt2 = model.config.arch == "gpt2"  # GeluMLP's w_fc and w_proj; else GatedMLP's (llama, gemma3)
+    return [w for b in model.blocks for w in (b.attn.wqkv, b.attn.wo, *((b.mlp.w_fc, b.mlp.w_proj) if gpt2 else
+                                                                         (b.mlp.w_gate_up, b.mlp.w_down)))]
