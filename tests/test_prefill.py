@@ -214,6 +214,9 @@ def test_bf16_copies_are_made_once_reused_and_counted_and_the_head_has_none(tiny
     assert bf16_copies.nbytes(model) == 0
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
     minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
+    if weights == "int4":  # codes keep their tile widening: a copy would triple an int4 model's bytes
+        assert all(bf16_copies.copy_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
+        return
     first = [bf16_copies.copy_of(w) for w in blocks]
     for w, c in zip(blocks, first):
         dense = w.dequantize() if isinstance(w, QuantizedWeight) else w
@@ -260,6 +263,9 @@ def test_the_head_takes_the_bf16_path_only_in_a_teacher_forced_score_and_without
 @needs_bf16_gemm
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4", "int4 of bf16"])
 def test_bf16_linear_gives_the_same_bits_with_the_copy_as_without(weights, monkeypatch):
+    if weights != "float32":  # codes take no copy (bf16_copies' docstring: the memory it would cost)
+        assert bf16_copies.keep(quantize_matrix(torch.randn(96, 64), int(weights[3]), 32)) is None
+        return
     """The copy is the per-call rounding done once: the same bits, on a matrix of several tiles of
     codes (3,072 rows of 576: two 4 MB fp32 tiles) and on a small one; and with the copy the
     product reads it, no widening of codes (_tiled) and no conversion of the weight."""
@@ -281,7 +287,7 @@ def test_bf16_linear_gives_the_same_bits_with_the_copy_as_without(weights, monke
         assert with_copy is not None and torch.equal(with_copy, without), (weights, n, k)
 
 
-@pytest.mark.parametrize("weights", ["float32", "int4"])
+@pytest.mark.parametrize("weights", ["float32"])
 def test_no_weight_is_converted_to_bf16_per_call_after_the_first_bf16_prompt(tiny_llama, monkeypatch, weights):
     """A spy on every conversion of a weight (Tensor.bfloat16 on a block weight, codes widened by
     _tiled or dequantized): the first bf16 prompt converts each block weight once (its copy), the

@@ -7,23 +7,20 @@ share of a bf16 prompt. So, as numerics/w8a8.py does for int8 prompts, the first
 model (`prompt_products("bfloat16", model)`) makes a bf16 copy of each block weight once, and
 `bf16_linear` reads it (`copy_of`) instead of converting.
 
-- Which weights: every block's products (`block_weights`); fp32 weights, and int8 / int4 codes
-  (the copy is their dequantized values rounded to bf16: the bits the tile widening gave). Measured
-  on this course's Xeon (AMX), 512 rows of SmolLM2's shapes, 2 threads: a product with the copy took
-  1/1.4 to 1/4 of the time of the tile widening (w_gate_up, two 4 MB tiles, the most); a whole
-  512-token bf16 forward at 1 thread, 2.52x fp32's speed without copies and 3.00x with (int4
-  weights), 2.58x and 2.97x (fp32 weights). A bf16 weight is its own copy (none is made); fp16
-  weights do not take the bf16 path at all.
+- Which weights: every block's fp32 products (`block_weights`). Measured on this course's Xeon
+  (AMX): a whole 512-token bf16 forward at 1 thread, 2.58x fp32's speed without copies and 2.97x
+  with. int8 / int4 codes keep their tile-at-a-time widening (`_tiled`): a copy made their bf16
+  prompts faster too (2.52x -> 3.00x, int4), but it costs 2 bytes a weight beside a model that was
+  loaded with weight_bits=4 (or 8) to hold 0.5 (or 1): 212 MB beside SmolLM2's 97 MB of int4 weights
+  (+220%), where the prompt's speed is not what the user chose. A bf16 weight is its own copy (none
+  is made); fp16 weights do not take the bf16 path at all.
 - The output head has none: a prefill computes the last row's logits only (one row: the decode
   step's fp32 kernel), so only a teacher-forced score (evaluate.score) or more than 16 prompts in
   one step reach it with many rows, and there `bf16_linear` converts it per call as before. A copy
   of SmolLM2's tied head would be 57 MB.
 - The cost: 2 bytes a block weight (`nbytes`), kept beside the weights the decode steps read: on
-  SmolLM2, 212 MB beside the fp32 model's 538 MB (+39%), the int8 model's 143 MB (+148%) and the
-  int4 model's 97 MB (+220%): a model loaded with weight_bits=4 for its memory keeps "float32"
-  prompts where memory matters more than the prompt's time. Making them is the first bf16
-  prompt's cost, once: on SmolLM2, 79 ms (fp32 weights) and 115 ms (int4) on a quiet machine, 2.7 s
-  measured next to busy processes.
+  SmolLM2, 212 MB beside the fp32 model's 538 MB (+39%). Making them is the first bf16 prompt's
+  cost, once: on SmolLM2, 79 ms on a quiet machine, 2.7 s measured next to busy processes.
 - The same rounding: a copy holds exactly what the per-call conversion makes (round to nearest
   even, once, from fp32), so a product with it gives the same bits as without it.
 - A weight changed in place after its copy was made (offgrid.rotate, a test) makes its copy stale:
@@ -50,18 +47,15 @@ def _version(w) -> int:
 
 
 def takes(w) -> bool:
-    """Whether a bf16 prompt keeps a copy of w: fp32 weights and int8 / int4 codes (of an fp32 or bf16
-    model) on the CPU. A bf16 weight is its own copy; an fp16 one runs the reference's path."""
-    return w.device.type == "cpu" and (w.dtype == torch.float32 or isinstance(w, QuantizedWeight)
-                                       and w.dtype == torch.bfloat16)
+    """Whether a bf16 prompt keeps a copy of w: fp32 weights on the CPU (the module docstring says why
+    not int8 / int4 codes). A bf16 weight is its own copy; an fp16 one runs the reference's path."""
+    return w.device.type == "cpu" and w.dtype == torch.float32 and not isinstance(w, QuantizedWeight)
 
 
-def make(w) -> Tensor:
-    """w [n, k] (fp32, or codes) -> its bf16 copy [n, k], contiguous: the fp32 values (codes
-    dequantized in fp32) rounded to nearest even once, as the per-call conversion rounds them."""
-    if isinstance(w, QuantizedWeight):  # in fp32 whatever its dtype (a bf16 one's dequantize() rounds itself)
-        w = QuantizedWeight(w.codes, w.scales, w.mins, w.bits, w.group_size, w.shape, torch.float32).dequantize()
-    return w.float().bfloat16().contiguous()
+def make(w: Tensor) -> Tensor:
+    """w [n, k] fp32 -> its bf16 copy [n, k], contiguous: rounded to nearest even once, as the
+    per-call conversion rounds it."""
+    return w.bfloat16().contiguous()
 
 
 def prepare(model) -> None:
