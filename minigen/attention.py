@@ -27,7 +27,7 @@ from einops import rearrange
 from torch import Tensor
 
 from .caches.contract import BlockView
-from .numerics.precision import prompt_dtype
+from .numerics.precision import prompt_attention_dtype
 from .numerics.quant import QuantizedTensor, dequantize
 
 
@@ -93,7 +93,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softma
     Xeon a 512-token layer (9 heads, 3 of keys) took 2.3-2.8 ms in place of 5.7-6.4 at 2 threads.
     """
     if (fp32_softmax and q.dtype == torch.float32
-            and prompt_dtype(q.shape[0] * q.shape[2]) == torch.bfloat16):  # a bf16 prompt (chapter 16)
+            and prompt_attention_dtype(q.shape[0] * q.shape[2]) == torch.bfloat16):  # a bf16 prompt (chapter 16)
         mask = mask if isinstance(mask, Causal) or mask.dtype == torch.bool else mask.to(torch.bfloat16)
         return attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, fp32_softmax=True).float()
     if isinstance(mask, Causal):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .combinations import check_run
 from .steps import fused
-from .steps.choose import run_of, warn_demanded
+from .steps.choose import prompt_attention_bf16, run_of, warn_demanded
 from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
@@ -76,7 +76,8 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     logits = []
     # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
-    with torch.inference_mode(), prompt_products(config.prefill_precision, model):
+    with torch.inference_mode(), prompt_products(config.prefill_precision, model,
+                                                    prompt_attention_bf16(model, config)):
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
             policy = make_policy(config, None, observers)
             logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])

@@ -31,7 +31,7 @@ from .errors import ConfigError, PromptError
 from .model import Model
 from .numerics.precision import prompt_products
 from .sampling import Generators, make_generators, sample
-from .steps.choose import choose_step
+from .steps.choose import choose_step, prompt_attention_bf16
 from .steps.eager import EagerStep
 
 
@@ -136,7 +136,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        with prompt_products(config.prefill_precision, model):  # the prompt's products in their own format (chapter 16)
+        with prompt_products(config.prefill_precision, model, prompt_attention_bf16(model, config)):  # the prompt's products in their own format (chapter 16)
             logits = step.prefill(model, input_ids, input_pos, cache, policy)
         if after_prefill is not None:
             logits = after_prefill(logits)

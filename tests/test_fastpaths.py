@@ -236,3 +236,21 @@ def test_the_triton_probe_times_the_kernel_against_the_torch_path_it_replaces():
     assert a.shape == b.shape == (1, SHAPES.heads, SHAPES.head_dim)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert probe.path == "triton_decode_48" and choose.TRITON_PROBES[0].path == "triton_decode_4096"
+
+
+def test_a_bf16_prompt_keeps_its_attention_in_fp32_where_bf16_sdpa_measured_slower(tiny_llama, fresh):
+    from minigen.numerics.precision import prompt_attention_dtype, prompt_dtype, prompt_products
+    model, _ = _tiny(tiny_llama)
+    config = minigen.GenerationConfig(prefill_precision="bfloat16")
+    paths = choose.measurements(model)
+    for ratio, bf16 in ((2.0, True), (0.5, False)):
+        paths.measured["bf16_attention"] = Measurement("bf16_attention", "a prompt's attention in bf16 (SDPA)",
+                                                       "SDPA in fp32", 1.0, ratio)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", fastpaths.FastPathNotice)
+            assert choose.prompt_attention_bf16(model, config) is bf16
+        with prompt_products("bfloat16", None, bf16):
+            assert prompt_dtype(100) == torch.bfloat16  # the products stay bf16 either way
+            assert prompt_attention_dtype(100) == (torch.bfloat16 if bf16 else torch.float32)
+            assert prompt_attention_dtype(16) == torch.float32  # a short prompt: fp32, as its products
+    assert choose.prompt_attention_bf16(model, config.replace(prefill_precision="float32"))

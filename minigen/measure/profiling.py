@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from .. import attention, model
 from ..numerics.precision import prompt_products
 from ..kernels import dispatch
-from ..steps.choose import choose_step
+from ..steps.choose import choose_step, prompt_attention_bf16
 from ..caches import contiguous, h2o, hybrid, offload, paged, quantized, window
 from ..caches.make import make_cache
 from ..config import GenerationConfig
@@ -210,7 +210,8 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     with step.grad_mode():
         cache = make_cache(model_, run, input_ids.shape[0], T + total)
         policy = make_policy(run, cache)
-        with prompt_products(run.prefill_precision, model_):  # the prompt's products in their format (chapter 16)
+        # the prompt's products (and attention) in their format (chapter 16)
+        with prompt_products(run.prefill_precision, model_, prompt_attention_bf16(model_, run)):
             logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
         pos = T
 

@@ -75,17 +75,20 @@ class Precision:
 # several-row kernel reads the weights once, so a short prompt is bound by memory like a decode step.
 SHORT_PROMPT_ROWS = 16
 PROMPT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-_PROMPT_DTYPE = contextvars.ContextVar("prompt_dtype", default=torch.float32)
+# (the products' input dtype, the attention's q/k/v dtype) of the prompt being run
+_PROMPT_DTYPE = contextvars.ContextVar("prompt_dtype", default=(torch.float32, torch.float32))
 
 
 @contextlib.contextmanager
-def prompt_products(name: str = "float32", model=None):
+def prompt_products(name: str = "float32", model=None, bf16_attention: bool = True):
     """Within: products of more than SHORT_PROMPT_ROWS rows take bf16 inputs when name is
     "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM; attention.attend's SDPA takes
     bf16 q, k and v with an fp32 softmax), int8 codes when it is "int8"
     (int32 sums; numerics/w8a8.py, whose copies of `model`'s weights are made here the first time);
     "float32" changes nothing. Under "bfloat16", `model`'s block weights get their bf16 copies here
-    the first time (numerics/bf16_copies.py); without a model each product converts its weight."""
+    the first time (numerics/bf16_copies.py); without a model each product converts its weight.
+    bf16_attention=False keeps the attention in fp32 under "bfloat16" (where bf16 SDPA measured
+    slower than fp32 on this machine: steps/choose.py's prompt_attention_bf16)."""
     if name not in PROMPT_DTYPES:
         raise ConfigError(f"prefill_precision={name!r} is invalid: use {', '.join(map(repr, PROMPT_DTYPES))}")
     if name == "int8":
@@ -94,7 +97,8 @@ def prompt_products(name: str = "float32", model=None):
         w8a8.prepare(model)
     if name == "bfloat16" and model is not None:
         bf16_copies.prepare(model)
-    token = _PROMPT_DTYPE.set(PROMPT_DTYPES[name])
+    dtype = PROMPT_DTYPES[name]
+    token = _PROMPT_DTYPE.set((dtype, torch.bfloat16 if dtype == torch.bfloat16 and bf16_attention else torch.float32))
     try:
         yield
     finally:
@@ -104,4 +108,10 @@ def prompt_products(name: str = "float32", model=None):
 def prompt_dtype(rows: int) -> torch.dtype:
     """The input format of a product of `rows` rows: inside prompt_products("bfloat16") or ("int8"),
     torch.bfloat16 or torch.int8 past SHORT_PROMPT_ROWS rows; else torch.float32."""
-    return _PROMPT_DTYPE.get() if rows > SHORT_PROMPT_ROWS else torch.float32
+    return _PROMPT_DTYPE.get()[0] if rows > SHORT_PROMPT_ROWS else torch.float32
+
+
+def prompt_attention_dtype(rows: int) -> torch.dtype:
+    """The q, k and v dtype of a prompt's attention over `rows` query rows: torch.bfloat16 inside
+    prompt_products("bfloat16") (unless bf16_attention=False) past SHORT_PROMPT_ROWS rows; else fp32."""
+    return _PROMPT_DTYPE.get()[1] if rows > SHORT_PROMPT_ROWS else torch.float32

@@ -48,7 +48,7 @@ from ..generate import check_prompt, make_policy
 from ..paths import check_fits
 from ..numerics.precision import DTYPES, prompt_products
 from ..sampling import make_generator, sample
-from ..steps.choose import choose_step
+from ..steps.choose import choose_step, prompt_attention_bf16
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
 from .scheduler import (ENGINE_REFUSED, REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for,
@@ -337,7 +337,8 @@ class Engine:
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
         # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
-        with prompt_products(self.config.prefill_precision if prompt else "float32", self.model):
+        with prompt_products(self.config.prefill_precision if prompt else "float32", self.model,
+                             prompt_attention_bf16(self.model, self.config)):
             logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()

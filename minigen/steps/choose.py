@@ -65,6 +65,12 @@ def measured_fast(model, path: str) -> bool:
     return model.device.type != "cpu" or not kernel_build.available() or measurements(model).allowed(path)
 
 
+def prompt_attention_bf16(model, config: GenerationConfig) -> bool:
+    """Whether a bf16 prompt's attention runs in bf16 (SDPA on bf16 q, k, v) for `model` here: where it
+    measured no slower than fp32 (fastpaths' bf16_attention); the products stay bf16 either way."""
+    return config.prefill_precision != "bfloat16" or measured_fast(model, "bf16_attention")
+
+
 def _triton_probe(context: int):
     """attention_backend='triton' on a GPU: the fused decode kernel against the torch path it replaces
     (attention.attend_blocks: gather the blocks, SDPA), one row of `context` positions in blocks of 16,
