@@ -342,7 +342,24 @@ def check_prefill(device: str, smoke: bool) -> dict:
     return results
 
 
-CHECKS = {"decode": check_decode, "offload": check_offload, "kernel": check_kernel, "prefill": check_prefill}
+def check_fastpaths(device: str, smoke: bool) -> dict:
+    """What minigen measures before it runs attention_backend='triton' on this GPU (kernels/fastpaths.py,
+    steps/choose.py's TRITON_PROBES): the Triton decode kernel against attention.attend_blocks at
+    Llama-3.1-8B's heads over 4,096 positions, and whether the backend would warn as slower."""
+    from minigen.kernels import probes
+    from minigen.steps import choose
+    shapes = probes.Shapes(**probes.FLOOR) if smoke else probes.Shapes(4096, 14336, 32, 8, 128)
+    probe = choose._triton_probe(64) if smoke else choose.TRITON_PROBES[0]
+    dtype = torch.float32 if smoke else torch.bfloat16
+    here = probes.Probe(probe.path, probe.fast, probe.reference,
+                        lambda s, rows: probe.make(s, rows, device=device, dtype=dtype))
+    m = probes.run_probe(here, shapes)
+    return {"path": m.path, "fast_ms": m.fast_s * 1e3, "reference_ms": m.reference_s * 1e3, "ratio": m.ratio,
+            "stands_aside": m.stands_aside}
+
+
+CHECKS = {"decode": check_decode, "offload": check_offload, "kernel": check_kernel, "prefill": check_prefill,
+          "fastpaths": check_fastpaths}
 
 
 def plot(report: dict, path: Path) -> None:

@@ -11,18 +11,21 @@ accepts it and otherwise to the reference:
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
                        int8 / int4 rows: C, a panel of codes widened per thread
                        a prompt's 17+ rows under prefill_precision="bfloat16":        F.linear in bf16
-                       bf16 tiles of any weight format, oneDNN's bf16 GEMM
+                       oneDNN's bf16 GEMM on the weight's bf16 copy (fp32 weights,
+                       numerics/bf16_copies.py) or bf16 tiles of its codes
                        a prompt's 17+ rows under prefill_precision="int8", a block's   w8a8's
-                       weight: the rows as int8 codes (C), oneDNN's int8 GEMM          reference
+                       weight: the rows as int8 codes, the int8 product measured       reference
+                       fastest here (kernels/int8.py: C's vpdpbusd, oneDNN, _int_mm)
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
     attend_prompt_blocks
                        a prompt's T queries: Triton's FlashAttention over the blocks  gather + attend
 
-A kernel runs only where fastpaths.py measured it on this machine, at the model's shapes, no slower
-than its reference (KernelOps.on): a CPU flag says an instruction exists, not that a kernel is fast
-here. Each path that stands aside says so once, with its ratio.
+A kernel runs only where fastpaths.py measured it on this machine, at the model's shapes, not clearly
+slower than its reference (KernelOps.on): a CPU flag says an instruction exists, not that a kernel is
+fast here. Each path that stands aside says so once, with its ratio. The prompt formats
+(prefill_precision) are the user's demand: they run whatever they measured (steps/choose.py warns).
 
 Each kernel function in cpu.py returns None where it does not apply (not on the CPU, autograd,
 torch.compile or a dispatch mode that must see the op, the kernels switched off: build.enabled),
@@ -74,7 +77,7 @@ class KernelOps:
         out_dtype = out_dtype or x.dtype
         fmt = prompt_dtype(x.numel() // x.shape[-1])
         if fmt == torch.bfloat16:  # prefill_precision="bfloat16": demanded, so it runs (steps/choose.py warns)
-            y = cpu.bf16_linear(x.float(), w)  # bf16 dot products, the weights a tile at a time
+            y = cpu.bf16_linear(x.float(), w)  # bf16 dot products on the weight's bf16 copy, or tiles of codes
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # prefill_precision="int8"
             # int8 dot products against the weights' int8 copy, by the product measured fastest here
