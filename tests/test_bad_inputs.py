@@ -1038,6 +1038,65 @@ def _(tiny_model, monkeypatch):
     minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), prefill_precision="int8")
 
 
+@case("prefill-int8-slower-than-fp32")
+def _(tiny_model, tmp_path, monkeypatch):
+    from minigen.kernels import cpu, fastpaths
+    from minigen.kernels.probes import Measurement
+    from minigen.steps.choose import measurements
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu, "int8_dot_products", lambda: True)
+    fastpaths.forget()
+    try:
+        paths = measurements(tiny_model)
+        for backend in ("c", "onednn", "int_mm"):  # every int8 product 4x slower than fp32's
+            paths.measured[f"int8_{backend}"] = Measurement(f"int8_{backend}", f"the {backend} product", "the fp32 product",
+                                                            0.004, 0.001)
+        with pytest.warns(fastpaths.FastPathNotice, match=r"prefill_precision='int8' runs .* 0\.25x its reference"):
+            out = minigen.generate(tiny_model, torch.randint(0, 97, (1, 24)), max_new_tokens=2, stop_token_ids=[],
+                                   prefill_precision="int8")
+        assert out.tokens.shape == (1, 26)
+    finally:
+        fastpaths.forget()
+
+
+def _fastpaths_case(tiny_model, tmp_path, monkeypatch, damage):
+    """Run a generation over a fast paths' cache damaged by `damage(path)`; the number of warnings it gave."""
+    import warnings
+    from minigen.kernels import fastpaths
+    monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
+    fastpaths.forget()
+    try:
+        damage(fastpaths.cache_file())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = minigen.generate(tiny_model, torch.randint(0, 97, (1, 24)), max_new_tokens=3, stop_token_ids=[])
+        assert out.tokens.shape == (1, 27)
+        return [str(w.message) for w in caught if issubclass(w.category, fastpaths.FastPathNotice)]
+    finally:
+        fastpaths.forget()
+
+
+@case("fastpaths-file-damaged")
+def _(tiny_model, tmp_path, monkeypatch):
+    for text in ("", '{"machine": "x", "entr', "[1, 2]", '{"entries": {"D576-F1536-H9-3x64@1": {"c_matvec": 7}}}'):
+        def damage(path, text=text):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        _fastpaths_case(tiny_model, tmp_path, monkeypatch, damage)
+        from minigen.kernels import fastpaths
+        saved = json.loads(fastpaths.cache_file().read_text())  # rewritten whole
+        assert "c_matvec" in saved["entries"]["D576-F1536-H9-3x64@1"], text
+
+
+@case("fastpaths-cache-unwritable")
+def _(tiny_model, tmp_path, monkeypatch):
+    def damage(path):
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.write_text("a file where the folder goes")
+    notices = _fastpaths_case(tiny_model, tmp_path, monkeypatch, damage)
+    assert any("could not keep the fast paths' measurements" in n for n in notices), notices
+
+
 # issue 25's cases live in their own module; importing it registers them before the rows run
 import test_hardening  # noqa: E402,F401
 

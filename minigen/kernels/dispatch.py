@@ -52,11 +52,12 @@ class KernelOps:
         self.reference = reference  # the plain torch ops: every call a kernel declines goes there
         self.shapes = shapes  # the model's, for the measurements (None: SmolLM2's)
         self.measured: fastpaths.FastPaths | None = None  # read at the first choice
+        self.read_at = -1  # fastpaths.generation() when read
 
     def paths(self) -> fastpaths.FastPaths:
         """The fast paths' measurements at this model's shapes (fastpaths.measured: once per machine)."""
-        if self.measured is None:
-            self.measured = fastpaths.measured(self.shapes or Shapes(**FLOOR))
+        if self.measured is None or self.read_at != fastpaths.generation():
+            self.measured, self.read_at = fastpaths.measured(self.shapes or Shapes(**FLOOR)), fastpaths.generation()
         return self.measured
 
     def on(self, path: str, x: Tensor) -> bool:

@@ -234,11 +234,21 @@ def measured(shapes: Shapes, probes: tuple[Probe, ...] = PROBES) -> FastPaths:
 _absent: set[tuple[str, str]] = set()  # (path, entry) that does not exist here: not probed again
 
 
+_forgotten = 0  # how many times forget() ran: a holder of a FastPaths reads it again after one
+
+
 def forget() -> None:
     """Drop this process's copies of the measurements (tests plant a slow path, then measure again)."""
+    global _forgotten
     _memo.clear()
     _absent.clear()
     _noticed.clear()
+    _forgotten += 1
+
+
+def generation() -> int:
+    """Changes whenever forget() drops the measurements: whoever keeps a FastPaths compares it."""
+    return _forgotten
 
 
 def applies() -> bool:

@@ -100,11 +100,17 @@ def int8_linear(x: Tensor, w8: Int8Weight, backend: str = "c") -> Tensor | None:
     return y.view(*x.shape[:-1], n)
 
 
+# oneDNN's operand, the codes in its own layout (qlinear_prepack), made once per weight the first time
+# oneDNN runs it: a weight whose prompts run another backend keeps no second copy of its codes
+_ONEDNN_CODES = WeakIdKeyDictionary()
+
+
 def _onednn(q: Tensor, a: Tensor, w8: Int8Weight) -> Tensor | None:
     """oneDNN's int8 GEMM (int32 sums, times the weights' scale per output channel), times each row's."""
-    if w8.packed is None:  # quantized where torch had no oneDNN int8
-        return None
-    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, w8.packed, w8.scales, w8.zero_points, None, 1.0, 0,
+    packed = _ONEDNN_CODES.get(w8)
+    if packed is None:
+        packed = _ONEDNN_CODES[w8] = torch.ops.onednn.qlinear_prepack(w8.codes(), None)
+    return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, w8.scales, w8.zero_points, None, 1.0, 0,
                                               torch.float32, "none", [], "").mul_(a)
 
 

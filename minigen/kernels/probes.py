@@ -23,7 +23,7 @@ from . import build, cpu, int8
 PROMPT_ROWS = 128
 FIRST_ROWS = 17  # the first, short try of a prompt probe: an 850x slower path costs ~0.4 s here, not 4
 GIVE_UP = 4.0  # a fast path this many times slower than its reference on the first try is not run longer
-REPEATS = 7  # timed pairs per probe
+REPEATS = 6  # timed pairs per probe
 # A fast path stands aside below this ratio: clearly slower, by more than one-thread timings wander on
 # a shared two-core VM (C's one-row loop against MKL's, on the Xeon: 1.05x and 0.95x quiet, 0.87x
 # next to two busy processes), and more than a tie that the probe's one thread cannot settle: C's
@@ -256,7 +256,7 @@ def _pairs(fast: Callable, ref: Callable, repeats: int, budget: float = float("i
     return pairs
 
 
-FIRST_TRY = (3, 0.3)  # calls, and seconds of fast calls at most: oneDNN warms up over its first calls
+FIRST_TRY = (2, 0.3)  # pairs, and seconds of fast calls at most: oneDNN warms up over its first calls
 
 
 def _ratio(pairs: list[tuple[float, float]]) -> float:

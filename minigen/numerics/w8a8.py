@@ -25,9 +25,11 @@ finds in each batch; here they are fixed per weight):
   on another's).
 - Weights: one scale per output channel, so the GEMM is a plain int8 one (a scale per group along
   k would need one GEMM per group: no fast kernel takes it). The codes are made once per model
-  (`prepare`) and kept, twice: in oneDNN's layout (where torch has its int8 linear) and blocked
-  for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's code sum): an fp32 model gains half
-  of its blocks' weight bytes, and the outlier columns in fp32.
+  (`prepare`) and kept once, blocked for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's
+  code sum): an fp32 model gains a quarter of its blocks' weight bytes, and the outlier columns in
+  fp32. The product measured fastest here runs them (kernels/int8.py); oneDNN's or torch._int_mm's
+  layout of a weight is made the first time that product runs it, so only the backend in use adds
+  its own copy.
 - Calibration: max|x_k| of every product's input, over a forward of the last CALIBRATION_CHARS
   characters of data/english.txt, through the tokenizer `minigen.load` returned with the model (for
   SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py and the tests score); a model loaded without one calibrates on seeded random ids.
@@ -66,7 +68,6 @@ CALIBRATION_TOKENS = 256  # seeded random ids where the model came without a tok
 class Int8Weight:
     """A weight [n, k] as int8 codes with one fp32 scale per output channel, but for its outlier
     input columns, which it keeps in fp32 (none: `outliers` empty and `keep` None)."""
-    packed: Tensor | None  # the codes qw [n, k] (0 in outlier columns), in oneDNN's layout (qlinear_prepack); None without oneDNN's int8
     scales: Tensor  # b [n] fp32
     keep: Tensor | None  # [k] fp32, 1 and 0 at the outliers: multiplies the activations before they are quantized
     outliers: Tensor  # [m] int64: the input channels kept fp32
@@ -79,14 +80,11 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         keep = 0 if self.keep is None else self.keep.nbytes
-        packed = 0 if self.packed is None else self.packed.numel()
-        return (packed + self.scales.nbytes + keep + self.outliers.nbytes + self.outlier_weights.nbytes
+        return (self.scales.nbytes + keep + self.outliers.nbytes + self.outlier_weights.nbytes
                 + self.zero_points.nbytes + self.blocked.nbytes + self.code_sums.nbytes)
 
     def codes(self) -> Tensor:
         """qw [n, k] int8, a copy in torch's layout (the reference's and the tests' way to read them)."""
-        if self.packed is not None:
-            return self.packed.to_dense().t().contiguous()
         return unblock_codes(self.blocked, *self.shape)
 
 
@@ -161,8 +159,7 @@ def quantize_weight(w: Tensor, outliers: Tensor | None = None) -> Int8Weight:
     b = coded.abs().amax(-1).div_(QMAX)
     b = torch.where(b > 0, b, torch.ones_like(b))
     codes = torch.round(coded / b[:, None]).to(torch.int8)
-    packed = torch.ops.onednn.qlinear_prepack(codes, None) if onednn_int8() else None
-    return Int8Weight(packed, b, keep, outliers, w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long),
+    return Int8Weight(b, keep, outliers, w[:, outliers].contiguous(), torch.zeros(len(b), dtype=torch.long),
                       block_codes(codes), codes.sum(1, dtype=torch.int32) * 128, tuple(w.shape))
 
 
