@@ -256,10 +256,6 @@ def use_variant(flags: list[str]) -> None:
         library()
 
 
-def variant_in_use() -> list[str]:
-    return list(_variant)
-
-
 def status() -> str:
     """One line for reports: whether decoding uses the C kernel, and why not if it does not."""
     if not _enabled:

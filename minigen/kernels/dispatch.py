@@ -82,10 +82,11 @@ class KernelOps:
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # prefill_precision="int8"
             # int8 dot products against the weights' int8 copy, by the product measured fastest here
-            y = int8.int8_linear(x.float(), w8, self.int8_backend() or "onednn") if x.device.type == "cpu" else None
+            backend = self.int8_backend() if x.device.type == "cpu" else None
+            y = int8.int8_linear(x.float(), w8, backend) if backend is not None else None
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         quantized = isinstance(w, QuantizedWeight)
-        if x.numel() == x.shape[-1] and self.on(_ONE_ROW.get(quantized and w.bits or w.dtype, "c_matvec"), x):
+        if x.numel() == x.shape[-1] and self.on(_ONE_ROW.get(w.bits if quantized else w.dtype, "c_matvec"), x):
             y = cpu.matvec(x.float(), w)  # one row (a decode step at batch 1): stream the weights once
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)

@@ -75,10 +75,6 @@ class FastPaths:
     def get(self, path: str) -> Measurement | None:
         return self.measured.get(path)
 
-    def ratio(self, path: str) -> float | None:
-        m = self.measured.get(path)
-        return None if m is None else m.ratio
-
     def allowed(self, path: str) -> bool:
         """Whether a fast path runs on "auto": measured and not slower than its reference (a path with
         no measurement, which does not exist here, stands aside by its own rules)."""
@@ -208,7 +204,9 @@ def measured(shapes: Shapes, probes: tuple[Probe, ...] = PROBES) -> FastPaths:
         if (m := paths.get("avx512_rows")) is not None and m.stands_aside:
             build.use_variant(build.NO_AVX512)  # measured in an earlier process: the AVX2 loops here too
     todo = [p for p in probes if p.path not in paths.measured and (p.path, entry_key) not in _absent]
-    if not todo:
+    if not todo or not (applies() and build.is_enabled()):
+        # nothing new, or not now: with the kernels switched off, or under torch.compile or a dispatch mode,
+        # every kernel declines its call, and a probe would record that as "does not exist here"
         return paths
     before = torch.get_num_threads()
     torch.set_num_threads(MEASURE_THREADS)

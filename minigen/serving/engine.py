@@ -107,6 +107,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         # rows at their own positions; here the config meets the model and the machine, before the pool
         self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)
+        self.bf16_attention = prompt_attention_bf16(model, self.config)  # measured once, not per step
         c, bs = model.config, self.config.cache_chunk_size
         dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
         # A model with sliding layers keeps them in a pool of windows (HybridPagedKVCache), unless the
@@ -338,7 +339,7 @@ class Engine:
         self.cache.select_rows([r.seq for r in reqs])
         # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
         with prompt_products(self.config.prefill_precision if prompt else "float32", self.model,
-                             prompt_attention_bf16(self.model, self.config)):
+                             self.bf16_attention):
             logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
