@@ -97,7 +97,9 @@ def cmd_generate(args) -> None:
     from . import load
     from . import drafts
     from .errors import ConfigError, PromptError
-    from .generate import GenerationStats, stream
+    from .generate import stream
+    from .stats import GenerationStats
+    from .run_plan import make_plan
     config = _config(args, max_new_tokens=args.max_new_tokens, use_cache=False if args.no_cache else None,
                      do_sample=True if args.do_sample else None, temperature=args.temperature,
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -118,11 +120,14 @@ def cmd_generate(args) -> None:
         raise ConfigError("--draft names the draft of speculative_method=draft, and needs it: set both "
                           "(--set speculative_method=draft --draft layers:20), or neither")
     draft = drafts.parse(args.draft, model) if args.draft is not None else None
+    plan = make_plan(model, config, ids.shape[0], max_len=ids.shape[1] + config.max_new_tokens, draft_model=draft)
+    if args.explain:  # what runs, in words, before it runs
+        print(plan, file=sys.stderr)
     stats = GenerationStats()
     new: list[int] = []
     printed = ""
     echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
-    for token in stream(model, ids, config, stats=stats, draft_model=draft):
+    for token in stream(model, ids, stats=stats, draft_model=draft, plan=plan):
         new.append(int(token[0]))
         text = tok.decode(new, skip_special_tokens=True)
         sys.stdout.write(echo + text[len(printed):])  # print only what this token added
@@ -146,7 +151,7 @@ def cmd_bench(args) -> None:
                        repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
                        compute_dtype=args.compute_dtype, weight_bits=args.weight_bits,
                        llama_cpp="llama.cpp" in args.engine, grounded=args.grounded, draft=args.draft)
-    print_report(result)
+    print_report(result, explain=args.explain)
     if args.json:  # checked before the run, but a disk can fill up since: BenchError then
         write_json(result, Path(args.json), BenchError)
         print(f"wrote {args.json}")
@@ -252,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
     g.add_argument("--seed", type=int, help="seed of the sampler")
     g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
+    g.add_argument("--explain", action="store_true", help="print the plan first: which step, prompt format, "
+                   "attention and cache run here, and why")
     g.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "
                                    "layers:N, int4:G, int8:G or unrelated (drafts.py)")
     _add_config_args(g)
@@ -268,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3, help="timed runs per engine (median is reported)")
     b.add_argument("--json", help="write the results to this JSON file")
     b.add_argument("--no-baseline", action="store_true", help="skip transformers (minigen only)")
+    b.add_argument("--explain", action="store_true", help="print each minigen run's plan: what ran, in words")
     b.add_argument("--weight-bits", type=int, choices=[8, 4],
                    help="quantize minigen's weights to int8 or int4 (the run also times minigen unquantized)")
     b.add_argument("--engine", action="append", default=[], choices=["llama.cpp"],

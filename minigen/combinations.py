@@ -69,7 +69,7 @@ FEATURES: dict[str, tuple[Rule, str]] = {
                            "from the cache: activations scale with the piece, not the prompt (chapter 16)"),
 }
 
-def _switch_off(feature: str) -> str:
+def switch_off(feature: str) -> str:
     """How to turn a feature of FEATURES off, as a fix names it."""
     return {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
             "fused_decode": "fused_decode=False", "attention_backend": "attention_backend='torch'",
@@ -198,7 +198,7 @@ def _pairs(beside: dict[str, dict[str, str]]) -> dict[frozenset[str], str]:
 
 _pairs(_REFUSED_BESIDE)  # each pair once
 REFUSED: dict[frozenset[str], tuple[str, str]] = {  # pair -> (why, the fix)
-    frozenset({a, b}): (why, f"drop one: {_switch_off(a)} or {_switch_off(b)}")
+    frozenset({a, b}): (why, f"drop one: {switch_off(a)} or {switch_off(b)}")
     for a, others in _REFUSED_BESIDE.items() for b, why in others.items()}
 APPLIED: dict[frozenset[str], str] = _pairs(_APPLIED_BESIDE)
 
@@ -379,8 +379,8 @@ def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
     """Refuse, with the key and the fix, a feature that cannot take per-row positions (`table`)."""
     for feature in c.features():
         if feature in table:
-            fix = _switch_off(feature)
-            raise ConfigError(f"{_describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
+            fix = switch_off(feature)
+            raise ConfigError(f"{describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
 
 
 def refused_with(c: "GenerationConfig", feature: str) -> list[str]:
@@ -396,7 +396,7 @@ def check_combinations(c: "GenerationConfig") -> None:
             refused = REFUSED.get(frozenset({a, b}))
             if refused:
                 why, fix = refused
-                raise ConfigError(f"{_describe(c, a)} and {_describe(c, b)} do not combine: {why}. Fix: {fix}.")
+                raise ConfigError(f"{describe(c, a)} and {describe(c, b)} do not combine: {why}. Fix: {fix}.")
     for key, other, clash, why, fix in REFUSED_SETTINGS:
         if clash(c):
             raise ConfigError(f"{key}={getattr(c, key)!r} and {other}={getattr(c, other)!r} do not combine: "
@@ -408,7 +408,7 @@ def check_combinations(c: "GenerationConfig") -> None:
                           f"per channel over {G} tokens of one block, so {fix}")
 
 
-def _describe(c: "GenerationConfig", feature: str) -> str:
+def describe(c: "GenerationConfig", feature: str) -> str:
     if feature == "use_cache=False":
         return feature
     if feature in ("compile", "cuda_graphs", "fused_decode"):

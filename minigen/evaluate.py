@@ -15,14 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .combinations import check_run
-from .steps import fused
-from .steps.choose import prompt_attention_bf16, run_of, warn_demanded
-from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
 from .errors import PromptError
-from .generate import check_prompt, make_policy
+from .generate import check_prompt
+from .run_plan import Plan, make_plan
 from .model import Model
 from .numerics.precision import prompt_products
 
@@ -40,7 +37,7 @@ class Score:
 
 
 def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = None,
-          chunk_size: int | None = None, *, observers=(), **overrides) -> Score:
+          chunk_size: int | None = None, *, observers=(), plan: Plan | None = None, **overrides) -> Score:
     """Feed token_ids [T] (or [1, T]) teacher-forced, `chunk_size` tokens per forward call.
 
     chunk_size=None feeds the whole text at once (or the config's prefill_chunk_size tokens per
@@ -48,8 +45,9 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     the tokens of one call are attended as computed, so these caches are then fed one token at a
     time, as decoding reads them.
     `observers` see every layer's attention probabilities (attention.AttentionObserver).
+    `plan`: one make_plan built with where="score" for this text's length, run instead of a new one.
     """
-    config = resolve_config(config, overrides)
+    config = resolve_config(config, overrides) if plan is None else plan.config
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() not in (1, 2):
         raise PromptError(f"token_ids must be an integer tensor [T] or [1, T], got "
                           f"{tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
@@ -66,24 +64,24 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
         raise PromptError(f"chunk_size={chunk_size!r} is invalid: use an integer >= 1 or None")
     reads_back = config.use_cache and (config.quant_bits is not None or config.kv_budget is not None)
     C = chunk_size or (1 if reads_back else config.prefill_chunk_size or T)
-    check_run(config, run_of(model, config, 1, tuple(observers)))  # what the model and machine cannot run
-    warn_demanded(model, config)  # a prompt format that measured slower than fp32 here runs, with a warning
-    # fused_decode=True scores what the fused step computes, one token at a time; "auto" keeps the
-    # chunked forward, which reads each weight once per chunk rather than once per token
-    step = fused.FusedStep() if config.fused_decode is True else None
+    # what the model and machine cannot run is refused here; a prompt format that measured slower than
+    # fp32 runs, with a warning. fused_decode=True scores what the fused step computes, one token at a
+    # time; "auto" keeps the chunked forward (the plan's eager step), which reads each weight once per
+    # chunk rather than once per token
+    plan = plan or make_plan(model, config, 1, "score", max_len=T, observers=tuple(observers))
+    step = plan.step if plan.step.name == "fused" else None
     if step is not None:
         C = 1
     logits = []
     # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
-    with torch.inference_mode(), prompt_products(config.prefill_precision, model,
-                                                    prompt_attention_bf16(model, config)):
+    with torch.inference_mode(), prompt_products(config.prefill_precision, model, plan.bf16_attention):
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
-            policy = make_policy(config, None, observers)
+            policy = plan.make_policy(None)
             logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])
         else:
-            cache = make_cache(model, config, 1, T)
-            policy = make_policy(config, cache, observers)
+            cache = plan.make_cache(model)
+            policy = plan.make_policy(cache)
             for s in range(0, T, C):
                 pos = torch.arange(s, min(s + C, T), device=ids.device)
                 if step is not None:

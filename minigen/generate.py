@@ -2,10 +2,10 @@
 
 Shapes: B batch, T prompt tokens, n new tokens, V vocabulary.
 
-    generate ─> make_cache ─> step.prefill(prompt) ─> sample ─> step.decode(token) ─> sample ─> ...
+    generate ─> make_plan ─> plan.make_cache ─> step.prefill(prompt) ─> sample ─> step.decode(token) ─> ...
 
-`run_steps` is the loop, the one place where prefill and decode steps run; a generation chooses its
-step object once (steps/choose.py): the naive loop (use_cache=False, every step runs the whole
+`run_steps` is the loop, the one place where prefill and decode steps run; a generation builds its
+plan once (run_plan.py: `print(plan)` says what runs), which holds the step object: the naive loop (use_cache=False, every step runs the whole
 sequence so far: chapter 1), the eager cached loop (the prompt once, then one token per step at its
 explicit position: chapter 2), the compiled or CUDA-graph step (chapter 8), or the fused C step
 (chapter 14: the default at batch 1 on a CPU). A tensor batch [B, T] shares its positions; a
@@ -17,53 +17,21 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from .attention import AttentionObserver, AttentionPolicy
+from .attention import AttentionObserver
 from .caches.contract import Cache
-from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
 from .numerics.precision import prompt_products
-from .sampling import Generators, make_generators, sample
-from .steps.choose import choose_step, prompt_attention_bf16
-from .steps.eager import EagerStep
-
-
-@dataclass
-class GenerationStats:
-    prefill_s: float = 0.0  # seconds to run the prompt through the model
-    ttft_s: float = 0.0  # seconds from the call to the first new token (prefill + sampling)
-    decode_s: float = 0.0  # seconds for every token after the first, compile_s left out
-    new_tokens: int = 0  # tokens generated per sequence (the longest one, when some stop early)
-    decode_tokens_per_s: float = 0.0  # (new_tokens - 1) / decode_s, per sequence
-    # The cache's memory (cache.py): keys and values plus everything the cache keeps to use them
-    # (scales and zeros, slot positions, block tables, gather buffers), on every tier.
-    kv_cache_bytes: int = 0  # bytes held at the end; a preallocated cache counts its whole allocation
-    peak_kv_cache_bytes: int = 0  # the most bytes held at any moment, a step's short-lived tensors included
-    kv_device_bytes: int = 0  # of kv_cache_bytes, the bytes on the model's device (less with an offload tier)
-    kv_blocks_in_use: int | None = None  # paged cache: blocks held by the rows at the end; None: not paged
-    kv_blocks_in_pool: int | None = None  # paged cache: blocks in the preallocated pool
-    token_latencies_s: list[float] = field(default_factory=list)  # wall time of each new token
-    # Percentiles of the decode tokens' latencies (every token after the first): jitter (chapter 8).
-    latency_p50_s: float = 0.0
-    latency_p90_s: float = 0.0
-    latency_p99_s: float = 0.0
-    compile_s: float = 0.0  # compile=True / cuda_graphs=True: seconds spent compiling or capturing (0: reused)
-    step: str = ""  # the step that ran (steps/eager.py): "naive", "eager", "compiled", "graphed", "fused", "speculative ..."
-    # speculative decoding (steps/speculative.py, chapter 15); all 0 without it
-    draft_tokens: int = 0  # tokens proposed, over every row and round
-    accepted_tokens: int = 0  # of those, the ones the target kept
-    acceptance_rate: float = 0.0  # accepted_tokens / draft_tokens
-    target_forwards: int = 0  # verify forwards, counted per row (the prompt's not included)
-    mean_acceptance_length: float = 0.0  # tokens emitted per target forward, the bonus token included
-    draft_s: float = 0.0  # seconds spent proposing (the draft model's forwards, the n-gram search)
-    verify_s: float = 0.0  # seconds spent in the target's verify forwards and the acceptance rule
+from .run_plan import Plan, make_plan
+from .sampling import sample
+from .stats import GenerationStats, finish_timing, record_cache
 
 
 @dataclass
@@ -97,38 +65,20 @@ def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: G
                           f"produce: its vocabulary is [0, {V - 1}]. Use ids from the model's tokenizer.")
 
 
-def make_policy(config: GenerationConfig, cache: Cache | None,
-                observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
-    """The attention policy (window, sinks, sparse, observers) that `config` selects, with the
-    observers the cache needs; None: plain causal attention."""
-    cache_observers = tuple(cache.observers) if cache is not None else ()
-    return AttentionPolicy.from_config(config, (*observers, *cache_observers))
-
-
-def _record_cache(stats: GenerationStats, cache: Cache | None) -> None:
-    if cache is not None:
-        stats.kv_cache_bytes, stats.peak_kv_cache_bytes = cache.nbytes, cache.peak_nbytes
-        stats.kv_device_bytes = cache.device_nbytes
-        if cache.blocks is not None:
-            stats.kv_blocks_in_use, stats.kv_blocks_in_pool = cache.blocks
-
-
-def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tensor, cache: Cache | None,
-              policy: AttentionPolicy | None, config: GenerationConfig, stats: GenerationStats,
-              next_pos: Callable[[int, Tensor], Tensor], stop: bool = True,
-              generators: Generators = None,
+def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, cache: Cache | None, policy,
+              stats: GenerationStats, next_pos: Callable[[int, Tensor], Tensor], stop: bool = True,
               after_prefill: Callable[[Tensor], Tensor] | None = None) -> Iterator[Tensor]:
     """The loop itself: prefill input_ids [B, T] at input_pos, then sample and decode until
     max_new_tokens or (with `stop`) every row has produced a stop token. Yields the next tokens [B]
-    and fills `stats` as it goes.
+    and fills `stats` as it goes. `plan` holds the step, the config and the generators (run_plan.py).
 
     next_pos(i, finished [B] bool) gives the positions of step i's token: [1] for rows in lockstep,
     or [B, 1] per row. A finished row is fed its stop token again (its output is discarded).
     after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
-    generators: one per row of the sampled batch (sampling.make_generators), None when greedy.
     """
+    step, config, generators = plan.step, plan.config, plan.generators
     n = config.max_new_tokens
-    stats.step = step.name
+    stats.step, stats.plan = step.name, str(plan)
     if n == 0:
         return
     stop_list = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
@@ -136,7 +86,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        with prompt_products(config.prefill_precision, model, prompt_attention_bf16(model, config)):  # the prompt's products in their own format (chapter 16)
+        with prompt_products(config.prefill_precision, model, plan.bf16_attention):  # the prompt's format (chapter 16)
             logits = step.prefill(model, input_ids, input_pos, cache, policy)
         if after_prefill is not None:
             logits = after_prefill(logits)
@@ -152,57 +102,60 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
             stats.token_latencies_s.append(now - last)
             last = now
             stats.new_tokens = i + 1
-            _record_cache(stats, cache)
+            record_cache(stats, cache)
             yield token
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
                 break
             logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
     step.report(stats)
-    _finish_stats(stats, start)
+    finish_timing(stats.timing, start)
 
 
-def _finish_stats(stats: GenerationStats, start: float) -> None:
-    """The decode time, rate and latency percentiles from what the loop recorded (start: the call's
-    perf_counter)."""
-    stats.decode_s = time.perf_counter() - start - stats.ttft_s - stats.compile_s
-    if stats.new_tokens > 1 and stats.decode_s > 0:
-        stats.decode_tokens_per_s = (stats.new_tokens - 1) / stats.decode_s
-    # the percentiles of decode steps as they run: a step that compiled or captured is left out
-    decode = sorted(stats.token_latencies_s[2 if stats.compile_s > 0 else 1:])
-    if decode:
-        stats.latency_p50_s, stats.latency_p90_s, stats.latency_p99_s = (
-            decode[min(len(decode) - 1, int(q * len(decode)))] for q in (0.5, 0.9, 0.99))
+def given_plan(plan: Plan | None, config, overrides: dict, where: str) -> GenerationConfig | None:
+    """A plan the caller built (plan=): its config runs, so a config or overrides beside it are refused."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan={plan!r} is not a Plan: build one with minigen.make_plan(model, config, batch)")
+    if config is not None or overrides:
+        raise ConfigError("give a plan or a config, not both: the plan holds its config (plan.config); "
+                          "build another with minigen.make_plan(model, config, batch)")
+    if plan.where != where:
+        raise ConfigError(f"this plan was built for where={plan.where!r}, not {where!r}: "
+                          f"make_plan(model, config, batch, where={where!r})")
+    return plan.config
 
 
-def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig,
-                 observers: tuple[AttentionObserver, ...], draft_model) -> tuple[EagerStep, Generators]:
-    """A tensor batch's checks, its step and its generators (one per row), before any work (so that
-    stream raises at the call, not at its first next())."""
+def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig, observers: tuple[AttentionObserver, ...],
+                 draft_model, plan: Plan | None) -> Plan:
+    """A tensor batch's checks and its plan, before any work (so that stream raises at the call, not
+    at its first next())."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    generators = make_generators(config, input_ids.shape[0], input_ids.device)
-    return choose_step(model, config, input_ids.shape[0], observers, sample, generators, draft_model=draft_model,
-                       max_len=input_ids.shape[1] + config.max_new_tokens), generators
+    B, max_len = input_ids.shape[0], input_ids.shape[1] + config.max_new_tokens
+    if plan is None:
+        return make_plan(model, config, B, "generate", max_len=max_len, observers=observers, draft_model=draft_model)
+    if plan.batch != B or plan.max_len < max_len:
+        raise ConfigError(f"this plan runs {plan.batch} rows of up to {plan.max_len} positions; the call needs {B} of "
+                          f"{max_len}: make_plan(model, config, {B}, max_len={max_len})")
+    return plan
 
 
-def _stream_batch(model: Model, input_ids: Tensor, config: GenerationConfig, stats: GenerationStats,
-                  observers: tuple[AttentionObserver, ...], step: EagerStep,
-                  generators: Generators) -> Iterator[Tensor]:
+def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: GenerationStats) -> Iterator[Tensor]:
     """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep (the loop
     feeds the rows in lockstep; a speculative step's rows verify at their own positions)."""
-    B, T = input_ids.shape
-    with step.grad_mode():
-        cache = make_cache(model, config, B, T + config.max_new_tokens,
-                           ragged=B > 1 and config.speculative_method is not None)
-        policy = make_policy(config, cache, observers)
+    T = input_ids.shape[1]
+    cache = plan.make_cache(model)
+    with plan.step.grad_mode():
+        policy = plan.make_policy(cache)
     input_pos = torch.arange(T, device=input_ids.device)
-    yield from run_steps(model, step, input_ids, input_pos, cache, policy, config, stats,
-                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), generators=generators)
+    yield from run_steps(model, plan, input_ids, input_pos, cache, policy, stats,
+                         lambda i, finished: torch.tensor([T + i], device=input_ids.device))
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
              observers: tuple[AttentionObserver, ...] = (), draft_model: Model | None = None,
-             **overrides) -> GenerationOutput:
+             plan: Plan | None = None, **overrides) -> GenerationOutput:
     """Generate up to max_new_tokens after input_ids [B, T] -> GenerationOutput(tokens [B, T+n], stats).
 
     input_ids may also be a list of 1-D prompts of different lengths (a ragged batch): each row
@@ -212,27 +165,29 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     Model with the target's vocabulary (minigen.drafts makes them from the target).
     With do_sample, row r draws from its own generator seeded (seed + r) mod 2**64 (sampling.py):
     its tokens equal that prompt generated alone with that seed, whatever it is batched with.
+    `plan`: one that make_plan built (and print(plan) showed) for this batch, run instead of a new
+    one; it holds its config. stats.plan says, in words, what ran.
     """
-    config = resolve_config(config, overrides)
-    if isinstance(input_ids, (list, tuple)):
-        return _generate_ragged(model, input_ids, config, tuple(observers), draft_model)
+    where = "ragged" if isinstance(input_ids, (list, tuple)) else "generate"
+    config = given_plan(plan, config, overrides, where) or resolve_config(config, overrides)
+    if where == "ragged":
+        return _generate_ragged(model, input_ids, config, tuple(observers), draft_model, plan)
     stats = GenerationStats()
-    step, generators = _start_batch(model, input_ids, config, tuple(observers), draft_model)
-    new = list(_stream_batch(model, input_ids, config, stats, tuple(observers), step, generators))
+    plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
+    new = list(_stream_batch(model, input_ids, plan, stats))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
 
 
 def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
            observers: tuple[AttentionObserver, ...] = (), stats: GenerationStats | None = None,
-           draft_model: Model | None = None, **overrides) -> Iterator[Tensor]:
+           draft_model: Model | None = None, plan: Plan | None = None, **overrides) -> Iterator[Tensor]:
     """Yield each new token [B] as soon as it is sampled; `stats`, when given, is filled as the
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
-    config = resolve_config(config, overrides)
+    config = given_plan(plan, config, overrides, "generate") or resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
-    step, generators = _start_batch(model, input_ids, config, tuple(observers), draft_model)
-    return _stream_batch(model, input_ids, config, stats if stats is not None else GenerationStats(),
-                         tuple(observers), step, generators)
+    plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
+    return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats())
 
 
 # ---------------------------------------------------------------- prefix sharing: parallel sampling
@@ -245,8 +200,8 @@ class ParallelSample:
     shared_hit_rate: float  # block-table entries served by a shared block, at the end
 
 
-def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationConfig | None = None,
-                    **overrides) -> ParallelSample:
+def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationConfig | None = None, *,
+                    plan: Plan | None = None, **overrides) -> ParallelSample:
     """Prefill one prompt [1, T] once, fork it into n rows that share its blocks, sample each row.
 
     Every row runs max_new_tokens (stop tokens are ignored). cache_chunk_size defaults to 16; the
@@ -255,22 +210,16 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     generate(model, input_ids, config, seed=seed + r), and the n samples differ.
     """
     _check_parallel_args(input_ids, n)
-    config = resolve_config(config, overrides)
+    config = given_plan(plan, config, overrides, "parallel_sample") or resolve_config(config, overrides)
     if config.cache_chunk_size is None:
         config = config.replace(cache_chunk_size=16)
-    if config.prefetch_depth is not None:
-        raise ConfigError(f"parallel_sample forks the paged cache's rows, which an offload tier "
-                          f"(prefetch_depth={config.prefetch_depth}) holds: set prefetch_depth=None")
-    if config.speculative_method is not None:
-        raise ConfigError(f"parallel_sample forks one prompt's blocks into n rows, and speculative_method="
-                          f"{config.speculative_method!r} verifies each row at its own positions: set "
-                          "speculative_method=None, or generate(model, ids.expand(n, -1), config, do_sample=True)")
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    step = choose_step(model, config, n)  # paged: the eager step (the table keeps the fused one off)
     T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
+    # paged: the eager step (the table keeps the fused one off)
+    plan = plan or make_plan(model, config, n, "parallel_sample", max_len=T + new)
     unshared = n * math.ceil((T + new) / bs)
-    cache = make_cache(model, config, 1, T + new, pool_rows=n)  # one row now, n after the fork
-    policy = make_policy(config, cache)
+    cache = plan.make_cache(model, rows=1, pool_rows=n)  # one row now, n after the fork
+    policy = plan.make_policy(cache)
     forked: list[int] = []
 
     def fork(logits: Tensor) -> Tensor:  # [1, V] -> [n, V]: one prompt, n rows sharing its blocks
@@ -278,9 +227,9 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
         forked.append(cache.allocator.n_used)
         return logits.expand(n, -1)
 
-    tokens = list(run_steps(model, step, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
-                            config, GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
-                            stop=False, generators=make_generators(config, n, input_ids.device), after_prefill=fork))
+    tokens = list(run_steps(model, plan, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
+                            GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
+                            stop=False, after_prefill=fork))
     out = torch.cat([input_ids.expand(n, -1), torch.stack(tokens, dim=1)], dim=1) if tokens else input_ids.expand(n, -1)
     result = ParallelSample(out, forked[0] if forked else cache.allocator.n_used, cache.allocator.n_used, unshared,
                             cache.allocator.shared_hit_rate)
@@ -320,7 +269,7 @@ def check_prompts(model: Model, prompts, config: GenerationConfig) -> None:
 
 
 def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers: tuple,
-                     draft_model: Model | None = None) -> GenerationOutput:
+                     draft_model: Model | None = None, plan: Plan | None = None) -> GenerationOutput:
     """Prompts of different lengths in one batch: left-padded, each row at its own positions
     0..len-1 (padding at -1, never written or attended), then decoded at its own position; a row
     that has stopped is fed at position -1, so it writes nothing."""
@@ -329,24 +278,22 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
         raise ConfigError("observers with a list of prompts: an observer would see the padding rows' attention. "
                           "Generate the prompts one at a time, or as one [B, T] tensor of equal lengths.")
     lens = [p.numel() for p in prompts]
-    B, T = len(prompts), max(lens)
-    generators = make_generators(config, B, model.device)  # row r: seed + r
-    step = choose_step(model, config, B, generators=generators, ragged=True, draft_model=draft_model,
-                       max_len=T + config.max_new_tokens)
-    stats, device, n = GenerationStats(), model.device, config.max_new_tokens
+    B, T, n = len(prompts), max(lens), config.max_new_tokens
+    plan = plan or make_plan(model, config, B, "ragged", max_len=T + n, draft_model=draft_model)
+    stats, device = GenerationStats(), model.device
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     pos = torch.full((B, T), -1, dtype=torch.long, device=device)
     for b, p in enumerate(prompts):  # left padding: every row's last column is its last token
         ids[b, T - lens[b]:], pos[b, T - lens[b]:] = p.to(device), torch.arange(lens[b], device=device)
     row_lens = torch.tensor(lens, device=device)
+    cache = plan.make_cache(model)
     with torch.inference_mode():
-        cache = make_cache(model, config, B, T + n, ragged=True)
-        policy = make_policy(config, cache)
+        policy = plan.make_policy(cache)
 
     def next_pos(i: int, finished: Tensor) -> Tensor:  # [B, 1]: each row after its own prompt; -1 once done
         return torch.where(finished, -1, row_lens + i)[:, None]
 
-    new = list(run_steps(model, step, ids, pos, cache, policy, config, stats, next_pos, generators=generators))
+    new = list(run_steps(model, plan, ids, pos, cache, policy, stats, next_pos))
     stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
     out: list[list[int]] = [[] for _ in range(B)]
     for token in new:  # each row up to and including its own stop

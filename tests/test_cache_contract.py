@@ -19,7 +19,7 @@ from conftest import tiny_hf
 from minigen import CacheFullError, GenerationConfig
 from minigen.caches.contract import Cache
 from minigen.caches.make import make_cache
-from minigen.generate import make_policy
+from minigen.run_plan import make_policy
 from minigen.steps.eager import decode_step, prefill
 from minigen.caches.blocks import BlockAllocator
 from minigen.caches.h2o import HeavyHitterCache

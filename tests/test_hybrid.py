@@ -69,10 +69,16 @@ def without_windows(model: Model) -> Model:
 
 
 def spy_make_cache(monkeypatch) -> list:
-    """Record each cache generate builds (the module minigen.generate, shadowed by its function)."""
+    """Record each cache a generation's plan builds (run_plan.Plan.make_cache); the plan's description
+    sizes the same cache on the meta device, which is not recorded."""
     built = []
-    monkeypatch.setattr(sys.modules["minigen.generate"], "make_cache",
-                        lambda *a, **kw: built.append(make_cache(*a, **kw)) or built[-1])
+
+    def spy(model, *a, **kw):
+        cache = make_cache(model, *a, **kw)
+        if model.device.type != "meta":
+            built.append(cache)
+        return cache
+    monkeypatch.setattr(sys.modules["minigen.run_plan"], "make_cache", spy)
     return built
 
 

@@ -10,7 +10,7 @@ import torch
 import minigen
 from minigen.attention import AttentionPolicy, attention_scores, sparse_keep
 from minigen.errors import ConfigError
-from minigen.generate import make_policy
+from minigen.run_plan import make_policy
 from minigen.caches.h2o import HeavyHitterCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

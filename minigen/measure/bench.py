@@ -322,6 +322,7 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
                       "roofline_fraction": t["decode_tokens_per_s"] * e.step_bytes / bandwidth}
         if e.step:
             rows[name]["step"] = e.step
+            rows[name]["plan"] = e.stats.plan  # what ran, in words (run_plan.py)
     speed = {name: row["decode_tokens_per_s"] for name, row in rows.items()}
     if result["weight_bits"] is not None:
         result["speedup_vs_unquantized"] = speed["minigen"] / speed[f"minigen {_DTYPE_NAMES[dtype]}"]
@@ -345,7 +346,8 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
     return result
 
 
-def print_report(result: dict) -> None:
+def print_report(result: dict, explain: bool = False) -> None:
+    """The report of run_bench; explain=True adds each minigen engine's plan: what ran, in words."""
     hw = result["hardware"]
     print(f"\nhardware: {hw['cpu']} | {hw['threads']} threads | torch {hw['torch']} | GPU: {hw['gpu'] or 'none'}")
     if "cpu_kernel" in hw and not hw["gpu"]:
@@ -366,6 +368,9 @@ def print_report(result: dict) -> None:
     steps = {name: r["step"] for name, r in result["engines"].items() if r.get("step")}
     if steps:  # fused: every layer of a token in one C call (steps/fused.py); eager: op by op in torch
         print("minigen's decode step: " + ", ".join(f"{name} {step}" for name, step in steps.items()))
+    for name, r in result["engines"].items() if explain else ():
+        if r.get("plan"):
+            print(f"{name}'s plan:\n" + "\n".join("  " + line for line in r["plan"].splitlines()))
     if result.get("weight_bits"):
         print(f"minigen's weights: int{result['weight_bits']} (linear layers; the output head int8), "
               f"packed: the roofline counts the packed bytes")

@@ -36,7 +36,7 @@ from ..kernels import dispatch
 from ..model import Model
 from ..checkpoints.model_config import ModelConfig
 from ..numerics.precision import Precision
-from ..steps.choose import choose_step
+from ..run_plan import make_plan
 from .bench import bytes_per_decode_step
 from .machine import memory_read_bandwidth
 
@@ -178,7 +178,7 @@ def _decode_speed(cfg: ModelConfig, context: int, steps: int, seed: int, threads
     caches = {"hybrid": make_cache(model, config, 1, max_len), "uniform": KVCache.for_model(model, 1, max_len)}
     for cache in caches.values():
         fill(cache, cfg, context, seed + 1)  # the same keys and values in both
-    step = choose_step(model, config, 1)
+    step = make_plan(model, config, 1, max_len=max_len).step
     skips_masked = kernel_build.available()  # attention runs in C (cpu.attend_decode takes fp32 on a CPU)
     g = torch.Generator().manual_seed(seed + 2)
     tokens = torch.randint(0, cfg.vocab_size, (1 + steps, 1, 1), generator=g)  # [N, B, 1]

@@ -41,12 +41,13 @@ from torch.utils._pytree import tree_flatten
 from .. import attention, model
 from ..numerics.precision import prompt_products
 from ..kernels import dispatch
-from ..steps.choose import choose_step, prompt_attention_bf16
 from ..caches import contiguous, h2o, hybrid, offload, paged, quantized, window
-from ..caches.make import make_cache
 from ..config import GenerationConfig
 from ..errors import BenchError, ConfigError
-from ..generate import GenerationStats, check_prompt, make_policy, stream
+from ..generate import check_prompt, stream
+from ..stats import GenerationStats
+from ..places import check_where
+from ..run_plan import make_plan
 from ..paths import atomic_path, check_output_path
 from ..paths import bar
 from ..sampling import sample
@@ -178,16 +179,7 @@ def check_profile_config(config: GenerationConfig, steps: int) -> None:
     before it loads the model, profile() before any step."""
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ConfigError(f"steps={steps!r} is invalid: use an integer >= 1 (decode steps to profile)")
-    if not config.use_cache:
-        raise ConfigError("use_cache=False has no decode step to profile: each step recomputes the sequence "
-                          "(chapter 1); profile it with use_cache=True, or time it with `python -m minigen bench`")
-    if config.cuda_graphs:
-        raise ConfigError("cuda_graphs=True replays a captured graph that the profiler sees as one launch: "
-                          "profile with compile=True or without either")
-    if config.fused_decode is True:
-        raise ConfigError("fused_decode=True runs each decode step as one C call that the profiler cannot split into "
-                          "categories: profile without it, and time it with `python -m minigen bench --set "
-                          "fused_decode=true`")
+    check_where(config, "profile")  # the profiler's row of the rule table (places.WHERE_REFUSED)
 
 
 def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = None, steps: int = 8,
@@ -203,15 +195,15 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     total = warmup + 2 * steps
     run = config.replace(max_new_tokens=total)
     check_prompt(model_, input_ids, total, run)  # the prompt and every step must fit the context
-    # fused_decode="auto" profiles the eager step: the categories are torch's ops, which the fused
-    # step runs in one C call (check_profile_config refuses fused_decode=True); choose_step checks the
-    # config against the model and the machine
-    step = choose_step(model_, run.replace(fused_decode=False), input_ids.shape[0])
+    # the plan profiles the eager step on fused_decode="auto": the categories are torch's ops, which the
+    # fused step runs in one C call (the table refuses fused_decode=True here)
+    plan = make_plan(model_, run, input_ids.shape[0], "profile", max_len=T + total)
+    step = plan.step
+    cache = plan.make_cache(model_)
     with step.grad_mode():
-        cache = make_cache(model_, run, input_ids.shape[0], T + total)
-        policy = make_policy(run, cache)
+        policy = plan.make_policy(cache)
         # the prompt's products (and attention) in their format (chapter 16)
-        with prompt_products(run.prefill_precision, model_, prompt_attention_bf16(model_, run)):
+        with prompt_products(run.prefill_precision, model_, plan.bf16_attention):
             logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
         pos = T
 

@@ -41,17 +41,17 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from ..combinations import check_rows
 from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
-from ..generate import check_prompt, make_policy
+from ..generate import check_prompt
 from ..paths import check_fits
+from ..places import check_where
+from ..run_plan import make_plan
 from ..numerics.precision import DTYPES, prompt_products
 from ..sampling import make_generator, sample
-from ..steps.choose import choose_step, prompt_attention_bf16
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
-from .scheduler import (ENGINE_REFUSED, REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for,
+from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for,
                         can_admit, engine_metrics, prompt_tokens)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
@@ -83,11 +83,7 @@ class Engine:
     def __init__(self, model, config: GenerationConfig | dict | None = None, *, max_batch_size: int = 8,
                  num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
         self.config = resolve_config(config, {})
-        check_rows(self.config, "the serving engine", ENGINE_REFUSED)
-        if self.config.prefill_chunk_size is not None:  # generate's setting; the engine chunks by its step budget
-            raise ConfigError(f"prefill_chunk_size={self.config.prefill_chunk_size} is generate's setting: the engine "
-                              "splits prompts by the tokens one step may run. Fix: Engine(..., max_num_batched_tokens="
-                              f"{max(self.config.prefill_chunk_size, max_batch_size)}) and prefill_chunk_size=None")
+        check_where(self.config, "engine")  # what the engine cannot run (places.WHERE_REFUSED), before any work
         if self.config.cache_chunk_size is None:
             self.config = self.config.replace(cache_chunk_size=DEFAULT_BLOCK_SIZE)
         if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 1:
@@ -106,8 +102,8 @@ class Engine:
         self.model, self.max_batch_size = model, max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         # rows at their own positions; here the config meets the model and the machine, before the pool
-        self.forward_step = choose_step(model, self.config, max_batch_size, ragged=True)
-        self.bf16_attention = prompt_attention_bf16(model, self.config)  # measured once, not per step
+        self.plan = make_plan(model, self.config, max_batch_size, "engine")
+        self.forward_step, self.bf16_attention = self.plan.step, self.plan.bf16_attention
         c, bs = model.config, self.config.cache_chunk_size
         dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
         # A model with sliding layers keeps them in a pool of windows (HybridPagedKVCache), unless the
@@ -139,7 +135,7 @@ class Engine:
                                       self.config.window_size,
                                       self.config.sink_tokens if self.config.window_size is not None else 0,
                                       allocator=self.alloc)
-        self.policy = make_policy(self.config, self.cache)
+        self.policy = self.plan.make_policy(self.cache)
         self.num_blocks, self.block_size = num_blocks, bs
         self.requests: list[Request] = []
         self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front

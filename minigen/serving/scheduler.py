@@ -27,7 +27,6 @@ import torch
 from torch import Tensor
 
 from ..caches.blocks import BlockAllocator
-from ..combinations import RAGGED_REFUSED
 from ..config import GenerationConfig
 from ..errors import ConfigError, PromptError
 from .metrics import latency_stats
@@ -36,17 +35,8 @@ from .metrics import latency_stats
 # ---------------------------------------------------------------- what a request and the engine take
 # The serving engine (engine.py) runs every sequence in one pool of full-precision paged
 # blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
+# What the engine cannot run at all is places.WHERE_REFUSED["engine"].
 REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
-ENGINE_REFUSED: dict[str, str] = {
-    **RAGGED_REFUSED,
-    "prefetch_depth": "the engine's pool of blocks stays on the device",
-    "speculative_method": "the engine's steps decode one token per sequence: speculative decoding runs in "
-                          "generate and stream (a list of prompts is a ragged batch)",
-    "quant_bits": "the quantized paged cache keeps each row's open block in a per-batch buffer that the engine's "
-                  "changing rows cannot share, and a prefix-cache hit or a recompute after preemption would read "
-                  "quantized keys where the prompt alone is attended in full precision (generate(model, prompts) "
-                  "runs a quantized ragged batch, one cache per row)",
-}
 PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
 
 

@@ -1,0 +1,58 @@
+"""Where a plan runs: the rule table's third axis (combinations.py holds the other two: which features
+combine, and what each needs of the model and the machine).
+
+A plan (run_plan.py) is built for one place: generate's tensor batch, a ragged batch, the serving
+engine, parallel_sample, score, the profiler, or a speculative draft. Each place that cannot run a
+feature says so here, with why and the fix; plan.make_plan checks the table once, before any work.
+A place not listed runs every feature that the pairs (combinations.REFUSED) and the model's and
+machine's rules (combinations.RUN_RULES) allow.
+"""
+
+from __future__ import annotations
+
+from .combinations import RAGGED_REFUSED, describe, switch_off
+from .errors import ConfigError
+
+WHERES = ("generate", "ragged", "engine", "parallel_sample", "score", "profile", "draft")
+_ROWS = {feature: (why, switch_off(feature)) for feature, why in RAGGED_REFUSED.items()}
+WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
+    "ragged": ("a ragged batch (rows at different positions)", _ROWS),
+    "engine": ("the serving engine", {
+        **_ROWS,
+        "prefetch_depth": ("the engine's pool of blocks stays on the device", "prefetch_depth=None"),
+        "speculative_method": ("the engine's steps decode one token per sequence: speculative decoding runs in "
+                               "generate and stream (a list of prompts is a ragged batch)", "speculative_method=None"),
+        "quant_bits": ("the quantized paged cache keeps each row's open block in a per-batch buffer that the "
+                       "engine's changing rows cannot share, and a prefix-cache hit or a recompute after preemption "
+                       "would read quantized keys where the prompt alone is attended in full precision "
+                       "(generate(model, prompts) runs a quantized ragged batch, one cache per row)", "quant_bits=None"),
+        "prefill_chunk_size": ("prefill_chunk_size is generate's setting: the engine splits prompts by the tokens "
+                               "one step may run", "Engine(..., max_num_batched_tokens=256) and prefill_chunk_size=None"),
+    }),
+    "parallel_sample": ("parallel_sample", {
+        "prefetch_depth": ("parallel_sample forks the paged cache's rows, which an offload tier holds",
+                           "set prefetch_depth=None"),
+        "speculative_method": ("parallel_sample forks one prompt's blocks into n rows, and speculative decoding "
+                               "verifies each row at its own positions", "set speculative_method=None, or "
+                               "generate(model, ids.expand(n, -1), config, do_sample=True)"),
+    }),
+    "profile": ("the profiler", {
+        "use_cache=False": ("use_cache=False has no decode step to profile: each step recomputes the sequence "
+                            "(chapter 1)", "use_cache=True, or time it with `python -m minigen bench`"),
+        "cuda_graphs": ("cuda_graphs=True replays a captured graph that the profiler sees as one launch",
+                        "profile with compile=True or without either"),
+        "fused_decode": ("fused_decode=True runs each decode step as one C call that the profiler cannot split "
+                         "into categories", "profile without it, and time it with `python -m minigen bench --set "
+                         "fused_decode=true`"),
+    }),
+}
+
+def check_where(c: "GenerationConfig", where: str) -> None:
+    """Refuse, with the key and the fix, a feature that `where` cannot run (WHERE_REFUSED)."""
+    if where not in WHERES:
+        raise ConfigError(f"where={where!r} is not a place a plan runs: use one of {', '.join(map(repr, WHERES))}")
+    what, table = WHERE_REFUSED.get(where, ("", {}))
+    for feature in c.features():
+        if feature in table:
+            why, fix = table[feature]
+            raise ConfigError(f"{describe(c, feature)} does not combine with {what}: {why}. Fix: {fix}.")

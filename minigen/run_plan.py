@@ -1,0 +1,253 @@
+"""The run plan: what a generation runs, decided once before the prompt, and said in words.
+
+    plan = make_plan(model, config, batch, where="generate", max_len=T + n)
+    print(plan)              # decode: the fused C step ...; prompt: ...; attention: ...; KV: ...
+    cache = plan.make_cache(model)        # the cache the config selects, for plan.batch rows
+    policy = plan.make_policy(cache)      # window, sinks, sparse selection, observers (or None)
+    plan.step.prefill(...) / plan.step.decode(...)   # what generate's one loop runs
+
+Every entry point builds one (generate, stream, a ragged batch, parallel_sample, score, the
+profiler, the serving Engine, a speculative draft, bench and the CLI) or takes one it is given
+(`plan=`). Building it is where the config meets the model and the machine, once:
+- the rule table, on three axes: which features combine (combinations.REFUSED, checked when the
+  config is built), what each needs of the model and the machine (combinations.RUN_RULES), and what
+  the place it runs cannot run (places.WHERE_REFUSED). A setting none of them allows is a
+  ConfigError naming the key and the fix, before any work;
+- the step (steps/choose.py): the fastest exact step the config allows, the fused C step only where
+  it measured faster than the eager step here (kernels/fastpaths.py);
+- the measurements of every machine-dependent fast path at the model's shapes (fastpaths.measured),
+  which decide each op's kernel (kernels/dispatch.py) and which the plan reports.
+
+`str(plan)` (and GenerationStats.plan, `python -m minigen generate --explain`, `bench --explain`)
+says what runs, one line per part: the decode step, the prompt's products, attention and the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from .attention import AttentionObserver, AttentionPolicy
+from .caches.make import make_cache
+from .combinations import Run
+from .config import GenerationConfig
+from .kernels import build as kernel_build
+from .kernels import fastpaths
+from .places import check_where
+from .sampling import Generators, make_generators, sample
+from .steps.choose import choose_step, measurements, prompt_attention_bf16, run_of
+from .steps import speculative
+from .steps.eager import EagerStep
+
+DTYPE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+WEIGHT_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "int4": "int4"}
+
+
+@dataclass
+class Plan:
+    """What one generation runs: chosen once by make_plan, read by the loop, printed for the reader."""
+    where: str  # places.WHERES: "generate", "ragged", "engine", "parallel_sample", "score", "profile", "draft"
+    config: GenerationConfig
+    batch: int  # rows the step runs at once (the Engine: its max_batch_size)
+    max_len: int  # positions each row's cache holds
+    run: Run  # what the rules read of the model and the machine
+    step: EagerStep  # prefill and decode (steps/eager.py lists the kinds)
+    observers: tuple[AttentionObserver, ...] = ()
+    generators: Generators = None  # one per row when sampling (row r: seed + r, sampling.py); None when greedy
+    bf16_attention: bool = True  # a bf16 prompt's attention in bf16 (measured no slower than fp32 here)
+    fast_paths: fastpaths.FastPaths | None = None  # this machine's measurements at the model's shapes (CPU)
+    parts: dict[str, str] = field(default_factory=dict)  # "decode", "prompt", "attention", "KV", "kernels": words
+
+    @property
+    def ragged(self) -> bool:
+        """Rows at their own positions ([B, T] positions, -1 for padding): a ragged batch, the Engine,
+        several rows of speculative decoding (each accepts its own count) and their draft."""
+        if self.where in ("ragged", "engine"):
+            return True
+        return self.batch > 1 and (self.where == "draft" or self.config.speculative_method is not None)
+
+    def make_cache(self, model, rows: int | None = None, pool_rows: int | None = None):
+        """The cache the config selects for `rows` rows (default: the plan's batch) of `max_len`
+        positions (caches/make.py); a paged pool for `pool_rows` (parallel_sample: the rows after its fork)."""
+        with self.step.grad_mode():
+            return make_cache(model, self.config, rows or self.batch, self.max_len, pool_rows=pool_rows,
+                              ragged=self.ragged)
+
+    def make_policy(self, cache) -> AttentionPolicy | None:
+        """The attention policy (window, sinks, sparse selection, observers) with the cache's observers."""
+        return make_policy(self.config, cache, self.observers)
+
+    def __str__(self) -> str:
+        width = max(map(len, self.parts))
+        return "\n".join(f"{name + ':':<{width + 1}} {words}" for name, words in self.parts.items())
+
+    def lines(self) -> list[str]:
+        return str(self).splitlines()
+
+
+def make_policy(config: GenerationConfig, cache, observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
+    """The attention policy (window, sinks, sparse, observers) that `config` selects, with the
+    observers the cache needs; None: plain causal attention."""
+    cache_observers = tuple(cache.observers) if cache is not None else ()
+    return AttentionPolicy.from_config(config, (*observers, *cache_observers))
+
+
+def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, where: str = "generate", *,
+              max_len: int | None = None, observers: tuple[AttentionObserver, ...] = (), draft_model=None) -> Plan:
+    """The plan for `batch` rows of `model` under `config` at `where` (places.WHERES), each row's
+    cache holding `max_len` positions (default: the model's context). Refuses (ConfigError) what the
+    rule table does not allow here, before any work."""
+    config = config or GenerationConfig()
+    check_where(config, where)
+    if where in ("score", "profile") and config.fused_decode == "auto":
+        # score's chunked forward reads each weight once per chunk, not once per token; the profiler's
+        # categories are torch's ops, which the fused step runs in one C call: both run the eager step
+        config = config.replace(fused_decode=False)
+    max_len = max_len or model.config.max_seq_len
+    ragged = where in ("ragged", "engine") or (where == "draft" and batch > 1)
+    speculative.check_draft(config, model, draft_model)
+    draft = (make_plan(draft_model, speculative.draft_config(config), batch, "draft", max_len=max_len)
+             if config.speculative_method == "draft" else None)
+    generators = make_generators(config, batch, model.device)  # row r: seed + r
+    step = choose_step(model, config, batch, tuple(observers), sample, generators, ragged=ragged,
+                       draft_model=draft_model, max_len=max_len, draft_step=draft and draft.step)
+    run = run_of(model, config, batch, tuple(observers))
+    fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
+    plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators,
+                prompt_attention_bf16(model, config), fast)
+    plan.parts = describe(plan, model)
+    return plan
+
+
+# ---------------------------------------------------------------- the plan in words
+def describe(plan: Plan, model) -> dict[str, str]:
+    """{part: words}: the decode step, the prompt's products, attention, the cache and the kernels."""
+    return {"decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
+            "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
+            "kernels": _kernel_words(plan)}
+
+
+def _ratio(plan: Plan, path: str, against: str) -> str:
+    m = plan.fast_paths.get(path) if plan.fast_paths is not None else None
+    return f"; measured {m.ratio:.2f}x {against} here" if m is not None else ""
+
+
+def _where_words(plan: Plan, model) -> str:
+    weights = plan.run.weight_dtypes or {str(model.dtype).removeprefix("torch.")}
+    rows = f"batch {plan.batch}" + (", rows at their own positions" if plan.ragged else "")
+    return (f"{rows}, {model.device.type.upper()}, {'/'.join(sorted(WEIGHT_WORDS.get(w, w) for w in weights))} "
+            f"weights, {DTYPE_WORDS.get(model.precision.compute, str(model.precision.compute))} activations")
+
+
+def step_words(step, plan: Plan) -> str:
+    """One step object in words (steps/eager.py lists the kinds)."""
+    name = step.name
+    if name == "naive":
+        return "the naive loop (no cache: every step runs the whole sequence so far, chapter 1)"
+    if name == "fused":
+        return "the fused C step (every layer of a token in one C call, chapter 14" + \
+            _ratio(plan, "fused_step", "the eager step") + ")"
+    if name == "compiled":
+        return "the eager step compiled by torch.compile (chapter 8)"
+    if name == "graphed":
+        return "the eager step captured in a CUDA graph, sampling inside it (chapter 8)"
+    if name.startswith("speculative"):
+        c = plan.config
+        proposer = (f"a draft model's {step_words(step.proposer.step, plan)}" if c.speculative_method == "draft"
+                    else "prompt lookup (n-grams of the text so far)")
+        return (f"speculative decoding (chapter 15): {proposer} proposes {c.num_speculative_tokens} tokens, "
+                f"{step_words(step.target, plan)} verifies them in one forward")
+    return "the eager step (torch, op by op; each op on the kernel measured fastest here, chapter 2)"
+
+
+def _decode_words(plan: Plan, model) -> str:
+    return f"{step_words(plan.step, plan)} ({_where_words(plan, model)})"
+
+
+def _prompt_words(plan: Plan, model) -> str:
+    c, cpu = plan.config, model.device.type == "cpu"
+    if not c.use_cache:
+        return "the whole sequence every step, fp32 products"
+    pieces = f", in pieces of {c.prefill_chunk_size} tokens" if c.prefill_chunk_size else ""
+    short = "; a prompt of 16 tokens or fewer runs fp32 on the several-row C kernel" if cpu else ""
+    if c.prefill_precision == "bfloat16":
+        attention = "bf16 attention" if plan.bf16_attention else "fp32 attention (bf16's measured slower here)"
+        return (f"bf16 products with fp32 sums through oneDNN's bf16 GEMM{_ratio(plan, 'bf16_prompt', 'fp32')}, "
+                f"{attention}{pieces}{short}")
+    if c.prefill_precision == "int8":
+        best = plan.fast_paths.best_int8() if plan.fast_paths is not None else None
+        product = f"{best.fast}; measured {best.ratio:.2f}x fp32 here" if best is not None else "the int8 reference"
+        return f"int8 weights and activations, int32 sums ({product}){pieces}{short}"
+    if not cpu:
+        return f"{DTYPE_WORDS.get(model.precision.compute)} products through torch's GEMM{pieces}"
+    gemm = ("oneDNN's fp32 GEMM" if plan.fast_paths is None or plan.fast_paths.allowed("onednn_fp32")
+            else "torch's fp32 GEMM (oneDNN's measured slower here)")
+    return f"fp32 through {gemm}{pieces}{short}"
+
+
+def _cache_words(c: GenerationConfig, model) -> str:
+    if not c.use_cache:
+        return "no cache"
+    kind = (f"paged blocks of {c.cache_chunk_size}" if c.cache_chunk_size is not None else
+            "heavy hitters' slots (H2O)" if c.kv_budget is not None else
+            "a hybrid cache (a ring per sliding layer)" if model.config.sliding_layers and c.window_size is None
+            and c.quant_bits is None else
+            f"a ring of {c.window_size} window slots and {c.sink_tokens} sinks" if c.window_size is not None
+            and c.quant_bits is None else "a contiguous cache")
+    if c.window_size is not None and not kind.startswith("a ring"):
+        kind += f", masked to a window of {c.window_size} with {c.sink_tokens} sinks"
+    if c.quant_bits is not None:
+        kind += f", {c.quant_bits}-bit codes"
+    if c.prefetch_depth is not None:
+        kind += f", offloaded ({c.prefetch_depth + 1} layers on the device)"
+    return kind
+
+
+def _attention_words(plan: Plan, model) -> str:
+    c = plan.config
+    where = _cache_words(c, model)
+    if not c.use_cache:
+        return "SDPA over the whole sequence"
+    if c.attention_backend == "triton":
+        return f"Triton's kernels read {where} in place (decode and prompt)"
+    if plan.step.name == "fused":
+        return f"C, inside the fused step, over {where}"
+    policy = plan.config.sparse or plan.observers or c.window_size is not None
+    if (model.device.type == "cpu" and not policy and plan.run.fp32_compute
+            and (plan.fast_paths is None or plan.fast_paths.allowed("c_attention"))):
+        return f"C's one-query loop for decode steps, SDPA for prompts, over {where}"
+    return f"SDPA over {where}" + (" (sparse key selection)" if c.sparse else "")
+
+
+def _kv_words(plan: Plan, model) -> str:
+    c = plan.config
+    if not c.use_cache:
+        return "none (the naive loop recomputes every key and value)"
+    dtype = c.kv_dtype or str(model.dtype).removeprefix("torch.")
+    cache = plan_cache_bytes(model, c, plan.max_len)
+    per_token = cache / plan.max_len if plan.max_len else 0
+    store = f"{c.quant_bits}-bit codes with {WEIGHT_WORDS.get(dtype, dtype)} scales" if c.quant_bits else \
+        WEIGHT_WORDS.get(dtype, dtype)
+    return (f"{store}, {per_token:,.0f} bytes a token a row ({cache:,} bytes for {plan.max_len:,} positions, "
+            f"{_cache_words(c, model)})")
+
+
+def plan_cache_bytes(model, config: GenerationConfig, max_len: int) -> int:
+    """Bytes one row's cache holds for `max_len` positions: the cache built on the meta device."""
+    stub = SimpleNamespace(config=model.config, device=torch.device("meta"), dtype=model.dtype)
+    with torch.inference_mode():
+        cache = make_cache(stub, config.replace(prefetch_depth=None), 1, max_len)
+    return int(cache.nbytes) if cache is not None else 0
+
+
+def _kernel_words(plan: Plan) -> str:
+    if plan.fast_paths is None:
+        return "no C kernel here: every op runs torch's reference" if plan.run.device == "cpu" else \
+            f"torch's ops on {plan.run.device}"
+    aside = [m.path for m in plan.fast_paths.measured.values() if m.stands_aside]
+    ran = len(plan.fast_paths.measured) - len(aside)
+    return (f"{ran} fast paths measured no slower than their reference here, {len(aside)} stand aside"
+            + (f" ({', '.join(sorted(aside))})" if aside else "") + " (python -m minigen bench --explain lists them)")
+
