@@ -25,9 +25,10 @@ EPILOG = """examples:
 
 
 # ---------------------------------------------------------------- checked flag types
-# A flag's number is checked as it is parsed: `profile --prompt-len -5` used to profile a 2,272-token
-# prompt (it sliced [:, :-5]) and `serve-bench --seed -1` ended in a numpy traceback. argparse then
-# prints the usage and "argument --flag: <message>", and exits 2. Flags that are GenerationConfig
+# A flag's number is checked as it is parsed, because an unchecked one fails far from its cause: a
+# negative `profile --prompt-len` would slice the text [:, :-5] and profile nearly all of it, and a
+# negative `serve-bench --seed` would end in numpy's traceback. argparse prints the usage and
+# "argument --flag: <message>", and exits 2. Flags that are GenerationConfig
 # fields (generate's --max-new-tokens, --temperature, --top-k, --top-p, --seed) are checked by the
 # config, and bench's sizes by bench.check_bench_args, each before the model loads.
 def int_at_least(low: int, below: int | None = None):

@@ -6,10 +6,10 @@ every module (loading, the C kernel, bench, the serving engine) can import it at
   caller raises its own error with its own fix. Every file the command line writes goes through
   `check_output_path` (before the run) and `write_atomically` / `atomic_path` (after it); every file
   the cache holds has a digest beside it (`write_digest`, `digest_mismatch`).
-- Memory and devices: a size past the machine's memory used to reach the allocator and come back as
-  a bare `MemoryError` (or numpy's `_ArrayMemoryError`); a device that does not exist came back as
-  torch's `AssertionError` or `RuntimeError`. `check_fits` and `check_device` say what was asked,
-  what there is, and the fix, in the caller's error class.
+- Memory and devices: `check_fits` and `check_device` say what was asked, what there is, and the
+  fix, in the caller's error class, before the request reaches the allocator or torch, which would
+  answer a size past the machine's memory with a bare `MemoryError` (or numpy's
+  `_ArrayMemoryError`) and a device that does not exist with an `AssertionError` or `RuntimeError`.
 - The terminal: `bar`, a progress bar for long work, drawn on stderr only when it is a terminal.
 """
 

@@ -1,12 +1,16 @@
-"""The package's layout (README, "Layout"): the folders are the course's layers, and the imports
-keep to them. No import cycles, no imports hidden in functions to dodge one, the core never imports
-the outer layers, the model is the math (no kernel module), no private name crosses a module, and
-the modules stay readable in size (STYLE.md)."""
+"""The package's layout (README, "Layout"; docs/architecture.md): the folders are the course's
+layers, and the imports keep to them. The rules are stated as concepts, in LAYER_RULES: what each
+layer may import and why. Beside them: no import cycles, no imports hidden in functions to dodge
+one, no private name crossing a module, every room at the top named in the README's map, and the
+modules readable in size (CONTRIBUTING.md, "Modules and imports")."""
 
 from __future__ import annotations
 
 import ast
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -16,8 +20,9 @@ CORE_PACKAGES = {"caches", "numerics", "kernels", "steps", "checkpoints"}
 # The outer layers: they may import the core, never the other way round.
 OUTER_PACKAGES = {"serving", "measure", "course", "production"}
 FACES = {"__init__", "__main__"}  # the public face and the CLI: they may import anything
-KERNELS = "kernels"  # op kernels sit below the model: model.py imports none of them
-STEPS = "steps"  # whole-step executors sit above the model: they may drive it
+# Everything else at the top of minigen/ is the core, by concept rather than by list: model,
+# attention, config, combinations, sampling, generate, loading, evaluate, errors, paths ... and the
+# run plan (minigen/plan.py or minigen/plan/, whether or not it exists yet).
 
 
 def module_name(path: Path) -> str:
@@ -70,57 +75,168 @@ def is_core(module: str) -> bool:
     return layer(module) not in OUTER_PACKAGES | FACES
 
 
+@dataclass(frozen=True)
+class LayerRule:
+    """One import rule: a module that `applies_to` may import no module that is `refused`."""
+    says: str  # the rule, as docs/architecture.md states it
+    applies_to: Callable[[str], bool]  # the importing module's name ('steps.fused')
+    refused: Callable[[str], bool]  # the imported module's name
+    why: str
+    breaks: tuple[str, str]  # an import that breaks it (importer, imported): the rule's self-check
+    keeps: tuple[str, str]  # a nearby import that keeps it
+
+
+def in_layers(*names: str) -> Callable[[str], bool]:
+    return lambda module: layer(module) in names
+
+
+# What below the model means: numbers, tensors, the named errors, the machine's files, and the
+# cache contract's views (what an attention kernel reads).
+BELOW_THE_MODEL = {"kernels", "numerics", "errors", "paths"}
+
+LAYER_RULES = (
+    LayerRule("the core never imports an outer layer", is_core, in_layers(*OUTER_PACKAGES),
+              "the generator runs without its harnesses: serving, measure, course and production are "
+              "built on the core, so an import the other way would drag a bench or a server into generate()",
+              breaks=("caches.paged", "serving.scheduler"), keeps=("serving.scheduler", "caches.blocks")),
+    LayerRule("nothing but the faces imports a face", lambda m: not in_layers(*FACES)(m), in_layers(*FACES),
+              "the public face gathers names; a module that imported it would import the whole package "
+              "(and itself), so every module imports a name from where it lives",
+              breaks=("generate", "__init__"), keeps=("__main__", "__init__")),
+    LayerRule("kernels sit below the model", in_layers("kernels"),
+              lambda m: not (layer(m) in BELOW_THE_MODEL or m == "caches.contract"),
+              "an op kernel knows only numbers, tensors and the cache contract's views; the model, the "
+              "steps and the plan choose kernels, never the other way round",
+              breaks=("kernels.dispatch", "model"), keeps=("kernels.triton_prefill", "caches.contract")),
+    LayerRule("model.py imports no kernel, no step and no plan", lambda m: m == "model",
+              in_layers("kernels", "steps", "plan"),
+              "the model is the math: which implementation runs an op is decided in kernels/dispatch.py "
+              "and installed from outside (loading.py), and the plan is built from the model, not in it",
+              breaks=("model", "kernels.cpu"), keeps=("model", "numerics.precision")),
+    LayerRule("steps drive the model, and the loop drives the steps", in_layers("steps"),
+              in_layers("generate", "serving", "measure"),
+              "a step runs one prompt or decode step of the model; the loop (generate.py) and the Engine "
+              "run steps, and the benches time them from outside",
+              breaks=("steps.fused", "measure.bench"), keeps=("steps.fused", "model")),
+    LayerRule("serving imports no measurement and no chapter tool", in_layers("serving"),
+              in_layers("measure", "course"),
+              "the Engine is what a server runs; benches time it and chapters draw it from outside",
+              breaks=("serving.engine", "measure.machine"), keeps=("measure.serve_bench", "serving.engine")),
+    LayerRule("only the faces import the course", lambda m: not in_layers("course", *FACES)(m),
+              in_layers("course"),
+              "plots, widgets, exercises and the ledger sit on top of everything; the library runs "
+              "without them (the course itself may import anything)",
+              breaks=("measure.bench", "course.plots"), keeps=("__main__", "course.ledger")),
+    LayerRule("the run plan is core: it imports no outer layer and no face", in_layers("plan"),
+              in_layers(*OUTER_PACKAGES, *FACES),
+              "the plan is built once from (model, config, batch shape, where it runs) and chooses among "
+              "steps, caches, kernels and numerics; what runs cannot depend on a bench, a server or the CLI",
+              breaks=("plan", "measure.machine"), keeps=("plan", "kernels.fastpaths")),
+)
+
+
+def layer_violations(graph: dict[str, set[str]], rules=LAYER_RULES) -> list[str]:
+    """Every import in `graph` (module -> the modules it imports) that a rule refuses, in words."""
+    return [f"{importer} imports {imported}: {rule.says} ({rule.why})"
+            for importer, targets in sorted(graph.items()) for imported in sorted(targets)
+            for rule in rules if rule.applies_to(importer) and rule.refused(imported)]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """The package's imports, module -> the minigen modules it imports (at the top or in a function)."""
+    return {name: {m for m, _, _ in imports(path)} for name, path in MODULES.items()}
+
+
 def test_the_parser_sees_the_imports():
     graph = {m for m, _, _ in imports(MODULES["caches.make"])}
     assert {"caches.contiguous", "caches.paged", "caches.quantized", "config"} <= graph
     assert "kernels.cpu" in {m for m, _, _ in imports(MODULES["kernels.dispatch"])}
 
 
-def test_no_import_cycles():
-    graph = {name: {m for m, _, inside in imports(path) if not inside and m in MODULES and m != name}
-             for name, path in MODULES.items() if name != "__init__"}
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle in `graph` (module -> imported modules) as a path, or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def walk(node, path):
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                raise AssertionError(f"import cycle: {' -> '.join(path + [node, nxt])}")
-            if nxt not in state:
-                walk(nxt, path + [node])
+                return path + [node, nxt]
+            if nxt not in state and (cycle := walk(nxt, path + [node])):
+                return cycle
         state[node] = 2
+        return None
 
-    for name in graph:
-        if name not in state:
-            walk(name, [])
+    for name in sorted(graph):
+        if name not in state and (cycle := walk(name, [])):
+            return cycle
+    return None
 
 
-def test_the_tree_has_the_course_layers():
+def test_no_import_cycles():
+    graph = {name: {m for m, _, inside in imports(path) if not inside and m in MODULES and m != name}
+             for name, path in MODULES.items() if name != "__init__"}
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle)}"
+
+
+def test_a_cycle_is_found():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def readme_layout() -> str:
+    """The README's "Layout" section: the map of the tree."""
+    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    return readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+
+
+def unmapped(layout: str, folders: set[str], top: set[str]) -> list[str]:
+    """The layer folders and top-level modules that the README's map does not name."""
+    return ([f"{f}/" for f in sorted(folders) if f"{f}/" not in layout]
+            + [f"{m}.py" for m in sorted(top) if not re.search(rf"\b{m}\.py\b", layout)])
+
+
+def test_the_tree_has_the_course_layers_and_the_map_names_every_room():
+    """The folders are the course's layers, and the top of minigen/ is the generator itself: every
+    folder and every module there is a room the README's map names (a new one joins the map)."""
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
     assert folders == CORE_PACKAGES | OUTER_PACKAGES
     top = {p.stem for p in PACKAGE.glob("*.py")} - FACES
-    assert len(top) <= 12, f"minigen/ holds {len(top)} modules at the top: the folders are the map ({sorted(top)})"
+    missing = unmapped(readme_layout(), folders, top)
+    assert not missing, f"README.md's Layout section does not name {missing}: add each to the map"
+    assert unmapped("  model.py  caches/", {"caches", "serving"}, {"model", "plan"}) == ["serving/", "plan.py"]
 
 
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if is_core(m)))
-def test_the_core_imports_at_the_top_and_never_an_outer_layer(name):
+def test_the_core_imports_at_the_top(name):
     for module, _, inside in imports(MODULES[name]):
         assert not inside, f"{name} imports {module} inside a function: import it at the top"
-        assert is_core(module), f"{name} (the core) imports the outer layer {module}"
 
 
-@pytest.mark.parametrize("name", sorted(m for m in MODULES if layer(m) == KERNELS))
-def test_kernels_sit_below_the_model(name):
-    for module, _, _ in imports(MODULES[name]):
-        assert layer(module) in {KERNELS, "numerics", "errors", "paths"} or module == "caches.contract", \
-            f"{name} imports {module}: an op kernel knows only numbers, tensors and the cache contract's views"
+def test_every_import_keeps_to_the_layers():
+    violations = layer_violations(import_graph())
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize("rule", LAYER_RULES, ids=lambda r: r.says)
+def test_each_layer_rule_can_fail(rule):
+    """Each rule refuses its own example of a broken import and lets a nearby allowed one pass, so
+    none of them holds only because it can never fire."""
+    importer, imported = rule.breaks
+    assert layer_violations({importer: {imported}}, [rule]), f"{rule.says} lets {importer} import {imported}"
+    assert not layer_violations({rule.keeps[0]: {rule.keeps[1]}}), f"{rule.keeps} is refused"
+
+
+def test_the_plan_rule_holds_before_the_plan_exists():
+    """minigen/plan.py (or minigen/plan/) is judged by its concept, whether or not it is in the tree."""
+    assert layer_violations({"plan": {"steps.choose", "caches.make", "kernels.dispatch", "numerics.quant"}}) == []
+    assert layer_violations({"plan.rules": {"serving.engine"}}), "a module of a plan/ package may import serving"
+    assert layer_violations({"generate": {"measure.plan"}}), "the memory planner is measure's, not the core's plan"
 
 
 def test_the_model_is_the_math():
-    """model.py imports no kernel and no step module: which implementation runs an op is decided in
-    kernels/dispatch.py, installed on a model from outside (loading.py)."""
-    for module, _, _ in imports(MODULES["model"]):
-        assert layer(module) not in {KERNELS, STEPS}, f"model.py imports {module}"
+    """model.py reaches no kernel by itself either (LAYER_RULES keeps it from importing one)."""
     text = MODULES["model"].read_text(encoding="utf-8")
     for kernel_code in ("import ctypes", "torch.ops.minigen", "import triton", "mkldnn"):
         assert kernel_code not in text, f"model.py reaches a kernel itself ({kernel_code})"
@@ -136,7 +252,7 @@ def test_no_private_name_crosses_a_module(name):
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_stay_readable(name):
     lines = len(MODULES[name].read_text(encoding="utf-8").splitlines())
-    assert lines <= 420, f"{name} has {lines} lines: split it by concept (STYLE.md: past ~400)"
+    assert lines <= 420, f"{name} has {lines} lines: split it by concept (CONTRIBUTING.md: past ~400)"
 
 
 def test_no_reexport_shims():

@@ -184,12 +184,13 @@ def bf16_dot_products() -> bool | None:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-# Bytes of one fp32 tile of a matrix for bf16_linear (before gemm_q, quantized_linear's too): inside the L3 of this course's
-# CPUs (32 MB on the AMD EPYC, 105 MB on the Xeon), and few tiles per matrix (SmolLM2: 5 a layer),
-# because each tile is one more pair of parallel regions, and next to a busy process every region
-# waits for a time slice (chapter 8). Measured on the Xeon: 1 MB tiles (in a core's L2) ran 512-row
-# products about 10% faster on a quiet machine; a 512-token prompt through 1 MB tiles took 13.6 s
-# next to a busy process, where transformers took 3.6 s.
+# Bytes of one fp32 tile of a matrix for bf16_linear (its weights or codes widened a tile at a
+# time): inside the L3 of this course's CPUs (32 MB on the AMD EPYC, 105 MB on the Xeon), and few
+# tiles per matrix (SmolLM2: 5 a layer), because each tile is one more pair of parallel regions,
+# and next to a busy process every region waits for a time slice (chapter 8). Measured on the
+# Xeon: 1 MB tiles (in a core's L2) ran 512-row products about 10% faster on a quiet machine; a
+# 512-token prompt through 1 MB tiles took 13.6 s next to a busy process, where transformers took
+# 3.6 s.
 TILE_BYTES = 4 * 1024 * 1024
 
 

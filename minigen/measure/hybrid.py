@@ -1,4 +1,4 @@
-"""The hybrid cache measured (issue 27): its bytes against the count, and its decode speed against a
+"""The hybrid cache measured: its bytes against the count, and its decode speed against a
 uniform cache on the same model.
 
 Shapes: L layers (Lf full, Ls sliding), Hkv key/value heads, Dh head dim, S slots a layer reads.

@@ -17,9 +17,9 @@ The categories are compared with the very steps they came from: each profiled st
 the wall-clock time of the same profiled steps (tests/test_profiling.py, in one run, next to a busy
 loop too). The profiler costs a few microseconds per event it records (SmolLM2's step records
 ~5,000), so a profiled step is slower than a plain one: both are reported (`profiled_step_s`,
-`step_s`). Comparing the categories with the plain step instead, less an estimate of that cost,
-missed by +2% to +26% in single runs on a quiet machine and by 44% next to other work (issue 25):
-the two are timed at different moments, and a busy neighbour slows one and not the other.
+`step_s`). The categories are held to the profiled step, never to a plain step less an estimate
+of the profiler's cost: the plain step is timed at another moment, and a busy neighbour slows one
+and not the other, so only steps timed in the same run add up.
 """
 
 from __future__ import annotations

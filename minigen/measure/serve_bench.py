@@ -237,8 +237,8 @@ def serve_bench_cli(model_name: str, engines: list[str], n_requests: int = 16, r
     """`python -m minigen serve-bench`: build the workload on the model's tokenizer (a system prompt
     in its chat template, user prompts cut from the benchmark's English text) and run the engines,
     each on a fresh engine, in the order given."""
-    # a workload no machine here could hold is refused before numpy draws its arrays (--requests 10**12
-    # ended in numpy's _ArrayMemoryError)
+    # a workload no machine here could hold is refused before numpy draws its arrays, which would
+    # answer --requests 10**12 with numpy's _ArrayMemoryError instead of the fix
     check_fits(n_requests * WORKLOAD_REQUEST_BYTES, f"--requests {n_requests:,} (at least "
                f"{WORKLOAD_REQUEST_BYTES} bytes each)", "Fix: lower --requests", BenchError)
     tokenizer = load_tokenizer(resolve_folder(model_name))

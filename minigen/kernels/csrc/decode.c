@@ -117,9 +117,10 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
  * several-row kernel (rows_batch.c); int8 and int4 in groups of 32 through their several-row loops
  * (rows_avx512.c: each row of codes widened once, then every row of x in the one-row loop's order);
  * the rest each row of W through its one-row loop B times (rows_each). Every kind gives each row of
- * x the bits it gets alone. SmolLM2, a 5-token verify against one decode step, 2 threads, on the
- * Xeon of issue 23's note: int8 3.62 -> 2.76 steps, int4 4.23 -> 3.26 (the widening and the
- * multiply-adds, not memory, set those rows' pace; fp32's is 1.0). work: B * WORK_PER_ROW(k) floats. */
+ * x the bits it gets alone. An int8 or int4 row is paced by widening its codes and the multiply-adds,
+ * not by memory (an fp32 row is paced by memory), so the several-row loops widen each row of codes
+ * once for all B rows: a 5-token verify of SmolLM2 on 2 threads of a Xeon costs about 2.8 decode
+ * steps in int8 and 3.3 in int4, fp32's about 1.0. work: B * WORK_PER_ROW(k) floats. */
 static void product(const Weight *w, const float *x, float *y, int64_t B, int threads, float *work) {
     if (B > 1 && w->kind == 0) {
         Mat m = {.W = w->W, .x = x, .k = w->k, .M = B, .n = w->n};

@@ -84,7 +84,7 @@ INTERNAL void rows_q8_wide(const Mat *m, float *y, int64_t p);
 INTERNAL void rows_q4_perm(const Mat *m, float *y, int64_t p);
 #endif
 /* rows of W each call of the several-row loops takes (unit p: rows SEVERAL_W p ..): a vector of x,
- * loaded once, meets them all (rows_avx512.c says why; 2 was slower, 4 and 6 alike, 8 slower again) */
+ * loaded once, meets them all (rows_avx512.c says why; 2 is slower, 4 and 6 alike, 8 slower again) */
 #ifndef SEVERAL_W
 #define SEVERAL_W 6
 #endif
