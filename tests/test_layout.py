@@ -22,7 +22,7 @@ OUTER_PACKAGES = {"serving", "measure", "course", "production"}
 FACES = {"__init__", "__main__"}  # the public face and the CLI: they may import anything
 # Everything else at the top of minigen/ is the core, by concept rather than by list: model,
 # attention, config, combinations, sampling, generate, loading, evaluate, errors, paths ... and the
-# run plan (minigen/plan.py or minigen/plan/, whether or not it exists yet).
+# run plan (minigen/run_plan.py) with the where-axis of its rule table (minigen/places.py).
 
 
 def module_name(path: Path) -> str:
@@ -109,7 +109,7 @@ LAYER_RULES = (
               "steps and the plan choose kernels, never the other way round",
               breaks=("kernels.dispatch", "model"), keeps=("kernels.triton_prefill", "caches.contract")),
     LayerRule("model.py imports no kernel, no step and no plan", lambda m: m == "model",
-              in_layers("kernels", "steps", "plan"),
+              in_layers("kernels", "steps", "run_plan"),
               "the model is the math: which implementation runs an op is decided in kernels/dispatch.py "
               "and installed from outside (loading.py), and the plan is built from the model, not in it",
               breaks=("model", "kernels.cpu"), keeps=("model", "numerics.precision")),
@@ -127,11 +127,11 @@ LAYER_RULES = (
               "plots, widgets, exercises and the ledger sit on top of everything; the library runs "
               "without them (the course itself may import anything)",
               breaks=("measure.bench", "course.plots"), keeps=("__main__", "course.ledger")),
-    LayerRule("the run plan is core: it imports no outer layer and no face", in_layers("plan"),
+    LayerRule("the run plan is core: it imports no outer layer and no face", in_layers("run_plan", "places"),
               in_layers(*OUTER_PACKAGES, *FACES),
               "the plan is built once from (model, config, batch shape, where it runs) and chooses among "
               "steps, caches, kernels and numerics; what runs cannot depend on a bench, a server or the CLI",
-              breaks=("plan", "measure.machine"), keeps=("plan", "kernels.fastpaths")),
+              breaks=("run_plan", "measure.machine"), keeps=("run_plan", "kernels.fastpaths")),
 )
 
 
@@ -205,7 +205,7 @@ def test_the_tree_has_the_course_layers_and_the_map_names_every_room():
     top = {p.stem for p in PACKAGE.glob("*.py")} - FACES
     missing = unmapped(readme_layout(), folders, top)
     assert not missing, f"README.md's Layout section does not name {missing}: add each to the map"
-    assert unmapped("  model.py  caches/", {"caches", "serving"}, {"model", "plan"}) == ["serving/", "plan.py"]
+    assert unmapped("  model.py  caches/", {"caches", "serving"}, {"model", "run_plan"}) == ["serving/", "run_plan.py"]
 
 
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if is_core(m)))
@@ -228,10 +228,11 @@ def test_each_layer_rule_can_fail(rule):
     assert not layer_violations({rule.keeps[0]: {rule.keeps[1]}}), f"{rule.keeps} is refused"
 
 
-def test_the_plan_rule_holds_before_the_plan_exists():
-    """minigen/plan.py (or minigen/plan/) is judged by its concept, whether or not it is in the tree."""
-    assert layer_violations({"plan": {"steps.choose", "caches.make", "kernels.dispatch", "numerics.quant"}}) == []
-    assert layer_violations({"plan.rules": {"serving.engine"}}), "a module of a plan/ package may import serving"
+def test_the_plan_rule_judges_the_run_plan_and_its_table():
+    """minigen/run_plan.py and places.py are judged by their concept; measure/plan.py (the memory
+    planner) is an outer layer's."""
+    assert layer_violations({"run_plan": {"steps.choose", "caches.make", "kernels.fastpaths", "places"}}) == []
+    assert layer_violations({"places": {"serving.engine"}}), "the where-table may not import serving"
     assert layer_violations({"generate": {"measure.plan"}}), "the memory planner is measure's, not the core's plan"
 
 
