@@ -157,9 +157,27 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
                 break
+            if step.loops_on_device:  # cuda_graphs: every later token from the device's own loop (steps/graphs.py)
+                yield from _device_tokens(step.decode_loop(model, token, next_pos(i, finished), finished, cache, policy,
+                                                           n - 1 - i, stop_ids, pad), stats, cache, last)
+                break
             logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
     step.report(stats)
     _finish_stats(stats, start)
+
+
+def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache: Cache | None,
+                   last: float) -> Iterator[Tensor]:
+    """Yield the tokens of a device loop's chunks, filling `stats`: each token's latency is its
+    chunk's wall time divided evenly among the chunk's tokens (the host sees a chunk at once)."""
+    for chunk in chunks:
+        now = time.perf_counter()
+        for token in chunk:
+            stats.token_latencies_s.append((now - last) / len(chunk))
+            stats.new_tokens += 1
+            yield token
+        last = now
+    _record_cache(stats, cache)
 
 
 def _finish_stats(stats: GenerationStats, start: float) -> None:
