@@ -14,6 +14,16 @@ dispatch (Python, the dispatcher, a kernel launch) more than its arithmetic. Two
   host sync, so sampling happens inside the graph: the exponential race (sampling.sample) draws
   the next token with tensor ops only. One graph per batch size. CUDA only.
 
+Under a graph the GPU's part of a small model's token is tens of microseconds, so anything the host
+does per token (sampling, a stop check read back, a position tensor built, Python bookkeeping)
+becomes the step's time. The graph therefore holds the whole loop body: the step, sampling, the
+stop check (a finished row repeats its stop token), the token's place in a chunk buffer and the
+position's advance, all in fixed device buffers (CudaGraphDecoder). The host replays the graph
+STOP_CHECK_EVERY times, then reads one small status tensor (tokens emitted, every row finished):
+one host read per STOP_CHECK_EVERY tokens, none between (tests/test_host_work.py counts them).
+The tokens are the eager loop's, cut where it would stop; up to STOP_CHECK_EVERY - 1 replays past
+the last row's stop run and are discarded.
+
 The article's "enable graphs" names a torch function that does not exist; these are the real
 mechanisms (torch.compile(mode="reduce-overhead") is torch.compile plus CUDA graphs).
 """
