@@ -119,7 +119,7 @@ class CudaGraphDecoder:
             token = sample(logits, config, generators)  # [B]: row b's clocks from generator b
             token = torch.where(self.finished, pad, token)  # a finished row repeats its stop token
             self.status[0].add_((~self.finished).any().long())  # emitted while some row was live
-            self.finished.logical_or_(torch.isin(token, stop_ids))
+            self.finished.logical_or_((token[:, None] == stop_ids).any(dim=-1))  # elementwise: no size-based branch
             self.status[1].copy_(self.finished.all())
             self.out.index_copy_(1, self.slot, token[:, None])
             self.slot.add_(1).remainder_(N)
