@@ -126,6 +126,8 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     or [B, 1] per row. A finished row is fed its stop token again (its output is discarded).
     after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
     generators: one per row of the sampled batch (sampling.make_generators), None when greedy.
+    A step that loops on the device (GraphedStep, cuda_graphs) takes over after the first token: its
+    tokens come in chunks of steps/graphs.STOP_CHECK_EVERY, as the host reads its stop flags.
     """
     n = config.max_new_tokens
     stats.step = step.name
