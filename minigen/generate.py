@@ -75,6 +75,8 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     next_pos(i, finished [B] bool) gives the positions of step i's token: [1] for rows in lockstep,
     or [B, 1] per row. A finished row is fed its stop token again (its output is discarded).
     after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
+    A step that loops on the device (GraphedStep, cuda_graphs) takes over after the first token: its
+    tokens come in chunks of steps/graphs.STOP_CHECK_EVERY, as the host reads its stop flags.
     """
     step, config, generators = plan.step, plan.config, plan.generators
     n = config.max_new_tokens
@@ -107,9 +109,27 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
                 break
+            if step.loops_on_device:  # cuda_graphs: every later token from the device's own loop (steps/graphs.py)
+                yield from _device_tokens(step.decode_loop(model, token, next_pos(i, finished), finished, cache, policy,
+                                                           n - 1 - i, stop_ids, pad), stats, cache, last)
+                break
             logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
     step.report(stats)
     finish_timing(stats.timing, start)
+
+
+def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache: Cache | None,
+                   last: float) -> Iterator[Tensor]:
+    """Yield the tokens of a device loop's chunks, filling `stats`: each token's latency is its
+    chunk's wall time divided evenly among the chunk's tokens (the host sees a chunk at once)."""
+    for chunk in chunks:
+        now = time.perf_counter()
+        for token in chunk:
+            stats.token_latencies_s.append((now - last) / len(chunk))
+            stats.new_tokens += 1
+            yield token
+        last = now
+    record_cache(stats, cache)
 
 
 def given_plan(plan: Plan | None, config, overrides: dict, where: str) -> GenerationConfig | None:

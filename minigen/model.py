@@ -146,7 +146,13 @@ class TorchOps:
         """One new query per row: q [B, H, 1, Dh] over k, v [B, Hkv, S, Dh] -> [B, H, 1, Dh] (attention.attend)."""
         return attend(q, k, v, mask, fp32_softmax)
 
-    def attend_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int) -> Tensor:
+    def plan_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int) -> object:
+        """What every layer's attend_blocks of one decode step shares, made once per step (None here:
+        the torch reference plans nothing; kernels/dispatch.py's ops plan the Triton launch)."""
+        return None
+
+    def attend_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int,
+                      plan: object = None) -> Tensor:
         """One query per row q [B, H, Dh] over the blocks a paged cache holds, read in place -> [B, H, Dh]."""
         return attend_blocks(q, view, window_size, sink_tokens)
 
@@ -177,7 +183,10 @@ class Attention(nn.Module):
         self.q_gain = math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar) if gemma else 1.0
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor] | None, mask: "Tensor | Causal | None", cache,
-                ops: TorchOps, policy: AttentionPolicy | None = None, fp32_softmax: bool = True) -> Tensor:
+                ops: TorchOps, policy: AttentionPolicy | None = None, fp32_softmax: bool = True,
+                plans: dict | None = None) -> Tensor:
+        """plans: the forward's one dict for the whole step; the first layer that reads the blocks
+        in place stores the step's decode plan there (ops.plan_blocks), and every layer reuses it."""
         B, T, _ = x.shape
         H, Hkv, Dh = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         qkv = ops.linear(x, self.wqkv)  # [B, T, (H+2Hkv)Dh]
@@ -195,7 +204,11 @@ class Attention(nn.Module):
         if cache is not None and policy is not None and policy.reads_blocks:  # attention reads the blocks in place
             view = cache.update_blocks(self.layer, k, v)  # a paged cache (the config refuses any other)
             if T == 1:  # a decode step: one query per row, at its last position
-                out = ops.attend_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens)[:, :, None]
+                plans = {} if plans is None else plans
+                if "decode" not in plans:  # once per step: every layer's launch shares it
+                    plans["decode"] = ops.plan_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens)
+                out = ops.attend_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens,
+                                        plans["decode"])[:, :, None]
             else:  # a prompt, a piece of one, or a verify step: the row's last T positions (rows share
                 # one position vector here: the config refuses per-row positions with this backend)
                 query_pos = view.seq_lens[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
@@ -265,9 +278,9 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = GeluMLP(cfg) if cfg.arch == "gpt2" else GatedMLP(cfg)
 
-    def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision()):
+    def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision(), plans=None):
         p = precision
-        x = x + self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax)
+        x = x + self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax, plans)
         return x + self.mlp(self.mlp_norm(x, ops, p.fp32_norms), ops)
 
 
@@ -279,9 +292,9 @@ class GemmaBlock(Block):
         super().__init__(cfg, layer)
         self.post_attn_norm, self.post_mlp_norm = GemmaRMSNorm(cfg.dim, cfg.norm_eps), GemmaRMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision()):
+    def forward(self, x, rope, mask, cache, ops: TorchOps, policy=None, precision: Precision = Precision(), plans=None):
         p = precision
-        h = self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax)
+        h = self.attn(self.attn_norm(x, ops, p.fp32_norms), rope, mask, cache, ops, policy, p.fp32_softmax, plans)
         x = x + self.post_attn_norm(h, ops, p.fp32_norms)
         h = self.mlp(self.mlp_norm(x, ops, p.fp32_norms), ops)
         return x + self.post_mlp_norm(h, ops, p.fp32_norms)
@@ -375,8 +388,9 @@ class Model(nn.Module):
                                   cache, None if kind == "full_attention" or imposes_window(policy) else
                                   self.config.own_window or None, x.dtype)
                  for kind in dict.fromkeys(self.layer_types)}
+        plans: dict = {}  # what the layers share beyond the masks, planned by the first (Attention.forward)
         for block, kind in zip(self.blocks, self.layer_types):
-            x = block(x, ropes[kind], masks[kind], cache, self.ops, policy, p)
+            x = block(x, ropes[kind], masks[kind], cache, self.ops, policy, p, plans)
         if last_only:
             x = x[:, -1:]
         logits_dtype = torch.float32 if p.fp32_logits else p.compute

@@ -8,7 +8,9 @@ No network: the models are Llama-family models with the real shapes of SmolLM2-1
 and Llama-3.1-8B and random bf16 weights (speed does not depend on the values). Each check is a
 function `check_<name>(device, smoke) -> dict` registered in CHECKS; add yours there. Without CUDA
 (and without --smoke) the script prints a notice and exits 0: the CPU test suite proves
-correctness, this script times what needs a GPU. Budget: under 8 minutes on one GPU.
+correctness, this script times what needs a GPU. Budget: under 8 minutes on one GPU (BUDGET_S): the
+optional measurements (torch.compile's reduce-overhead, transformers' static-cache generate beside
+minigen's decode) run only while the budget leaves their allowance, and say "skipped" otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(0, str(ROOT / "scripts"))  # transformers_decode.py, beside this file
 
 import minigen  # noqa: E402
 from minigen import GenerationConfig  # noqa: E402
@@ -35,8 +38,9 @@ from minigen.checkpoints.model_config import ModelConfig
 from minigen.caches.contract import BlockView
 from minigen.numerics.precision import Precision  # noqa: E402
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize  # noqa: E402
-from minigen.kernels.triton_attention import decode_attention  # noqa: E402
+from minigen.kernels.triton_attention import decode_attention, plan_decode  # noqa: E402
 from minigen.kernels.triton_prefill import prefill_attention  # noqa: E402
+from transformers_decode import hf_decode  # noqa: E402
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
@@ -53,6 +57,19 @@ SHAPES = {
 }
 SMOKE_SHAPE = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, hidden_dim=128,
                    max_seq_len=512, tie_embeddings=True)
+
+
+BUDGET_S = 450  # the checks' seconds on one GPU: with start-up and the report, under 8 minutes
+# Allowances of the optional measurements, per model shape: compile times the H200 run recorded
+# (figures from ../shared/gpu/NVIDIA_H200.json: reduce-overhead 11-46 s) plus the generations.
+ALLOWANCE_S = {"reduce-overhead": 60, "transformers": 90}
+_budget = {"deadline": float("inf"), "reserve": 0.0}  # main sets both: the end, and the later checks' share
+
+
+def optional(what: str) -> str | None:
+    """None when the budget leaves `what` its allowance (beside the later checks' reserve), else why not."""
+    left = _budget["deadline"] - time.perf_counter() - _budget["reserve"]
+    return None if left > ALLOWANCE_S[what] else f"skipped: {left:.0f} s left of the time budget"
 
 
 def hardware(device: str) -> dict:
@@ -126,12 +143,29 @@ def check_decode(device: str, smoke: bool) -> dict:
                 "bandwidth_fraction": s.decode_tokens_per_s * per_token / (bandwidth * 1e9),
                 "tokens_equal_eager": bool(torch.equal(out.tokens, tokens["eager"]))}
         if device == "cuda":  # the alternative: torch.compile's own CUDA graphs, side by side
-            row["modes"]["reduce-overhead"] = _reduce_overhead(model, ids, new, tokens["eager"], per_token, bandwidth)
+            skip = optional("reduce-overhead")
+            row["modes"]["reduce-overhead"] = ({"skipped": skip} if skip else
+                                               _reduce_overhead(model, ids, new, tokens["eager"], per_token, bandwidth))
         results["models"][name] = row
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
+        row["transformers"] = _transformers_beside(shape, ids, new, row["modes"])
     return results
+
+
+def _transformers_beside(shape: dict, ids: torch.Tensor, new: int, modes: dict) -> dict:
+    """transformers' generate with its static cache (compiled on a GPU) on the same shapes, prompt
+    and token count, in the same process once minigen's model is freed: its tok/s, and each minigen
+    mode's tok/s over it (minigen_over_transformers > 1: minigen decodes faster)."""
+    skip = optional("transformers")
+    if skip:
+        return {"skipped": skip}
+    hf = hf_decode(shape, ids, new)
+    rate = hf.get("decode_tokens_per_s") or 0.0
+    hf["minigen_over_transformers"] = {mode: m["decode_tokens_per_s"] / rate for mode, m in modes.items()
+                                       if rate > 0 and "decode_tokens_per_s" in m}
+    return hf
 
 
 def _reduce_overhead(model, ids, new: int, eager_tokens, per_token: int, bandwidth: float) -> dict:
@@ -265,7 +299,8 @@ def check_kernel(device: str, smoke: bool) -> dict:
             kq, vq = (k, v) if bits is None else (quantize(k, bits, group_size, -3), quantize(v, bits, group_size, -1))
             view = BlockView(kq, vq, table, bs, lens, lens)
             read = q.nbytes + sum(t.nbytes for x in (kq, vq) for t in ((x,) if bits is None else (x.data, x.scales, x.zeros)))
-            kernel_ms = _median_ms(lambda: decode_attention(q, view), device, reps)
+            plan = plan_decode(q, view)  # once per step in a model: each layer's call is its launch alone
+            kernel_ms = _median_ms(lambda: decode_attention(q, view, plan=plan), device, reps)
             torch_ms = _median_ms(lambda: _gather_sdpa(q, view), device, reps)
             diff = (decode_attention(q, view).float() - _gather_sdpa(q, view).float()).abs().max().item()
             results["runs"][f"{fmt}_{S}"] = {
@@ -371,7 +406,8 @@ def plot(report: dict, path: Path) -> None:
     if not decode:
         return
     models = list(decode["models"])
-    modes = list(next(iter(decode["models"].values()))["modes"])
+    modes = [mode for mode in next(iter(decode["models"].values()))["modes"]  # a skipped mode has no rate
+             if all("decode_tokens_per_s" in m["modes"].get(mode, {}) for m in decode["models"].values())]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
@@ -393,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "figures" / "gpu"), help="folder for <device>.json and .png")
     parser.add_argument("--only", nargs="*", choices=sorted(CHECKS), help="run only these checks")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script itself")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="seconds for the checks (optional parts yield)")
     args = parser.parse_args(argv)
     if not (torch.cuda.is_available() or args.smoke):
         print("Notice: CUDA is not available on this machine, so the GPU checks are skipped "
@@ -401,7 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if args.smoke else "cuda"
     report = {"hardware": hardware(device), "smoke": args.smoke, "checks": {}}
     started = time.perf_counter()
-    for name in args.only or CHECKS:
+    names = list(args.only or CHECKS)
+    _budget["deadline"] = started + args.budget_s
+    for i, name in enumerate(names):
+        _budget["reserve"] = 60.0 * len(names[i + 1:])  # each later check's share of the budget
         print(f"running {name} ...", flush=True)
         report["checks"][name] = CHECKS[name](device, args.smoke)
     report["seconds"] = time.perf_counter() - started

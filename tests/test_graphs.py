@@ -141,3 +141,20 @@ def test_no_step_recaptures(monkeypatch):
     model = minigen.from_hf(tiny_hf("llama")).to("cuda")
     minigen.generate(model, prompts().cuda(), max_new_tokens=20, stop_token_ids=[], cuda_graphs=True)
     assert captures == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.9, "top_k": 30, "seed": 5}],
+                         ids=["greedy", "seeded sampling"])
+def test_graphed_stops_equal_eager(sampling):
+    """The device loop (steps/graphs.py) with stops: one row ends mid-chunk, the other in a later
+    chunk, and the output is eager's, cut where every row has stopped (tests/test_host_work.py runs
+    the same loop on the CPU with the CUDA calls stood in)."""
+    model = minigen.from_hf(tiny_hf("llama")).to("cuda")
+    ids, n = prompts().cuda(), 3 * graphs.STOP_CHECK_EVERY
+    free = minigen.generate(model, ids, max_new_tokens=n, stop_token_ids=[], **sampling).tokens
+    T = ids.shape[1]
+    stops = sorted({int(free[0, T + 5]), int(free[1, T + graphs.STOP_CHECK_EVERY + 3])})
+    eager = minigen.generate(model, ids, max_new_tokens=n, stop_token_ids=stops, **sampling)
+    graphed = minigen.generate(model, ids, max_new_tokens=n, stop_token_ids=stops, cuda_graphs=True, **sampling)
+    assert torch.equal(graphed.tokens, eager.tokens) and graphed.stats.new_tokens == eager.stats.new_tokens

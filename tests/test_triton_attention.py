@@ -247,7 +247,8 @@ def compile_for_hopper(kernel, types, constexprs):
 for dtype, bits, along_slots in (("bf16", 0, False), ("fp32", 8, True), ("bf16", 4, False)):
     pool, p = ("u8" if bits else dtype), "*" + dtype
     meta = "*bf16"  # quant.meta_dtype: an fp32 or bf16 model's scales and zeros are bf16
-    types = dict(q_ptr=p, out_ptr="*fp32", lse_ptr="*fp32", k_ptr="*" + pool, v_ptr="*" + pool, k_scales_ptr=meta,
+    # out in q's dtype: one split stores its result directly (plan_decode); several store fp32 partials
+    types = dict(q_ptr=p, out_ptr=p if bits == 0 else "*fp32", lse_ptr="*fp32", k_ptr="*" + pool, v_ptr="*" + pool, k_scales_ptr=meta,
                  k_zeros_ptr=meta, v_scales_ptr=meta, v_zeros_ptr=meta, table_ptr="*i64", seq_lens_ptr="*i64",
                  recent_start_ptr="*i64", recent_k_ptr=p, recent_v_ptr=p, sm_scale="fp32")
     compile_for_hopper(ta._decode_attention_kernel, types, dict(G=4, G_PAD=16, D_PAD=128, BLOCK_N=ta.BLOCK_N,
@@ -320,3 +321,30 @@ def test_merge_splits_is_the_softmax_of_the_whole_row():
             lse[:, p] = s[:, a:b].logsumexp(-1)
     merged = triton_attention.merge_splits(out, lse)
     torch.testing.assert_close(merged, (s.softmax(-1)[..., None] * v).sum(1))
+
+
+# ---------------------------------------------------------------- one plan per step, one launch per layer
+def test_a_step_plans_once_and_a_planned_call_only_launches(tiny, monkeypatch):
+    """The model plans each decode step's attention once (plan_decode) for all its layers; a call
+    with a plan and one split is the kernel's launch alone: its result is the plan's own buffer, in
+    q's dtype, and no merge runs. Planning reads no tensor (the bound is the view's capacity)."""
+    plans, merges = [], []
+    real_plan = triton_attention.plan_decode
+    monkeypatch.setattr(triton_attention, "plan_decode", lambda *a, **k: plans.append(1) or real_plan(*a, **k))
+    monkeypatch.setattr(triton_attention, "merge_splits", lambda *a: merges.append(1))
+    prompts = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    torch_tokens = minigen.generate(tiny, prompts, max_new_tokens=6, cache_chunk_size=16).tokens
+    tokens = minigen.generate(tiny, prompts, max_new_tokens=6, cache_chunk_size=16, attention_backend="triton").tokens
+    assert torch.equal(tokens, torch_tokens) and len(plans) == 5 and not merges  # 5 decode steps, 1 split each
+
+    view = make_view([40, 7], Hkv=2, Dh=32, bs=16, dtype=torch.bfloat16)
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(5)).bfloat16()
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__int__", lambda self: reads.append(1) or 0)
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or 0)
+    plan = real_plan(q, view, num_splits=1)
+    assert not reads  # no length read back from the device
+    monkeypatch.undo()
+    out = decode_attention(q, view, plan=plan)
+    assert out.dtype == torch.bfloat16 and out.data_ptr() == plan.out.data_ptr()
+    torch.testing.assert_close(out.float(), reference(q, view), atol=1e-2, rtol=1e-2)

