@@ -17,14 +17,13 @@ from torch import Tensor
 
 from .combinations import check_run
 from .steps import fused
-from .steps.choose import prompt_attention_bf16, run_of, warn_demanded
+from .steps.choose import ops_for, run_of, warn_demanded
 from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
 from .errors import PromptError
 from .generate import check_prompt, make_policy
 from .model import Model
-from .numerics.precision import prompt_products
 
 
 @dataclass
@@ -76,20 +75,20 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     logits = []
     # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
-    with torch.inference_mode(), prompt_products(config.prefill_precision, model,
-                                                    prompt_attention_bf16(model, config)):
+    with torch.inference_mode():
+        ops = ops_for(model, config, prompt=True)
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
             policy = make_policy(config, None, observers)
-            logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])
+            logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy, ops=ops)[0])
         else:
             cache = make_cache(model, config, 1, T)
             policy = make_policy(config, cache, observers)
             for s in range(0, T, C):
                 pos = torch.arange(s, min(s + C, T), device=ids.device)
                 if step is not None:
-                    logits.append(step.decode(model, ids[:, s:s + 1], pos, cache))  # [1, V]
+                    logits.append(step.decode(model, ids[:, s:s + 1], pos, cache, ops=ops))  # [1, V]
                     continue
-                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
+                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy, ops=ops)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
     return Score(nll=nll, top1=logits.argmax(-1))

@@ -29,9 +29,8 @@ from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
-from .numerics.precision import prompt_products
 from .sampling import Generators, make_generators, sample
-from .steps.choose import choose_step, prompt_attention_bf16
+from .steps.choose import choose_step, ops_for
 from .steps.eager import EagerStep
 
 
@@ -136,8 +135,9 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        with prompt_products(config.prefill_precision, model, prompt_attention_bf16(model, config)):  # the prompt's products in their own format (chapter 16)
-            logits = step.prefill(model, input_ids, input_pos, cache, policy)
+        # the prompt's products in their own format (chapter 16), and the attention backend
+        logits = step.prefill(model, input_ids, input_pos, cache, policy, ops=ops_for(model, config, prompt=True))
+        decode_ops = ops_for(model, config, prompt=False)
         if after_prefill is not None:
             logits = after_prefill(logits)
         stats.prefill_s = time.perf_counter() - start
@@ -157,7 +157,7 @@ def run_steps(model: Model, step: EagerStep, input_ids: Tensor, input_pos: Tenso
             finished |= torch.isin(token, stop_ids)
             if i == n - 1 or bool(finished.all()):
                 break
-            logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
+            logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy, ops=decode_ops)
     step.report(stats)
     _finish_stats(stats, start)
 

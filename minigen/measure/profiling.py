@@ -39,9 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import attention, model
-from ..numerics.precision import prompt_products
 from ..kernels import dispatch
-from ..steps.choose import choose_step, prompt_attention_bf16
+from ..steps.choose import choose_step, ops_for
 from ..caches import contiguous, h2o, hybrid, offload, paged, quantized, window
 from ..caches.make import make_cache
 from ..config import GenerationConfig
@@ -211,15 +210,16 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
         cache = make_cache(model_, run, input_ids.shape[0], T + total)
         policy = make_policy(run, cache)
         # the prompt's products (and attention) in their format (chapter 16)
-        with prompt_products(run.prefill_precision, model_, prompt_attention_bf16(model_, run)):
-            logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
-        pos = T
+        logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
+                              ops=ops_for(model_, run, prompt=True))
+        pos, decode_ops = T, ops_for(model_, run, prompt=False)
 
         def one_step():
             nonlocal logits, pos
             with record_function(LABEL + "sampling"):
                 token = sample(logits, run)
-            logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy)
+            logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy,
+                                 ops=decode_ops)
             pos += 1
 
         progress = bar(total=total, desc="profile", unit="step")  # drawn on a terminal only (paths.bar)

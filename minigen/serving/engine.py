@@ -46,9 +46,9 @@ from ..config import GenerationConfig, resolve_config
 from ..errors import ConfigError, PromptError, RequestError
 from ..generate import check_prompt, make_policy
 from ..paths import check_fits
-from ..numerics.precision import DTYPES, prompt_products
+from ..numerics.precision import DTYPES
 from ..sampling import make_generator, sample
-from ..steps.choose import choose_step, prompt_attention_bf16
+from ..steps.choose import choose_step, ops_for, prompt_attention_bf16
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
 from .scheduler import (ENGINE_REFUSED, REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for,
@@ -338,9 +338,8 @@ class Engine:
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
         # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
-        with prompt_products(self.config.prefill_precision if prompt else "float32", self.model,
-                             self.bf16_attention):
-            logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
+        ops = ops_for(self.model, self.config, prompt, self.bf16_attention)
+        logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy, ops=ops)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):

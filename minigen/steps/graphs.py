@@ -60,9 +60,10 @@ class CudaGraphDecoder:
     """
 
     def __init__(self, step: Callable, sample: Callable, model, cache, policy, config, batch: int,
-                 position: int, generators: list[torch.Generator] | None):
+                 position: int, generators: list[torch.Generator] | None, ops=None):
         """step: eager.decode_step; sample: sampling.sample (passed in, so that this module
-        stays below generate.py); generators: one per row (sampling.make_generators), None: greedy."""
+        stays below generate.py); generators: one per row (sampling.make_generators), None: greedy;
+        ops: the ops the captured step runs (None: model.ops)."""
         if model.device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs the model on a CUDA device, not {model.device}: "
                               "model.to('cuda'), or compile=True on a CPU")
@@ -73,7 +74,7 @@ class CudaGraphDecoder:
         states = [g.get_state() for g in generators or ()]
 
         def one_step() -> Tensor:
-            logits = step(model, self.tokens, self.pos, cache, policy)
+            logits = step(model, self.tokens, self.pos, cache, policy, ops)
             return sample(logits, config, generators)  # [B]: row b's clocks from generator b
 
         # Warm up on a side stream (allocator pools, lazy inits), at the first real position: its
@@ -119,11 +120,11 @@ class CompiledStep(EagerStep):
         # under inference_mode inductor copied every layer's cache each step; under no_grad it writes in place
         return torch.no_grad()
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         if not self.first:
-            return self.step(model, tokens, input_pos, cache, policy)
+            return self.step(model, tokens, input_pos, cache, policy, ops)
         before, began = graphs_compiled(), time.perf_counter()
-        logits = self.step(model, tokens, input_pos, cache, policy)
+        logits = self.step(model, tokens, input_pos, cache, policy, ops)
         self.compile_s = time.perf_counter() - began if graphs_compiled() > before else 0.0
         self.first = False
         return logits
@@ -140,11 +141,11 @@ class GraphedStep(EagerStep):
         self.replay: CudaGraphDecoder | None = None
         self.compile_s = 0.0
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         position = int(input_pos[0])
         if self.replay is None:
             began = time.perf_counter()
             self.replay = CudaGraphDecoder(decode_step, self.sample, model, cache, policy, self.config,
-                                           tokens.shape[0], position, self.generators)
+                                           tokens.shape[0], position, self.generators, ops)
             self.compile_s = time.perf_counter() - began
         return self.replay(tokens[:, 0], position)
