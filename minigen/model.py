@@ -12,9 +12,10 @@ The model knows nothing about files: `loading.py` turns checkpoints into a `Mode
 
 This file is the math, in plain torch. The few ops that a kernel may run instead (a product, a
 norm, one-query attention, attention over paged blocks) go through `ops`, passed down from
-`model.ops`: `TorchOps` below, the reference, unless loading installs kernels/dispatch.py's
-`KernelOps`, which picks the C, oneDNN or Triton kernel that takes the call and falls back to
-these references (every kernel is tested against them).
+Model.forward's `ops=` or `model.ops`: `TorchOps` below, the reference, unless loading installs
+kernels/dispatch.py's `KernelOps`, which picks the C, oneDNN or Triton kernel that takes the call
+and falls back to these references (every kernel is tested against them); the ops also carry the
+prompt format and the attention backend of the forward (TorchOps.configured).
 """
 
 from __future__ import annotations
@@ -373,8 +374,7 @@ class Model(nn.Module):
         own positions, -1 marking padding, which no cache writes and no query attends (cache.py).
         With `cache`, the new keys/values are written at `input_pos` and attention reads every
         cached position; without, attention sees only these T tokens (the naive loop). Numbers
-        flow in `self.precision` (precision.py): fp32 by default. `ops` runs every op (None:
-        `self.ops`); its prompt format and reads_blocks say how this forward runs (TorchOps).
+        flow in `self.precision` (precision.py): fp32 by default. `ops` runs every op (None: `self.ops`).
         """
         assert tokens.dim() == 2 and input_pos.shape in ((tokens.shape[1],), tuple(tokens.shape)), \
             f"tokens must be [B, T] and input_pos [T] or [B, T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"

@@ -10,13 +10,13 @@ accepts it and otherwise to the reference:
                        2..16 fp32 rows: the C several-row kernel (reads W once)       (F.linear,
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
                        int8 / int4 rows: C, a panel of codes widened per thread
-                       a prompt's 17+ rows in a "bfloat16" PromptFormat (ops.prompt): F.linear in bf16
-                       oneDNN's bf16 GEMM on the weight's bf16 copy in the format's
-                       copies (model.weight_copies: fp32 weights, bf16_copies.py)
-                       or bf16 tiles of its codes
-                       a prompt's 17+ rows in an "int8" PromptFormat, a block's        w8a8's
-                       weight: the rows as int8 codes against its int8 copy, by the   reference
-                       int8 product measured fastest here (kernels/int8.py: C's
+                       a prompt's 17+ rows in a "bfloat16" format (ops.prompt):       F.linear in bf16
+                       oneDNN's bf16 GEMM on the weight's bf16 copy (fp32 weights:
+                       ops.prompt.copies, the model's; bf16_copies.py) or bf16
+                       tiles of its codes
+                       a prompt's 17+ rows in an "int8" format, a block's weight:     w8a8's
+                       the rows as int8 codes against its int8 copy, by the int8      reference
+                       product measured fastest here (kernels/int8.py: C's
                        vpdpbusd, oneDNN, _int_mm)
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA

@@ -49,7 +49,7 @@ torch._int_mm), chosen per call by kernels/dispatch.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,6 +75,9 @@ class Int8Weight:
     blocked: Tensor  # the codes for csrc/gemm_s8.c: [n64 / 16, k4 / 4, 16, 4] int8 (block_codes)
     code_sums: Tensor  # [n] int32: 128 sum_k qw[n, k], what gemm_s8's activations + 128 add to each sum
     shape: tuple[int, int]  # (n, k) of the weight
+    # the codes in another product's layout, made the first time that product runs this weight
+    # (kernels/int8.py: "onednn", "int_mm"): a weight whose prompts run another backend keeps none
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
