@@ -25,11 +25,12 @@ finds in each batch; here they are fixed per weight):
   on another's).
 - Weights: one scale per output channel, so the GEMM is a plain int8 one (a scale per group along
   k would need one GEMM per group: no fast kernel takes it). The codes are made once per model
-  (`prepare`, into the model's own `model.weight_copies`: numerics/copies.py) and kept once, blocked for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's
-  code sum): an fp32 model gains a quarter of its blocks' weight bytes, and the outlier columns in
-  fp32. The product measured fastest here runs them (kernels/int8.py); oneDNN's or torch._int_mm's
-  layout of a weight is made the first time that product runs it, so only the backend in use adds
-  its own copy.
+  (`prepare`, into the model's own `model.weight_copies`: numerics/copies.py) and kept once,
+  blocked for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's code sum): an fp32 model gains
+  a quarter of its blocks' weight bytes, and the outlier columns in fp32. The product measured
+  fastest here runs them (kernels/int8.py); oneDNN's or torch._int_mm's layout of a weight is made
+  the first time that product runs it and kept in its Int8Weight (`layouts`), so only the backend
+  in use adds its own copy.
 - Calibration: max|x_k| of every product's input, over a forward of the last CALIBRATION_CHARS
   characters of data/english.txt, through the tokenizer `minigen.load` returned with the model (for
   SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py and the tests score); a model loaded without one calibrates on seeded random ids.
