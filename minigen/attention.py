@@ -27,7 +27,6 @@ from einops import rearrange
 from torch import Tensor
 
 from .caches.contract import BlockView
-from .numerics.precision import prompt_attention_dtype
 from .numerics.quant import QuantizedTensor, dequantize
 
 
@@ -79,7 +78,8 @@ def seen_slots(mask: Tensor) -> int:
     return int(seen[-1]) + 1 if seen.numel() else 1
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softmax: bool = True) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softmax: bool = True,
+           bf16: bool = False) -> Tensor:
     """softmax(q k^T / sqrt(Dh) + mask) v with grouped-query heads.
 
     q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] or [B, 1, T, S], bool (True: attend) or
@@ -88,12 +88,11 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softma
     step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 7 measures).
     mask may also be `Causal(T)`: the first T slots, lower triangle, without building the mask; or
     narrower than k (Model.forward trims the slots no query sees): the first mask.shape[-1] slots.
-    A prompt under prefill_precision="bfloat16" (more than SHORT_PROMPT_ROWS fp32 query rows) gives
-    SDPA q, k and v in bf16, its scores and softmax still fp32, and the result back in fp32: on the
-    Xeon a 512-token layer (9 heads, 3 of keys) took 2.3-2.8 ms in place of 5.7-6.4 at 2 threads.
+    bf16=True (a prompt under prefill_precision="bfloat16": PromptFormat.attention_dtype, chapter 16)
+    gives SDPA fp32 q, k and v in bf16, its scores and softmax still fp32, and the result back in fp32:
+    on the Xeon a 512-token layer (9 heads, 3 of keys) took 2.3-2.8 ms in place of 5.7-6.4 at 2 threads.
     """
-    if (fp32_softmax and q.dtype == torch.float32
-            and prompt_attention_dtype(q.shape[0] * q.shape[2]) == torch.bfloat16):  # a bf16 prompt (chapter 16)
+    if bf16 and fp32_softmax and q.dtype == torch.float32:  # a bf16 prompt (chapter 16)
         mask = mask if isinstance(mask, Causal) or mask.dtype == torch.bool else mask.to(torch.bfloat16)
         return attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, fp32_softmax=True).float()
     if isinstance(mask, Causal):
@@ -186,14 +185,15 @@ def attend_blocks(q: Tensor, view: BlockView, window_size: int | None = None, si
 
 
 def attend_prompt_blocks(q: Tensor, view: BlockView, query_pos: Tensor, window_size: int | None = None,
-                         sink_tokens: int = 0) -> Tensor:
+                         sink_tokens: int = 0, bf16: bool = False) -> Tensor:
     """T queries per row, q [B, H, T, Dh] at query_pos [B, T] (-1: padding), over the positions a
     paged cache's `view` holds -> [B, H, T, Dh]: the torch reference of kernels/triton_prefill.py.
 
     Position p of row b lives in block view.block_table[b, p // bs] at slot p % bs (-1: freed, outside
     the window), or, from view.recent_start[b] on, in the full-precision recent buffers. Each query sees
     the held positions up to its own (with a window: the sinks and the window), as `window_mask` says;
-    a padding query attends everything, so that its discarded output stays finite."""
+    a padding query attends everything, so that its discarded output stays finite. bf16: each row's
+    attention in bf16 (`attend`)."""
     keys_all = dequantize(view.k) if isinstance(view.k, QuantizedTensor) else view.k  # [N, bs, Hkv, Dh]
     values_all = dequantize(view.v) if isinstance(view.v, QuantizedTensor) else view.v
     query_pos = query_pos.expand(q.shape[0], q.shape[2])
@@ -211,7 +211,7 @@ def attend_prompt_blocks(q: Tensor, view: BlockView, query_pos: Tensor, window_s
                 else window_mask(query_pos[b], key_pos, window_size, sink_tokens))  # [T, S]
         mask = mask | (query_pos[b] < 0)[:, None]
         k, v = rearrange(k, "s h d -> 1 h s d").to(q.dtype), rearrange(v, "s h d -> 1 h s d").to(q.dtype)
-        out[b] = attend(q[b, None], k, v, mask)[0]
+        out[b] = attend(q[b, None], k, v, mask, bf16=bf16)[0]
     return out
 
 
@@ -238,7 +238,6 @@ class AttentionPolicy:
     sparsity_threshold: float | None = None  # keep keys scoring >= this x the head's max, in [0, 1]
     sparse_signed: bool = False  # rank keys by q.k (attention probability) instead of the article's |q.k|
     observers: tuple[AttentionObserver, ...] = ()  # called with every layer's probabilities
-    backend: str = "torch"  # "triton": prompts and decode steps read the paged blocks in place (kernels/triton_*.py)
 
     @classmethod
     def from_config(cls, config, observers: tuple[AttentionObserver, ...] = ()) -> "AttentionPolicy | None":
@@ -246,18 +245,12 @@ class AttentionPolicy:
         sparse = config.sparse  # a threshold of 0 keeps every key: no selection, the plain path
         policy = cls(config.window_size, config.sink_tokens if config.window_size is not None else 0,
                      config.sparse_top_k if sparse else None, config.sparsity_threshold if sparse else None,
-                     sparse and config.sparse_score == "signed", tuple(observers), config.attention_backend)
+                     sparse and config.sparse_score == "signed", tuple(observers))
         return None if policy == cls() else policy
 
     @property
     def sparse(self) -> bool:
         return sparse_on(self.sparse_top_k, self.sparsity_threshold)
-
-    @property
-    def reads_blocks(self) -> bool:
-        """Attention reads the paged cache's blocks in place (attention_backend='triton'): a decode
-        step through triton_attention.py, a prompt (T > 1) through triton_prefill.py."""
-        return self.backend == "triton"
 
     def mask(self, query_pos: Tensor, key_pos: Tensor) -> Tensor:
         """[T, S] (or [B, 1, T, S]) bool: causal, restricted to the window and sinks when a window is set."""
@@ -265,10 +258,11 @@ class AttentionPolicy:
             return causal_mask(query_pos, key_pos)
         return window_mask(query_pos, key_pos, self.window_size, self.sink_tokens)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, layer: int) -> Tensor:
-        """Like `attend`, plus sparse key selection and observers. q [B, H, T, Dh] -> [B, H, T, Dh]."""
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, layer: int, bf16: bool = False) -> Tensor:
+        """Like `attend`, plus sparse key selection and observers. q [B, H, T, Dh] -> [B, H, T, Dh].
+        bf16: a bf16 prompt's attention (`attend`), where no key selection or observer needs the scores."""
         if not self.sparse and not self.observers:
-            return attend(q, k, v, mask)  # a window alone is only a mask: keep the fused kernel
+            return attend(q, k, v, mask, bf16=bf16)  # a window alone is only a mask: keep the fused kernel
         scores = attention_scores(q, k)  # [B, H, T, S]
         keep = (sparse_keep(scores, mask, self.sparse_top_k, self.sparsity_threshold, self.sparse_signed)
                 if self.sparse else mask)
@@ -288,12 +282,14 @@ def imposes_window(policy: "AttentionPolicy | None") -> bool:
     return policy is not None and policy.window_size is not None
 
 
-def layer_mask(input_pos: Tensor, key_pos: Tensor, policy: "AttentionPolicy | None", cache, window: int | None,
-               dtype: torch.dtype) -> "Tensor | Causal | None":
+def layer_mask(input_pos: Tensor, key_pos: Tensor, policy: "AttentionPolicy | None", window: int | None,
+               dtype: torch.dtype, reads_blocks: bool = False) -> "Tensor | Causal | None":
     """The mask of the layers that attend `window` tokens (None: every earlier one) over the slots
-    holding key_pos: `Causal` where SDPA's own causal tiles will do, else [T, S] or [B, 1, T, S]."""
+    holding key_pos: `Causal` where SDPA's own causal tiles will do, else [T, S] or [B, 1, T, S].
+    reads_blocks: attention reads a paged cache's blocks in place (the ops' reads_blocks, with a cache):
+    None, no mask."""
     plain = policy is None or (policy.window_size is None and not policy.sparse and not policy.observers)
-    if cache is not None and policy is not None and policy.reads_blocks:
+    if reads_blocks:
         return None  # the Triton kernels mask from positions as they read the blocks: no [T, S] mask
     if plain and prefix_causal(input_pos, key_pos) and (window is None or input_pos.shape[0] <= window):
         return Causal(input_pos.shape[0])  # a prompt from position 0 (that fits the window)

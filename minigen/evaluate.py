@@ -21,7 +21,6 @@ from .errors import PromptError
 from .generate import check_prompt
 from .run_plan import Plan, make_plan
 from .model import Model
-from .numerics.precision import prompt_products
 
 
 @dataclass
@@ -75,19 +74,20 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     logits = []
     # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
-    with torch.inference_mode(), prompt_products(config.prefill_precision, model, plan.bf16_attention):
+    with torch.inference_mode():
+        ops = plan.prompt_ops
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
             policy = plan.make_policy(None)
-            logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy)[0])
+            logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy, ops=ops)[0])
         else:
             cache = plan.make_cache(model)
             policy = plan.make_policy(cache)
             for s in range(0, T, C):
                 pos = torch.arange(s, min(s + C, T), device=ids.device)
                 if step is not None:
-                    logits.append(step.decode(model, ids[:, s:s + 1], pos, cache))  # [1, V]
+                    logits.append(step.decode(model, ids[:, s:s + 1], pos, cache, ops=ops))  # [1, V]
                     continue
-                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
+                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy, ops=ops)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
     return Score(nll=nll, top1=logits.argmax(-1))

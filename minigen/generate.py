@@ -28,7 +28,6 @@ from .caches.contract import Cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
-from .numerics.precision import prompt_products
 from .run_plan import Plan, make_plan
 from .sampling import sample
 from .stats import GenerationStats, finish_timing, record_cache
@@ -88,8 +87,8 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        with prompt_products(config.prefill_precision, model, plan.bf16_attention):  # the prompt's format (chapter 16)
-            logits = step.prefill(model, input_ids, input_pos, cache, policy)
+        # the prompt's products in their own format (chapter 16), and the attention backend: the plan's ops
+        logits = step.prefill(model, input_ids, input_pos, cache, policy, ops=plan.prompt_ops)
         if after_prefill is not None:
             logits = after_prefill(logits)
         stats.prefill_s = time.perf_counter() - start
@@ -111,9 +110,9 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
                 break
             if step.loops_on_device:  # cuda_graphs: every later token from the device's own loop (steps/graphs.py)
                 yield from _device_tokens(step.decode_loop(model, token, next_pos(i, finished), finished, cache, policy,
-                                                           n - 1 - i, stop_ids, pad), stats, cache, last)
+                                                           n - 1 - i, stop_ids, pad, plan.decode_ops), stats, cache, last)
                 break
-            logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy)
+            logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy, ops=plan.decode_ops)
     step.report(stats)
     finish_timing(stats.timing, start)
 

@@ -12,14 +12,17 @@ The model knows nothing about files: `loading.py` turns checkpoints into a `Mode
 
 This file is the math, in plain torch. The few ops that a kernel may run instead (a product, a
 norm, one-query attention, attention over paged blocks) go through `ops`, passed down from
-`model.ops`: `TorchOps` below, the reference, unless loading installs kernels/dispatch.py's
-`KernelOps`, which picks the C, oneDNN or Triton kernel that takes the call and falls back to
-these references (every kernel is tested against them).
+Model.forward's `ops=` or `model.ops`: `TorchOps` below, the reference, unless loading installs
+kernels/dispatch.py's `KernelOps`, which picks the C, oneDNN or Triton kernel that takes the call
+and falls back to these references (every kernel is tested against them); the ops also carry the
+prompt format and the attention backend of the forward (TorchOps.configured).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -27,8 +30,9 @@ from torch import Tensor, nn
 from .attention import AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, imposes_window, layer_mask
 from .caches.contract import BlockView
 from .checkpoints.model_config import ModelConfig
-from .numerics import bf16_copies, w8a8
-from .numerics.precision import Precision, prompt_dtype
+from .numerics import w8a8
+from .numerics.copies import WeightCopies
+from .numerics.precision import FP32, Precision, PromptFormat
 from .numerics.weight_quant import QuantizedWeight
 
 
@@ -117,18 +121,32 @@ class TorchOps:
     """The plain torch reference of each op that a kernel may run instead (kernels/dispatch.py).
 
     A decode step at batch 1 runs these ~120 times with a few thousand multiply-adds each, so there
-    the cost of an op is its dispatch and its memory traffic, which is what the kernels remove."""
+    the cost of an op is its dispatch and its memory traffic, which is what the kernels remove.
+
+    The ops also carry how one forward runs (Model.forward(..., ops=...)): `prompt`, the format of
+    a prompt's products and attention (prefill_precision, chapter 16), and `reads_blocks`, whether
+    attention reads a paged cache's blocks in place (attention_backend='triton', chapter 9): `configured`."""
+    prompt: PromptFormat = FP32
+    reads_blocks: bool = False
+
+    def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None) -> "TorchOps":
+        """A new ops object with this one's state, `prompt` and `reads_blocks` replaced where given
+        (None: kept); this one is unchanged."""
+        ops = copy.copy(self)
+        ops.prompt = self.prompt if prompt is None else prompt
+        ops.reads_blocks = self.reads_blocks if reads_blocks is None else reads_blocks
+        return ops
 
     def linear(self, x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T.
 
         fp32 activations against 16-bit weights sum in fp32 (chapter 7); int8/int4 weights are
-        dequantized for the product (chapter 14)."""
+        dequantized for the product (chapter 14); a prompt's rows in `self.prompt`'s format (chapter 16)."""
         out_dtype = out_dtype or x.dtype
-        fmt = prompt_dtype(x.numel() // x.shape[-1])  # prefill_precision (chapter 16)
-        if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # a block's weight: its int8 copy
+        fmt, copies = self.prompt.dtype(x.numel() // x.shape[-1]), self.prompt.copies
+        if fmt == torch.int8 and copies is not None and (w8 := copies.int8_of(w)) is not None:  # its int8 copy
             return w8a8.reference_linear(x, w8).to(out_dtype)
-        if fmt == torch.bfloat16 and (wb := bf16_copies.copy_of(w)) is not None:  # a block's weight: its bf16 copy
+        if fmt == torch.bfloat16 and copies is not None and (wb := copies.bf16_of(w)) is not None:  # its bf16 copy
             return F.linear(x.bfloat16(), wb).to(out_dtype)
         if isinstance(w, QuantizedWeight):
             w = w.dequantize()
@@ -144,7 +162,8 @@ class TorchOps:
 
     def decode_attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, fp32_softmax: bool = True) -> Tensor:
         """One new query per row: q [B, H, 1, Dh] over k, v [B, Hkv, S, Dh] -> [B, H, 1, Dh] (attention.attend)."""
-        return attend(q, k, v, mask, fp32_softmax)
+        bf16 = self.prompt.attention_dtype(q.shape[0] * q.shape[2]) == torch.bfloat16
+        return attend(q, k, v, mask, fp32_softmax, bf16)
 
     def plan_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int) -> object:
         """What every layer's attend_blocks of one decode step shares, made once per step (None here:
@@ -160,7 +179,8 @@ class TorchOps:
                              sink_tokens: int) -> Tensor:
         """T queries per row, q [B, H, T, Dh] at query_pos [B, T], over the blocks a paged cache holds,
         read in place -> [B, H, T, Dh]."""
-        return attend_prompt_blocks(q, view, query_pos, window_size, sink_tokens)
+        bf16 = self.prompt.attention_dtype(q.shape[2]) == torch.bfloat16  # each row's T queries alone
+        return attend_prompt_blocks(q, view, query_pos, window_size, sink_tokens, bf16)
 
 
 # ---------------------------------------------------------------- attention and MLP
@@ -201,29 +221,30 @@ class Attention(nn.Module):
             qk = apply_rope(qk, *rope)
         q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # [B, H, T, Dh], [B, Hkv, T, Dh]
         v = v.view(B, T, Hkv, Dh).transpose(1, 2)  # [B, Hkv, T, Dh]
-        if cache is not None and policy is not None and policy.reads_blocks:  # attention reads the blocks in place
+        if cache is not None and ops.reads_blocks:  # attention reads the blocks in place
             view = cache.update_blocks(self.layer, k, v)  # a paged cache (the config refuses any other)
+            window, sinks = (None, 0) if policy is None else (policy.window_size, policy.sink_tokens)
             if T == 1:  # a decode step: one query per row, at its last position
                 plans = {} if plans is None else plans
                 if "decode" not in plans:  # once per step: every layer's launch shares it
-                    plans["decode"] = ops.plan_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens)
-                out = ops.attend_blocks(q[:, :, 0], view, policy.window_size, policy.sink_tokens,
-                                        plans["decode"])[:, :, None]
+                    plans["decode"] = ops.plan_blocks(q[:, :, 0], view, window, sinks)
+                out = ops.attend_blocks(q[:, :, 0], view, window, sinks, plans["decode"])[:, :, None]
             else:  # a prompt, a piece of one, or a verify step: the row's last T positions (rows share
                 # one position vector here: the config refuses per-row positions with this backend)
                 query_pos = view.seq_lens[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
-                out = ops.attend_prompt_blocks(q, view, query_pos, policy.window_size, policy.sink_tokens)
+                out = ops.attend_prompt_blocks(q, view, query_pos, window, sinks)
             return self._project(out, ops)
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)
             k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 7)
         # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
+        bf16 = ops.prompt.attention_dtype(B * T) == torch.bfloat16  # a bf16 prompt's attention (chapter 16)
         if policy is not None:
-            out = policy.attend(q, k, v, mask, self.layer)
+            out = policy.attend(q, k, v, mask, self.layer, bf16)
         elif T == 1:  # one new token per row: a decode step
             out = ops.decode_attention(q, k, v, mask, fp32_softmax)
         else:
-            out = attend(q, k, v, mask, fp32_softmax)
+            out = attend(q, k, v, mask, fp32_softmax, bf16)
         return self._project(out, ops)
 
     def _project(self, out: Tensor, ops: TorchOps) -> Tensor:
@@ -325,11 +346,14 @@ class Model(nn.Module):
                              persistent=False)
         self.precision = Precision()  # fp32 activations; loading.py sets the default for the weights' dtype
         self.ops = TorchOps()  # which implementation runs each op; loading.py installs the kernels' dispatch
+        self.weight_copies = WeightCopies()  # the block weights' copies that prompt formats read (numerics/copies.py)
 
     def _apply(self, fn, recurse=True):
         """`model.to(...)` casts every tensor; RoPE's inverse frequencies stay fp32 whatever the
-        weights (rounded to bf16, the angle of position 4,000 moves by radians), as load() keeps them."""
+        weights (rounded to bf16, the angle of position 4,000 moves by radians), as load() keeps them.
+        The weights' copies are dropped: the next prompt of each format makes them from the new weights."""
         super()._apply(fn, recurse)
+        self.weight_copies = self.weight_copies.emptied()
         if self.config.arch != "gpt2":
             self.inv_freq = rope_frequencies(self.config).to(self.inv_freq.device)
         if self.config.arch == "gemma3":
@@ -355,18 +379,18 @@ class Model(nn.Module):
         return self.embed.device
 
     def forward(self, tokens: Tensor, input_pos: Tensor, cache=None, last_only: bool = False,
-                policy: AttentionPolicy | None = None) -> Tensor:
+                policy: AttentionPolicy | None = None, ops: TorchOps | None = None) -> Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]), fp32.
 
         input_pos may also be [B, T], one position vector per row (a ragged batch): each row at its
         own positions, -1 marking padding, which no cache writes and no query attends (cache.py).
         With `cache`, the new keys/values are written at `input_pos` and attention reads every
         cached position; without, attention sees only these T tokens (the naive loop). Numbers
-        flow in `self.precision` (precision.py): fp32 by default.
+        flow in `self.precision` (precision.py): fp32 by default. `ops` runs every op (None: `self.ops`).
         """
         assert tokens.dim() == 2 and input_pos.shape in ((tokens.shape[1],), tuple(tokens.shape)), \
             f"tokens must be [B, T] and input_pos [T] or [B, T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
-        p = self.precision
+        p, ops = self.precision, self.ops if ops is None else ops
         x = self.embed[tokens]  # [B, T, D]
         if self.embed_scale is not None:  # Gemma: sqrt(D), rounded to the weights' dtype first
             x = x * self.embed_scale.to(x.dtype)
@@ -385,16 +409,16 @@ class Model(nn.Module):
         # positions of each kind of layer, {layer type: [S] or [B, S]}.
         key_pos = cache.prepare(input_pos) if cache is not None else input_pos
         masks = {kind: layer_mask(input_pos, key_pos[kind] if isinstance(key_pos, dict) else key_pos, policy,
-                                  cache, None if kind == "full_attention" or imposes_window(policy) else
-                                  self.config.own_window or None, x.dtype)
+                                  None if kind == "full_attention" or imposes_window(policy) else
+                                  self.config.own_window or None, x.dtype, cache is not None and ops.reads_blocks)
                  for kind in dict.fromkeys(self.layer_types)}
         plans: dict = {}  # what the layers share beyond the masks, planned by the first (Attention.forward)
         for block, kind in zip(self.blocks, self.layer_types):
-            x = block(x, ropes[kind], masks[kind], cache, self.ops, policy, p, plans)
+            x = block(x, ropes[kind], masks[kind], cache, ops, policy, p, plans)
         if last_only:
             x = x[:, -1:]
         logits_dtype = torch.float32 if p.fp32_logits else p.compute
-        logits = self.ops.linear(self.norm(x, self.ops, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]
+        logits = ops.linear(self.norm(x, ops, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]
         if (cap := self.config.final_logit_softcapping) is not None:  # Gemma: squashed into (-cap, cap)
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -37,8 +37,8 @@ from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
 from .sampling import Generators, make_generators, sample
-from .steps.choose import choose_step, measurements, prompt_attention_bf16, run_of
-from .steps import speculative
+from .steps.choose import choose_step, measurements, ops_for, prompt_attention_bf16, run_of
+from .steps import graphs, speculative
 from .steps.eager import EagerStep
 
 DTYPE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -58,6 +58,8 @@ class Plan:
     generators: Generators = None  # one per row when sampling (row r: seed + r, sampling.py); None when greedy
     bf16_attention: bool = True  # a bf16 prompt's attention in bf16 (measured no slower than fp32 here)
     fast_paths: fastpaths.FastPaths | None = None  # this machine's measurements at the model's shapes (CPU)
+    prompt_ops: object = None  # the model's ops for a prompt: its format (prefill_precision) and attention backend
+    decode_ops: object = None  # the model's ops for a decode step: fp32 products, the attention backend
     parts: dict[str, str] = field(default_factory=dict)  # "decode", "prompt", "attention", "KV", "kernels": words
 
     @property
@@ -115,8 +117,9 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
                        draft_model=draft_model, max_len=max_len, draft_step=draft and draft.step)
     run = run_of(model, config, batch, tuple(observers))
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
-    plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators,
-                prompt_attention_bf16(model, config), fast)
+    bf16_attention = prompt_attention_bf16(model, config)
+    plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, bf16_attention, fast,
+                ops_for(model, config, prompt=True, bf16_attention=bf16_attention), ops_for(model, config, prompt=False))
     plan.parts = describe(plan, model)
     return plan
 
@@ -152,7 +155,8 @@ def step_words(step, plan: Plan) -> str:
     if name == "compiled":
         return "the eager step compiled by torch.compile (chapter 8)"
     if name == "graphed":
-        return "the eager step captured in a CUDA graph, sampling inside it (chapter 8)"
+        return (f"the eager step captured in a CUDA graph with sampling and stop checks inside; the host reads the "
+                f"stop flags every {graphs.STOP_CHECK_EVERY} tokens (chapter 8)")
     if name.startswith("speculative"):
         c = plan.config
         proposer = (f"a draft model's {step_words(step.proposer.step, plan)}" if c.speculative_method == "draft"

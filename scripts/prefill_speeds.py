@@ -11,8 +11,9 @@ prefill_precision "float32", "bfloat16" and "int8", minigen int8 and int4 weight
 and transformers fp32 (its own generate, one new token). Quality: teacher forcing over --quality
 tokens of the text (evaluate.score, one forward, so every row's products run in the prompt's
 format, the head's too, except under "int8", whose head stays fp32): perplexity and top-1 agreement
-against fp32. The int8 format's copies of the weights are made before the timings (w8a8.prepare),
-the bf16 format's by the warm-up's bf16 prompts (bf16_copies.prepare); both print their bytes.
+against fp32. The int8 format's copies of the weights (each model's weight_copies) are made before
+the timings (w8a8.prepare), the bf16 format's by the warm-up's bf16 prompts (bf16_copies.prepare);
+both print their bytes.
 """
 
 from __future__ import annotations

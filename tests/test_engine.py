@@ -255,16 +255,16 @@ def test_a_decode_step_of_many_rows_keeps_fp32_under_a_prompt_format(tiny, monke
     """prefill_precision is the prompts' format: the engine's decode forward of more than 16 rows
     (SHORT_PROMPT_ROWS) stays in fp32, as generate's decode steps do."""
     from minigen.kernels import cpu
-    from minigen.numerics.precision import SHORT_PROMPT_ROWS, prompt_dtype
+    from minigen.numerics.precision import SHORT_PROMPT_ROWS
     if not cpu.bf16_dot_products():
         pytest.skip("prefill_precision='bfloat16' is refused on a CPU without bf16 dot products")
     engine = Engine(tiny, {"cache_chunk_size": 4, "prefill_precision": "bfloat16"}, max_batch_size=20)
     formats = []
     prefill = engine.forward_step.prefill
 
-    def recorded(model, ids, *args, **kw):
-        formats.append((ids.shape[1], prompt_dtype(SHORT_PROMPT_ROWS + 1)))
-        return prefill(model, ids, *args, **kw)
+    def recorded(model, ids, *args, ops=None, **kw):
+        formats.append((ids.shape[1], (ops or model.ops).prompt.dtype(SHORT_PROMPT_ROWS + 1)))
+        return prefill(model, ids, *args, ops=ops, **kw)
 
     monkeypatch.setattr(engine.forward_step, "prefill", recorded)
     for i in range(20):

@@ -19,10 +19,10 @@ from minigen.checkpoints.model_config import ModelConfig
 
 
 # ---------------------------------------------------------------- the oracle behind the checkers
-def dense_attend(q, k, v, mask, fp32_softmax=True):
+def dense_attend(q, k, v, mask, fp32_softmax=True, bf16=False):
     """Attention written the obvious way, so FlopCounterMode sees its two matmuls (the fused SDPA
     kernel on CPU is invisible to it): q [B, H, T, Dh], k, v [B, Hkv, S, Dh], mask [T, S] bool
-    or additive float, or attention.Causal."""
+    or additive float, or attention.Causal (bf16: attention.attend's, False in an fp32 forward)."""
     if isinstance(mask, minigen.attention.Causal):  # a prompt from position 0: the first T slots, lower triangle
         k, v, mask = k[:, :, :mask.T], v[:, :, :mask.T], torch.ones(mask.T, mask.T, dtype=torch.bool).tril()
     group = q.shape[1] // k.shape[1]

@@ -238,7 +238,7 @@ def test_the_triton_probe_times_the_kernel_against_the_torch_path_it_replaces():
 
 
 def test_a_bf16_prompt_keeps_its_attention_in_fp32_where_bf16_sdpa_measured_slower(tiny_llama, fresh):
-    from minigen.numerics.precision import prompt_attention_dtype, prompt_dtype, prompt_products
+    from minigen.numerics.precision import prompt_format
     model, _ = _tiny(tiny_llama)
     config = minigen.GenerationConfig(prefill_precision="bfloat16")
     paths = choose.measurements(model)
@@ -248,8 +248,9 @@ def test_a_bf16_prompt_keeps_its_attention_in_fp32_where_bf16_sdpa_measured_slow
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", fastpaths.FastPathNotice)
             assert choose.prompt_attention_bf16(model, config) is bf16
-        with prompt_products("bfloat16", None, bf16):
-            assert prompt_dtype(100) == torch.bfloat16  # the products stay bf16 either way
-            assert prompt_attention_dtype(100) == (torch.bfloat16 if bf16 else torch.float32)
-            assert prompt_attention_dtype(16) == torch.float32  # a short prompt: fp32, as its products
+        fmt = choose.ops_for(model, config, prompt=True).prompt
+        assert fmt == prompt_format("bfloat16", model, bf16) and fmt.attention_bf16 is bf16
+        assert fmt.dtype(100) == torch.bfloat16  # the products stay bf16 either way
+        assert fmt.attention_dtype(100) == (torch.bfloat16 if bf16 else torch.float32)
+        assert fmt.attention_dtype(16) == torch.float32  # a short prompt: fp32, as its products
     assert choose.prompt_attention_bf16(model, config.replace(prefill_precision="float32"))

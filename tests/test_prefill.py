@@ -92,20 +92,32 @@ def test_attend_with_causal_equals_the_bool_mask_in_16_bits_without_fp32_softmax
 
 # ---------------------------------------------------------------- prefill_precision="bfloat16"
 from minigen.kernels import build as kernel_build, cpu as cpu_kernel  # noqa: E402
-from minigen.numerics.precision import SHORT_PROMPT_ROWS, prompt_dtype, prompt_products  # noqa: E402
+from minigen.numerics.precision import FP32, SHORT_PROMPT_ROWS, PromptFormat, prompt_format  # noqa: E402
 from minigen.numerics.weight_quant import quantize_matrix  # noqa: E402
 
 needs_bf16 = pytest.mark.skipif(not cpu_kernel.bf16_dot_products(), reason="this CPU has no bf16 dot products")
 
 
-def test_prompt_products_switch_only_long_prompts_and_only_inside():
-    assert prompt_dtype(100) == torch.float32
-    with prompt_products("bfloat16"):
-        assert prompt_dtype(SHORT_PROMPT_ROWS + 1) == torch.bfloat16
-        assert prompt_dtype(SHORT_PROMPT_ROWS) == torch.float32  # memory-bound: the fp32 several-row kernel
-    assert prompt_dtype(100) == torch.float32
-    with prompt_products("float32"):
-        assert prompt_dtype(100) == torch.float32
+def _in(model, name: str, with_copies: bool = True, bf16_attention: bool = True):
+    """model.ops configured with the prompt format `name` (with_copies: the model's copies, made now)."""
+    return model.ops.configured(prompt=prompt_format(name, model if with_copies else None, bf16_attention))
+
+
+def test_prompt_formats_switch_only_long_prompts():
+    assert FP32.dtype(100) == torch.float32 and prompt_format("float32") == FP32
+    bf16 = prompt_format("bfloat16")
+    assert bf16.dtype(SHORT_PROMPT_ROWS + 1) == torch.bfloat16
+    assert bf16.dtype(SHORT_PROMPT_ROWS) == torch.float32  # memory-bound: the fp32 several-row kernel
+    assert bf16.attention_dtype(SHORT_PROMPT_ROWS + 1) == torch.bfloat16
+    assert bf16.attention_dtype(SHORT_PROMPT_ROWS) == torch.float32
+    fp32_attention = prompt_format("bfloat16", None, bf16_attention=False)
+    assert fp32_attention.dtype(100) == torch.bfloat16 and fp32_attention.attention_dtype(100) == torch.float32
+    assert PromptFormat("int8").dtype(100) == torch.int8 and PromptFormat("int8").dtype(16) == torch.float32
+    assert PromptFormat("int8", True).attention_dtype(100) == torch.float32  # int8: the attention stays fp32
+    assert [f.describe() for f in (FP32, bf16, fp32_attention, PromptFormat("int8"))] == [
+        "fp32", "bf16 products (bf16 attention)", "bf16 products (fp32 attention)", "int8 products"]
+    with pytest.raises(ConfigError, match="prefill_precision='float16' is invalid"):
+        prompt_format("float16")
 
 
 @pytest.mark.skipif(not cpu_kernel._ONEDNN_BF16 or kernel_build.compiler() is None,
@@ -134,10 +146,10 @@ def test_the_reference_and_the_kernels_run_the_same_bf16_prompt(tiny_llama):
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         fp32 = model(ids, torch.arange(40))
-        with prompt_products("bfloat16"):
-            fast = model(ids, torch.arange(40))
-            with kernel_build.enabled(False):
-                ref = model(ids, torch.arange(40))
+        ops = _in(model, "bfloat16", with_copies=False)
+        fast = model(ids, torch.arange(40), ops=ops)
+        with kernel_build.enabled(False):
+            ref = model(ids, torch.arange(40), ops=ops)
     torch.testing.assert_close(fast, ref, atol=2e-2, rtol=2e-2)
     assert not torch.equal(fast, fp32) and not torch.equal(ref, fp32)
 
@@ -164,9 +176,9 @@ def test_bf16_prefill_runs_in_generate_and_the_engine(tiny_llama):
     seen = []
     real = cpu_kernel.bf16_linear
 
-    def spy(x, w):
+    def spy(x, w, kept=None):
         seen.append(x.shape)
-        return real(x, w)
+        return real(x, w, kept)
 
     from unittest import mock
     with mock.patch.object(cpu_kernel, "bf16_linear", spy):
@@ -190,6 +202,7 @@ def test_bench_counts_a_bf16_prompt_as_lossy():
 
 # the bf16 copies of a model's block weights (numerics/bf16_copies.py)
 from minigen.numerics import bf16_copies  # noqa: E402
+from minigen.numerics.copies import WeightCopies  # noqa: E402
 from minigen.numerics.weight_quant import QuantizedWeight, linear_weights, quantize_weights  # noqa: E402
 
 needs_bf16_gemm = pytest.mark.skipif(not cpu_kernel._ONEDNN_BF16 or kernel_build.compiler() is None,
@@ -208,34 +221,34 @@ def test_bf16_copies_are_made_once_reused_and_counted_and_the_head_has_none(tiny
     blocks = bf16_copies.block_weights(model)
     assert len(blocks) == 4 * len(model.blocks) and all(w is not model.head for w in blocks)
     assert [id(w) for w in blocks] == [id(getattr(m, name)) for m, name in linear_weights(model)]
-    assert all(bf16_copies.copy_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
-    with prompt_products("bfloat16"):  # no model given: nothing is made
-        pass
+    copies = model.weight_copies
+    assert all(copies.bf16_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
+    prompt_format("bfloat16")  # no model given: nothing is made
     assert bf16_copies.nbytes(model) == 0
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
     minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
     if weights == "int4":  # codes keep their tile widening: a copy would triple an int4 model's bytes
-        assert all(bf16_copies.copy_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
+        assert all(copies.bf16_of(w) is None for w in blocks) and bf16_copies.nbytes(model) == 0
         return
-    first = [bf16_copies.copy_of(w) for w in blocks]
+    first = [copies.bf16_of(w) for w in blocks]
     for w, c in zip(blocks, first):
         dense = w.dequantize() if isinstance(w, QuantizedWeight) else w
         assert c is not None and c.dtype == torch.bfloat16 and torch.equal(c, dense.float().bfloat16())
     minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
-    with prompt_products("bfloat16", model):
-        assert all(bf16_copies.copy_of(w) is c for w, c in zip(blocks, first))  # the same objects: made once
-    assert bf16_copies.copy_of(model.head) is None  # the head: a prefill's last row only, in fp32
+    assert prompt_format("bfloat16", model).copies is copies
+    assert all(copies.bf16_of(w) is c for w, c in zip(blocks, first))  # the same objects: made once
+    assert copies.bf16_of(model.head) is None  # the head: a prefill's last row only, in fp32
     assert bf16_copies.nbytes(model) == 2 * sum(w.shape[0] * w.shape[1] for w in blocks)  # 2 bytes a weight
     if weights == "float32":  # a weight written in place: its copy is stale, and the next bf16 prompt makes it again
         w = blocks[0]
         with torch.no_grad():
             w.mul_(2)
-        assert bf16_copies.copy_of(w) is None
-        with prompt_products("bfloat16", model):
-            assert torch.equal(bf16_copies.copy_of(w), w.bfloat16())
+        assert copies.bf16_of(w) is None
+        prompt_format("bfloat16", model)
+        assert torch.equal(copies.bf16_of(w), w.bfloat16())
         bf16 = minigen.from_hf(tiny_llama[0], dtype=torch.bfloat16)  # a bf16 weight is its own copy
-        with prompt_products("bfloat16", bf16):
-            assert bf16_copies.nbytes(bf16) == 0
+        prompt_format("bfloat16", bf16)
+        assert bf16_copies.nbytes(bf16) == 0
 
 
 @needs_bf16_gemm
@@ -247,10 +260,10 @@ def test_the_head_takes_the_bf16_path_only_in_a_teacher_forced_score_and_without
     heads = []
     real = cpu_kernel.bf16_linear
 
-    def spy(x, w):
+    def spy(x, w, kept=None):
         if w is model.head:
-            heads.append(bf16_copies.copy_of(w))
-        return real(x, w)
+            heads.append(kept)
+        return real(x, w, kept)
 
     monkeypatch.setattr(cpu_kernel, "bf16_linear", spy)
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(6))
@@ -264,7 +277,7 @@ def test_the_head_takes_the_bf16_path_only_in_a_teacher_forced_score_and_without
 @pytest.mark.parametrize("weights", ["float32", "int8", "int4", "int4 of bf16"])
 def test_bf16_linear_gives_the_same_bits_with_the_copy_as_without(weights, monkeypatch):
     if weights != "float32":  # codes take no copy (bf16_copies' docstring: the memory it would cost)
-        assert bf16_copies.keep(quantize_matrix(torch.randn(96, 64), int(weights[3]), 32)) is None
+        assert bf16_copies.keep(WeightCopies(), quantize_matrix(torch.randn(96, 64), int(weights[3]), 32)) is None
         return
     """The copy is the per-call rounding done once: the same bits, on a matrix of several tiles of
     codes (3,072 rows of 576: two 4 MB fp32 tiles) and on a small one; and with the copy the
@@ -276,14 +289,15 @@ def test_bf16_linear_gives_the_same_bits_with_the_copy_as_without(weights, monke
              "int4 of bf16": quantize_matrix(w.bfloat16(), 4, 32)}[weights]
         x = torch.randn(2, 20, k, generator=g)
         without = cpu_kernel.bf16_linear(x, w)
-        kept = bf16_copies.keep(w)
-        assert kept is not None and bf16_copies.copy_of(w) is kept
+        copies = WeightCopies()
+        kept = bf16_copies.keep(copies, w)
+        assert kept is not None and copies.bf16_of(w) is kept
         with monkeypatch.context() as m:
             m.setattr(cpu_kernel, "_tiled", lambda *a: pytest.fail("codes widened per call"))
             m.setattr(QuantizedWeight, "dequantize", lambda *a: pytest.fail("codes dequantized per call"))
             m.setattr(torch.Tensor, "bfloat16", lambda t: pytest.fail("a weight converted per call")
                       if t is w else torch.Tensor.to(t, torch.bfloat16))
-            with_copy = cpu_kernel.bf16_linear(x, w)
+            with_copy = cpu_kernel.bf16_linear(x, w, kept)
         assert with_copy is not None and torch.equal(with_copy, without), (weights, n, k)
 
 
@@ -319,16 +333,13 @@ def test_no_weight_is_converted_to_bf16_per_call_after_the_first_bf16_prompt(tin
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(8))
     pos = torch.arange(40)
     with torch.inference_mode():
-        with prompt_products("bfloat16"):  # no copies: each product converts its weight
-            model(ids, pos)
+        model(ids, pos, ops=_in(model, "bfloat16", with_copies=False))  # no copies: each product converts its weight
         assert sorted(seen) == sorted(weight_ids), len(seen)
         seen.clear()
-        with prompt_products("bfloat16", model):  # the first with the model: at most one each, the copies
-            first = model(ids, pos)
+        first = model(ids, pos, ops=_in(model, "bfloat16"))  # the first with the model: at most one each, the copies
         assert len(seen) == len(set(seen)) and bf16_copies.nbytes(model) > 0, len(seen)
         seen.clear()
-        with prompt_products("bfloat16", model):
-            second = model(ids, pos)
+        second = model(ids, pos, ops=_in(model, "bfloat16"))
     assert seen == [] and torch.equal(first, second)
     minigen.generate(model, ids, max_new_tokens=2, stop_token_ids=[], prefill_precision="bfloat16")
     assert seen == []
@@ -419,12 +430,12 @@ def test_int8_prefill_is_the_reference_and_near_fp32(tiny_llama):
     ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=g)
     with torch.inference_mode():
         fp32 = model(ids, torch.arange(40))
-        with prompt_products("int8", model):
-            fast = model(ids, torch.arange(40))
-            with kernel_build.enabled(False):
-                ref = model(ids, torch.arange(40))
-            other = torch.full((1, 40), 5)  # one token repeated: activations unlike the random prompt's
-            batch = model(torch.cat([ids, other]), torch.arange(40))
+        ops = _in(model, "int8")
+        fast = model(ids, torch.arange(40), ops=ops)
+        with kernel_build.enabled(False):
+            ref = model(ids, torch.arange(40), ops=ops)
+        other = torch.full((1, 40), 5)  # one token repeated: activations unlike the random prompt's
+        batch = model(torch.cat([ids, other]), torch.arange(40), ops=ops)
     torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
     # int8 moved the logits, a little (k = 32 here: each code carries a large share of a sum)
     spread = fp32.std().item()
@@ -459,20 +470,20 @@ def test_int8_prefill_is_refused_without_int8_dot_products(tiny_llama, monkeypat
     with pytest.raises(ConfigError, match="needs int8 dot products, and this CPU has none"):
         minigen.generate(tiny_llama[1], torch.tensor([[1, 2, 3]]), prefill_precision="int8")
     with pytest.raises(ConfigError, match="needs the model"):
-        with prompt_products("int8"):
-            pass
+        prompt_format("int8")
 
 
 @needs_int8
 def test_int8_copies_are_made_once_and_the_head_has_none(tiny_llama):
     model = tiny_llama[1]
     w8a8.prepare(model)
-    first = w8a8.copy_of(model.blocks[0].attn.wqkv)
+    copies = model.weight_copies
+    first = copies.int8_of(model.blocks[0].attn.wqkv)
     w8a8.prepare(model)
-    assert w8a8.copy_of(model.blocks[0].attn.wqkv) is first
+    assert copies.int8_of(model.blocks[0].attn.wqkv) is first
     for w in w8a8._products(model):  # every product keeps its k // 8 largest input channels fp32 (k = 32 here)
-        assert len(w8a8.copy_of(w).outliers) == min(w8a8.OUTLIER_COLUMNS, w.shape[1] // 8) > 0
-    assert w8a8.copy_of(model.head) is None  # the head stays fp32
+        assert len(copies.int8_of(w).outliers) == min(w8a8.OUTLIER_COLUMNS, w.shape[1] // 8) > 0
+    assert copies.int8_of(model.head) is None  # the head stays fp32
     assert w8a8.nbytes(model) >= sum(p.numel() for p in w8a8._products(model))  # a byte a weight, and scales
 
 
@@ -575,7 +586,7 @@ def test_a_later_piece_attends_only_up_to_the_last_slot_it_sees(tiny_llama, monk
 
 
 def test_bf16_prompts_attend_in_bf16_with_fp32_softmax():
-    """Under prompt_products("bfloat16") a prompt's attention gets bf16 q, k, v (SDPA's softmax stays
+    """In a "bfloat16" PromptFormat a prompt's attention gets bf16 q, k, v (SDPA's softmax stays
     fp32), causal or masked; a decode step's query (one row) and "float32" prompts keep fp32."""
     g = torch.Generator().manual_seed(0)
     T = 40
@@ -583,10 +594,12 @@ def test_bf16_prompts_attend_in_bf16_with_fp32_softmax():
     pos = torch.arange(T)
     want = F.scaled_dot_product_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True, enable_gqa=True).float()
     fp32 = attention.attend(q, k, v, Causal(T))
-    with prompt_products("bfloat16"):
-        causal = attention.attend(q, k, v, Causal(T))
-        masked = attention.attend(q, k, v, attention.causal_mask(pos, pos))
-        one = attention.attend(q[:, :, -1:], k, v, torch.ones(1, T, dtype=torch.bool))
+    fmt = prompt_format("bfloat16")
+    assert fmt.attention_dtype(T) == torch.bfloat16 and fmt.attention_dtype(1) == torch.float32
+    causal = attention.attend(q, k, v, Causal(T), bf16=True)
+    masked = attention.attend(q, k, v, attention.causal_mask(pos, pos), bf16=True)
+    one = attention.attend(q[:, :, -1:], k, v, torch.ones(1, T, dtype=torch.bool),
+                           bf16=fmt.attention_dtype(1) == torch.bfloat16)
     assert causal.dtype == torch.float32 and torch.equal(causal, want)
     torch.testing.assert_close(masked, want, atol=1e-2, rtol=0)  # the masked kernel sums in another order
     assert not torch.equal(causal, fp32) and (causal - fp32).abs().max() < 0.05

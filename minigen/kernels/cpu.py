@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..numerics import bf16_copies
 from ..numerics.weight_quant import QuantizedWeight
 from . import build
 
@@ -215,15 +214,15 @@ def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     return y.view(*x.shape[:-1], n)
 
 
-def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight) -> Tensor | None:
+def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight, kept: Tensor | None = None) -> Tensor | None:
     """x [..., k] @ w.T with both rounded to bf16 and fp32 sums, through oneDNN (which runs bf16 dot
     products: AVX512-BF16's vdpbf16ps, or AMX tiles) -> [..., n] fp32, rounded to bf16 by the GEMM:
     a prompt's products under prefill_precision="bfloat16" (chapter 16). w is fp32 or bf16, or int8 /
-    int4 codes: read as the bf16 copy the model's first bf16 prompt made (numerics/bf16_copies.py),
-    else rounded to bf16 whole (fp32) or a tile of rows at a time (codes), with the same bits. None
-    where it does not apply (the rules of `linear`; codes without a copy need the C kernel built)."""
+    int4 codes. `kept`: w's bf16 copy, which the model's first bf16 prompt made (numerics/bf16_copies.py),
+    read instead of converting w; without one, w is rounded to bf16 whole (fp32) or a tile of rows at
+    a time (codes), with the same bits. None where it does not apply (the rules of `linear`; codes
+    without a copy need the C kernel built)."""
     quantized = isinstance(w, QuantizedWeight)
-    kept = bf16_copies.copy_of(w)  # a block's weight once a bf16 prompt ran: no conversion per call
     if not (_ONEDNN_BF16 and x.dtype == torch.float32 and x.shape[-1] == w.shape[1]
             and w.dtype in (torch.float32, torch.bfloat16) and (quantized or w.dim() == 2)
             and _takes(x, w.codes if quantized else w, built=quantized and kept is None)):

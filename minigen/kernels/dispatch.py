@@ -10,12 +10,14 @@ accepts it and otherwise to the reference:
                        2..16 fp32 rows: the C several-row kernel (reads W once)       (F.linear,
                        more fp32 rows on a CPU: oneDNN's GEMM                          dequantized)
                        int8 / int4 rows: C, a panel of codes widened per thread
-                       a prompt's 17+ rows under prefill_precision="bfloat16":        F.linear in bf16
-                       oneDNN's bf16 GEMM on the weight's bf16 copy (fp32 weights,
-                       numerics/bf16_copies.py) or bf16 tiles of its codes
-                       a prompt's 17+ rows under prefill_precision="int8", a block's   w8a8's
-                       weight: the rows as int8 codes, the int8 product measured       reference
-                       fastest here (kernels/int8.py: C's vpdpbusd, oneDNN, _int_mm)
+                       a prompt's 17+ rows in a "bfloat16" format (ops.prompt):       F.linear in bf16
+                       oneDNN's bf16 GEMM on the weight's bf16 copy (fp32 weights:
+                       ops.prompt.copies, the model's; bf16_copies.py) or bf16
+                       tiles of its codes
+                       a prompt's 17+ rows in an "int8" format, a block's weight:     w8a8's
+                       the rows as int8 codes against its int8 copy, by the int8      reference
+                       product measured fastest here (kernels/int8.py: C's
+                       vpdpbusd, oneDNN, _int_mm)
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
     attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
@@ -27,6 +29,11 @@ slower than its reference (KernelOps.on): a CPU flag says an instruction exists,
 fast here. Each path that stands aside says so once, with its ratio. The prompt formats
 (prefill_precision) are the user's demand: they run whatever they measured (steps/choose.py warns).
 
+The ops carry how one forward runs, as model.TorchOps does: `prompt`, the prompt format
+(precision.PromptFormat), and `reads_blocks` (attention_backend='triton': the attend_blocks ops read
+the paged cache in place). `configured` gives a new KernelOps with them replaced, sharing this one's
+measurements, whose reference is configured alike (every call it declines runs in the same format).
+
 Each kernel function in cpu.py returns None where it does not apply (not on the CPU, autograd,
 torch.compile or a dispatch mode that must see the op, the kernels switched off: build.enabled),
 so the choice is made per call, and the same results come back up to rounding
@@ -35,11 +42,12 @@ so the choice is made per call, and the same results come back up to rounding
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
-from ..numerics import w8a8
-from ..numerics.precision import prompt_dtype
+from ..numerics.precision import FP32, PromptFormat
 from ..numerics.weight_quant import QuantizedWeight
 from . import build, cpu, fastpaths, int8, triton_attention, triton_prefill
 from .probes import FLOOR, Shapes
@@ -47,12 +55,23 @@ from .probes import FLOOR, Shapes
 
 class KernelOps:
     """The reference's ops (model.TorchOps), each run by a kernel where one takes the call."""
+    prompt: PromptFormat = FP32  # the format of a prompt's products (prefill_precision, chapter 16)
+    reads_blocks: bool = False  # attention reads a paged cache's blocks in place (attention_backend='triton')
 
     def __init__(self, reference, shapes: Shapes | None = None):
         self.reference = reference  # the plain torch ops: every call a kernel declines goes there
         self.shapes = shapes  # the model's, for the measurements (None: SmolLM2's)
         self.measured: fastpaths.FastPaths | None = None  # read at the first choice
         self.read_at = -1  # fastpaths.generation() when read
+
+    def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None) -> "KernelOps":
+        """A new KernelOps with `prompt` and `reads_blocks` replaced where given (None: kept), its
+        reference configured alike; this one is unchanged."""
+        ops = copy.copy(self)
+        ops.reference = self.reference.configured(prompt, reads_blocks)
+        ops.prompt = self.prompt if prompt is None else prompt
+        ops.reads_blocks = self.reads_blocks if reads_blocks is None else reads_blocks
+        return ops
 
     def paths(self) -> fastpaths.FastPaths:
         """The fast paths' measurements at this model's shapes (fastpaths.measured: once per machine)."""
@@ -76,11 +95,12 @@ class KernelOps:
     def linear(self, x: Tensor, w, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [..., in] @ w [out, in].T -> [..., out] in out_dtype (default x's), as the reference."""
         out_dtype = out_dtype or x.dtype
-        fmt = prompt_dtype(x.numel() // x.shape[-1])
+        fmt, copies = self.prompt.dtype(x.numel() // x.shape[-1]), self.prompt.copies
         if fmt == torch.bfloat16:  # prefill_precision="bfloat16": demanded, so it runs (steps/choose.py warns)
-            y = cpu.bf16_linear(x.float(), w)  # bf16 dot products on the weight's bf16 copy, or tiles of codes
+            kept = copies.bf16_of(w) if copies is not None else None  # a block's weight: its bf16 copy
+            y = cpu.bf16_linear(x.float(), w, kept)  # bf16 dot products on the copy, or tiles of codes
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
-        if fmt == torch.int8 and (w8 := w8a8.copy_of(w)) is not None:  # prefill_precision="int8"
+        if fmt == torch.int8 and copies is not None and (w8 := copies.int8_of(w)) is not None:  # prefill_precision="int8"
             # int8 dot products against the weights' int8 copy, by the product measured fastest here
             backend = self.int8_backend() if x.device.type == "cpu" else None
             y = int8.int8_linear(x.float(), w8, backend) if backend is not None else None

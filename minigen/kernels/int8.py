@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..numerics import w8a8
 from ..numerics.w8a8 import Int8Weight
@@ -100,16 +99,13 @@ def int8_linear(x: Tensor, w8: Int8Weight, backend: str = "c") -> Tensor | None:
     return y.view(*x.shape[:-1], n)
 
 
-# oneDNN's operand, the codes in its own layout (qlinear_prepack), made once per weight the first time
-# oneDNN runs it: a weight whose prompts run another backend keeps no second copy of its codes
-_ONEDNN_CODES = WeakIdKeyDictionary()
-
-
 def _onednn(q: Tensor, a: Tensor, w8: Int8Weight) -> Tensor | None:
     """oneDNN's int8 GEMM (int32 sums, times the weights' scale per output channel), times each row's."""
-    packed = _ONEDNN_CODES.get(w8)
+    # oneDNN's operand, the codes in its own layout (qlinear_prepack), made once per weight the first
+    # time oneDNN runs it and kept in the weight's int8 copy: another backend's weight keeps none
+    packed = w8.layouts.get("onednn")
     if packed is None:
-        packed = _ONEDNN_CODES[w8] = torch.ops.onednn.qlinear_prepack(w8.codes(), None)
+        packed = w8.layouts["onednn"] = torch.ops.onednn.qlinear_prepack(w8.codes(), None)
     return torch.ops.onednn.qlinear_pointwise(q, 1.0, 0, packed, w8.scales, w8.zero_points, None, 1.0, 0,
                                               torch.float32, "none", [], "").mul_(a)
 
@@ -127,21 +123,18 @@ def _gemm_s8(x2: Tensor, w8: Int8Weight) -> Tensor:
     return y
 
 
-# torch._int_mm's operand, the codes transposed [k8, n8], made once per weight (a weight that
-# int_mm never runs has none); k and n rounded up to 8 with zeros, the shapes _int_mm's kernels
-# ask for on some builds (and rows to 17 or more: both padded per call)
-_INT_MM_CODES = WeakIdKeyDictionary()
-
-
 def _int_mm(q: Tensor, a: Tensor, w8: Int8Weight) -> Tensor:
     """torch._int_mm on the codes: q [T, k] int8, a [T, 1] -> [T, n] fp32 (sum * a * b)."""
     (T, k), n = q.shape, w8.shape[0]
     k8, n8, T17 = -(-k // 8) * 8, -(-n // 8) * 8, max(T, 17)
-    codes_t = _INT_MM_CODES.get(w8)
+    # _int_mm's operand, the codes transposed [k8, n8], made once per weight and kept in its int8 copy
+    # (a weight that int_mm never runs has none); k and n rounded up to 8 with zeros, the shapes
+    # _int_mm's kernels ask for on some builds (and rows to 17 or more: both padded per call)
+    codes_t = w8.layouts.get("int_mm")
     if codes_t is None:
         codes_t = torch.zeros(k8, n8, dtype=torch.int8)
         codes_t[:k, :n] = w8.codes().t()
-        _INT_MM_CODES[w8] = codes_t
+        w8.layouts["int_mm"] = codes_t
     if (T17, k8) != (T, k):
         q = torch.nn.functional.pad(q, (0, k8 - k, 0, T17 - T))  # zero codes: nothing added to a sum
     sums = torch._int_mm(q, codes_t)[:T, :n]  # [T, n] int32

@@ -39,7 +39,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from .. import attention, model
-from ..numerics.precision import prompt_products
 from ..kernels import dispatch
 from ..caches import contiguous, h2o, hybrid, offload, paged, quantized, window
 from ..config import GenerationConfig
@@ -203,15 +202,16 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     with step.grad_mode():
         policy = plan.make_policy(cache)
         # the prompt's products (and attention) in their format (chapter 16)
-        with prompt_products(run.prefill_precision, model_, plan.bf16_attention):
-            logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy)
-        pos = T
+        logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
+                              ops=plan.prompt_ops)
+        pos, decode_ops = T, plan.decode_ops
 
         def one_step():
             nonlocal logits, pos
             with record_function(LABEL + "sampling"):
                 token = sample(logits, run)
-            logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy)
+            logits = step.decode(model_, token[:, None], torch.tensor([pos], device=input_ids.device), cache, policy,
+                                 ops=decode_ops)
             pos += 1
 
         progress = bar(total=total, desc="profile", unit="step")  # drawn on a terminal only (paths.bar)

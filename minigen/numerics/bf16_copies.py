@@ -3,9 +3,10 @@
 A bf16 prompt multiplies bf16 inputs with fp32 sums (kernels/cpu.py's `bf16_linear`, oneDNN's bf16
 GEMM). Its weights must be bf16 too: converting an fp32 matrix on every call (`w.bfloat16()`, a new
 2-byte-a-weight tensor each time), or widening int8 / int4 codes a tile at a time, was a large
-share of a bf16 prompt. So, as numerics/w8a8.py does for int8 prompts, the first bf16 prompt of a
-model (`prompt_products("bfloat16", model)`) makes a bf16 copy of each block weight once, and
-`bf16_linear` reads it (`copy_of`) instead of converting.
+share of a bf16 prompt. So, as numerics/w8a8.py does for int8 prompts, the first bf16 prompt format
+of a model (`precision.prompt_format("bfloat16", model)`) makes a bf16 copy of each block weight once,
+into the model's own `model.weight_copies` (numerics/copies.py), and the prompt's products read it
+there (`WeightCopies.bf16_of`, handed to kernels/cpu.py's `bf16_linear`) instead of converting.
 
 - Which weights: every block's fp32 products (`block_weights`). Measured on this course's Xeon
   (AMX): a whole 512-token bf16 forward at 1 thread, 2.58x fp32's speed without copies and 2.97x
@@ -16,7 +17,7 @@ model (`prompt_products("bfloat16", model)`) makes a bf16 copy of each block wei
   is made); fp16 weights do not take the bf16 path at all.
 - The output head has none: a prefill computes the last row's logits only (one row: the decode
   step's fp32 kernel), so only a teacher-forced score (evaluate.score) or more than 16 prompts in
-  one step reach it with many rows, and there `bf16_linear` converts it per call as before. A copy
+  one step reach it with many rows, and there `bf16_linear` converts it per call. A copy
   of SmolLM2's tied head would be 57 MB.
 - The cost: 2 bytes a block weight (`nbytes`), kept beside the weights the decode steps read: on
   SmolLM2, 212 MB beside the fp32 model's 538 MB (+39%). Making them is the first bf16 prompt's
@@ -24,7 +25,7 @@ model (`prompt_products("bfloat16", model)`) makes a bf16 copy of each block wei
 - The same rounding: a copy holds exactly what the per-call conversion makes (round to nearest
   even, once, from fp32), so a product with it gives the same bits as without it.
 - A weight changed in place after its copy was made (offgrid.rotate, a test) makes its copy stale:
-  each copy remembers the weight's version counter, `copy_of` answers None for a stale one (the
+  each copy remembers the weight's version counter, `bf16_of` answers None for a stale one (the
   product converts per call), and the next `prepare` makes it again.
 """
 
@@ -32,18 +33,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
+from .copies import WeightCopies, version
 from .weight_quant import QuantizedWeight
-
-# weight -> (its version when copied, the bf16 copy), keyed by the weight itself (a Parameter or a
-# QuantizedWeight): a model's copies live as long as its weights, and a weight without one is not a key
-_COPIES = WeakIdKeyDictionary()
-
-
-def _version(w) -> int:
-    """The version counter of the tensor that holds w's numbers (in-place writes bump it)."""
-    return (w.codes if isinstance(w, QuantizedWeight) else w)._version
 
 
 def takes(w) -> bool:
@@ -59,35 +51,26 @@ def make(w: Tensor) -> Tensor:
 
 
 def prepare(model) -> None:
-    """Make the bf16 copy of every block weight that takes one (once per model: a later call only
-    checks that each copy is there and current)."""
+    """Make the bf16 copy of every block weight that takes one, into model.weight_copies (once per
+    model: a later call only checks that each copy is there and current)."""
     for w in block_weights(model):
-        keep(w)
+        keep(model.weight_copies, w)
 
 
-def keep(w) -> Tensor | None:
-    """w's bf16 copy, made now if it has none or a stale one; None where w takes none (`takes`)."""
+def keep(copies: WeightCopies, w) -> Tensor | None:
+    """w's bf16 copy in `copies`, made now if it has none or a stale one; None where w takes none (`takes`)."""
     if not takes(w):
         return None
-    if (kept := copy_of(w)) is None:
+    if (kept := copies.bf16_of(w)) is None:
         with torch.inference_mode():
             kept = make(w)
-        _COPIES[w] = (_version(w), kept)
+        copies.bf16[w] = (version(w), kept)
     return kept
-
-
-def copy_of(w) -> Tensor | None:
-    """The bf16 copy `prepare` made of weight w, or None (none made: the head, a bf16 weight, a
-    model whose bf16 prompt has not run; or stale: w was written since)."""
-    kept = _COPIES.get(w)
-    if kept is None or kept[0] != _version(w):
-        return None
-    return kept[1]
 
 
 def nbytes(model) -> int:
     """Bytes held by the bf16 copies of `model`'s weights (0 before its first bf16 prompt)."""
-    return sum(c.nbytes for w in block_weights(model) if (c := copy_of(w)) is not None)
+    return sum(c.nbytes for w in block_weights(model) if (c := model.weight_copies.bf16_of(w)) is not None)
 
 
 def block_weights(model) -> list:

@@ -14,14 +14,13 @@ weights at the price of bf16 bytes); on a GPU, the weights' dtype (native 16-bit
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import ConfigError
 from . import bf16_copies, w8a8
+from .copies import WeightCopies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -69,49 +68,64 @@ class Precision:
 
 # ---------------------------------------------------------------- a prompt's products (chapter 16)
 # A prompt's matrix products are bound by arithmetic, a decode step's by memory: the format that
-# pays differs. GenerationConfig.prefill_precision picks the prompt's; the loop runs its prefill
-# inside `prompt_products`, and the model's linear op (model.TorchOps, kernels/dispatch.py) asks
-# `prompt_dtype` for the format of each product. Up to SHORT_PROMPT_ROWS rows stay fp32: the C
+# pays differs. GenerationConfig.prefill_precision picks the prompt's: `prompt_format` turns it into
+# a `PromptFormat`, which the ops of a prompt's forward carry (model.TorchOps.prompt,
+# kernels/dispatch.KernelOps.prompt: ops.configured(prompt=...), steps/choose.ops_for), and the
+# linear op asks it for the format of each product. Up to SHORT_PROMPT_ROWS rows stay fp32: the C
 # several-row kernel reads the weights once, so a short prompt is bound by memory like a decode step.
 SHORT_PROMPT_ROWS = 16
 PROMPT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-# (the products' input dtype, the attention's q/k/v dtype) of the prompt being run
-_PROMPT_DTYPE = contextvars.ContextVar("prompt_dtype", default=(torch.float32, torch.float32))
 
 
-@contextlib.contextmanager
-def prompt_products(name: str = "float32", model=None, bf16_attention: bool = True):
-    """Within: products of more than SHORT_PROMPT_ROWS rows take bf16 inputs when name is
-    "bfloat16" (fp32 sums, the result rounded to bf16 by the GEMM; attention.attend's SDPA takes
-    bf16 q, k and v with an fp32 softmax), int8 codes when it is "int8"
-    (int32 sums; numerics/w8a8.py, whose copies of `model`'s weights are made here the first time);
-    "float32" changes nothing. Under "bfloat16", `model`'s block weights get their bf16 copies here
-    the first time (numerics/bf16_copies.py); without a model each product converts its weight.
-    bf16_attention=False keeps the attention in fp32 under "bfloat16" (where bf16 SDPA measured
-    slower than fp32 on this machine: steps/choose.py's prompt_attention_bf16)."""
+@dataclass(frozen=True)
+class PromptFormat:
+    """The format of a prompt's products and attention: what a forward's ops carry (FP32: none).
+
+    name "bfloat16": products of more than SHORT_PROMPT_ROWS rows take bf16 inputs (fp32 sums, the
+    result rounded to bf16 by the GEMM), on the weights' bf16 copies in `copies`; the attention's
+    SDPA takes bf16 q, k and v with an fp32 softmax where attention_bf16 (attention.attend).
+    "int8": those products take int8 codes (int32 sums; numerics/w8a8.py), against the int8 copies
+    in `copies`. "float32": every product and the attention as the model computes them."""
+    name: str = "float32"  # "float32", "bfloat16" or "int8" (PROMPT_DTYPES)
+    attention_bf16: bool = False  # "bfloat16" only: the prompt's attention in bf16 too
+    copies: WeightCopies | None = None  # the model's weight copies (model.weight_copies); None: convert per call
+
+    def dtype(self, rows: int) -> torch.dtype:
+        """The input format of a product of `rows` rows: torch.bfloat16 or torch.int8 past
+        SHORT_PROMPT_ROWS rows under "bfloat16" or "int8"; else torch.float32."""
+        return PROMPT_DTYPES[self.name] if rows > SHORT_PROMPT_ROWS else torch.float32
+
+    def attention_dtype(self, rows: int) -> torch.dtype:
+        """The q, k and v dtype of a prompt's attention over `rows` query rows: torch.bfloat16 under
+        "bfloat16" with attention_bf16, past SHORT_PROMPT_ROWS rows; else torch.float32."""
+        bf16 = self.name == "bfloat16" and self.attention_bf16 and rows > SHORT_PROMPT_ROWS
+        return torch.bfloat16 if bf16 else torch.float32
+
+    def describe(self) -> str:
+        """In words, for reports: "fp32", "bf16 products (bf16 attention)", "int8 products"..."""
+        if self.name == "bfloat16":
+            return f"bf16 products ({'bf16' if self.attention_bf16 else 'fp32'} attention)"
+        return "int8 products" if self.name == "int8" else "fp32"
+
+
+FP32 = PromptFormat()  # every product and the attention in fp32: a decode step's, and the default
+
+
+def prompt_format(name: str = "float32", model=None, bf16_attention: bool = True) -> PromptFormat:
+    """The PromptFormat that prefill_precision=`name` selects for `model`, whose weight copies it
+    makes the first time: the int8 copies for "int8" (numerics/w8a8.py, calibrated here), the bf16
+    copies of the block weights for "bfloat16" (numerics/bf16_copies.py; without a model each
+    product converts its weight). bf16_attention=False keeps a "bfloat16" prompt's attention in fp32
+    (where bf16 SDPA measured slower than fp32 on this machine: steps/choose.py's
+    prompt_attention_bf16). An unknown name raises ConfigError."""
     if name not in PROMPT_DTYPES:
         raise ConfigError(f"prefill_precision={name!r} is invalid: use {', '.join(map(repr, PROMPT_DTYPES))}")
+    if name == "float32":
+        return FP32
     if name == "int8":
         if model is None:
-            raise ConfigError("prompt_products('int8') needs the model, whose weights it quantizes once")
+            raise ConfigError("prompt_format('int8') needs the model, whose weights it quantizes once")
         w8a8.prepare(model)
     if name == "bfloat16" and model is not None:
         bf16_copies.prepare(model)
-    dtype = PROMPT_DTYPES[name]
-    token = _PROMPT_DTYPE.set((dtype, torch.bfloat16 if dtype == torch.bfloat16 and bf16_attention else torch.float32))
-    try:
-        yield
-    finally:
-        _PROMPT_DTYPE.reset(token)
-
-
-def prompt_dtype(rows: int) -> torch.dtype:
-    """The input format of a product of `rows` rows: inside prompt_products("bfloat16") or ("int8"),
-    torch.bfloat16 or torch.int8 past SHORT_PROMPT_ROWS rows; else torch.float32."""
-    return _PROMPT_DTYPE.get()[0] if rows > SHORT_PROMPT_ROWS else torch.float32
-
-
-def prompt_attention_dtype(rows: int) -> torch.dtype:
-    """The q, k and v dtype of a prompt's attention over `rows` query rows: torch.bfloat16 inside
-    prompt_products("bfloat16") (unless bf16_attention=False) past SHORT_PROMPT_ROWS rows; else fp32."""
-    return _PROMPT_DTYPE.get()[1] if rows > SHORT_PROMPT_ROWS else torch.float32
+    return PromptFormat(name, name == "bfloat16" and bf16_attention, None if model is None else model.weight_copies)

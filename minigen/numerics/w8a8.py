@@ -25,11 +25,12 @@ finds in each batch; here they are fixed per weight):
   on another's).
 - Weights: one scale per output channel, so the GEMM is a plain int8 one (a scale per group along
   k would need one GEMM per group: no fast kernel takes it). The codes are made once per model
-  (`prepare`) and kept once, blocked for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's
-  code sum): an fp32 model gains a quarter of its blocks' weight bytes, and the outlier columns in
-  fp32. The product measured fastest here runs them (kernels/int8.py); oneDNN's or torch._int_mm's
-  layout of a weight is made the first time that product runs it, so only the backend in use adds
-  its own copy.
+  (`prepare`, into the model's own `model.weight_copies`: numerics/copies.py) and kept once,
+  blocked for csrc/gemm_s8.c (16 channels x 4 bytes, with each row's code sum): an fp32 model gains
+  a quarter of its blocks' weight bytes, and the outlier columns in fp32. The product measured
+  fastest here runs them (kernels/int8.py); oneDNN's or torch._int_mm's layout of a weight is made
+  the first time that product runs it and kept in its Int8Weight (`layouts`), so only the backend
+  in use adds its own copy.
 - Calibration: max|x_k| of every product's input, over a forward of the last CALIBRATION_CHARS
   characters of data/english.txt, through the tokenizer `minigen.load` returned with the model (for
   SmolLM2 they lie past the 2,048 tokens that scripts/prefill_speeds.py and the tests score); a model loaded without one calibrates on seeded random ids.
@@ -49,12 +50,11 @@ torch._int_mm), chosen per call by kernels/dispatch.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .weight_quant import QuantizedWeight
 
@@ -76,6 +76,9 @@ class Int8Weight:
     blocked: Tensor  # the codes for csrc/gemm_s8.c: [n64 / 16, k4 / 4, 16, 4] int8 (block_codes)
     code_sums: Tensor  # [n] int32: 128 sum_k qw[n, k], what gemm_s8's activations + 128 add to each sum
     shape: tuple[int, int]  # (n, k) of the weight
+    # the codes in another product's layout, made the first time that product runs this weight
+    # (kernels/int8.py: "onednn", "int_mm"): a weight whose prompts run another backend keeps none
+    layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -108,24 +111,13 @@ def unblock_codes(blocked: Tensor, n: int, k: int) -> Tensor:
     return blocked.transpose(1, 2).reshape(b16 * 16, kq * 4)[:n, :k].contiguous()
 
 
-# the int8 copy of each weight that has one, keyed by the weight tensor itself: a model's copies
-# live as long as its weights, and a weight without one (the head) is not a key
-_COPIES = WeakIdKeyDictionary()
-_CALIBRATION = WeakIdKeyDictionary()  # model -> a function that gives its calibration ids (calibrate_on)
-
-
 def calibrate_on(model, tokenizer) -> None:
     """Calibrate `model`'s outlier columns, when it is first needed, on the end of data/english.txt through
     `tokenizer` (minigen.load calls this; nothing is tokenized until an int8 prompt runs)."""
     def ids() -> Tensor:
         text = (Path(__file__).resolve().parent.parent / "data" / "english.txt").read_text(encoding="utf-8")
         return tokenizer(text[-CALIBRATION_CHARS:], return_tensors="pt").input_ids[0]
-    _CALIBRATION[model] = ids
-
-
-def copy_of(w) -> Int8Weight | None:
-    """The int8 copy `prepare` made of weight w, or None (the head; a model never prepared)."""
-    return _COPIES.get(w)
+    model.weight_copies.calibration = ids
 
 
 def onednn_int8() -> bool:
@@ -182,14 +174,16 @@ def _dense(w) -> Tensor:
 
 
 def prepare(model, token_ids: Tensor | None = None) -> None:
-    """Make the int8 copy of every block's products (once per model; a later call returns at once).
+    """Make the int8 copy of every block's products into model.weight_copies (once per model; a later
+    call returns at once).
 
     A forward of `token_ids` [T] (default: the text of `calibrate_on`, else CALIBRATION_TOKENS seeded
     random ids) in fp32 records max|x_k| of every product's input; each weight's outlier columns
     are its input's largest. Text like the prompts to come calibrates better than random ids (call
     this before the first int8 prompt). A weight loaded as codes (weight_bits=8 or 4) is
     dequantized once here, not per call."""
-    if all(_COPIES.get(w) is not None for w in _products(model)):
+    copies = model.weight_copies
+    if all(copies.int8_of(w) is not None for w in _products(model)):
         return
     amax = {}
     products = {id(w) for w in _products(model)}
@@ -205,27 +199,23 @@ def prepare(model, token_ids: Tensor | None = None) -> None:
                 amax[id(w)] = torch.maximum(amax[id(w)], m) if id(w) in amax else m
             return reference.linear(x, w, out_dtype)
 
-    if token_ids is None and model in _CALIBRATION:
-        token_ids = _CALIBRATION[model]()
+    if token_ids is None and copies.calibration is not None:
+        token_ids = copies.calibration()
     if token_ids is None:
         g = torch.Generator().manual_seed(0)
         token_ids = torch.randint(0, model.config.vocab_size, (CALIBRATION_TOKENS,), generator=g)
     ids = token_ids.reshape(1, -1)
     T = min(ids.shape[1], model.config.max_seq_len)
-    model.ops = Record()
-    try:  # in the caller's prompt format: prompt_products calls this before it switches to int8
-        with torch.inference_mode():
-            model(ids[:, :T].to(model.device), torch.arange(T, device=model.device))
-    finally:
-        model.ops = reference
+    with torch.inference_mode():  # in model.ops's prompt format: fp32
+        model(ids[:, :T].to(model.device), torch.arange(T, device=model.device), ops=Record())
     for w in _products(model):
         m = min(OUTLIER_COLUMNS, w.shape[1] // 8)
-        _COPIES[w] = quantize_weight(_dense(w), amax[id(w)].topk(m).indices if m and id(w) in amax else None)
+        copies.int8[w] = quantize_weight(_dense(w), amax[id(w)].topk(m).indices if m and id(w) in amax else None)
 
 
 def nbytes(model) -> int:
     """Bytes held by the int8 copies of a prepared model (0 if none)."""
-    return sum(c.nbytes for w in _products(model) if (c := _COPIES.get(w)) is not None)
+    return sum(c.nbytes for w in _products(model) if (c := model.weight_copies.int8_of(w)) is not None)
 
 
 def _mlp(block, arch: str) -> tuple:

@@ -47,7 +47,7 @@ from ..generate import check_prompt
 from ..paths import check_fits
 from ..places import check_where
 from ..run_plan import make_plan
-from ..numerics.precision import DTYPES, prompt_products
+from ..numerics.precision import DTYPES
 from ..sampling import make_generator, sample
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
@@ -103,7 +103,7 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         # rows at their own positions; here the config meets the model and the machine, before the pool
         self.plan = make_plan(model, self.config, max_batch_size, "engine")
-        self.forward_step, self.bf16_attention = self.plan.step, self.plan.bf16_attention
+        self.forward_step = self.plan.step
         c, bs = model.config, self.config.cache_chunk_size
         dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
         # A model with sliding layers keeps them in a pool of windows (HybridPagedKVCache), unless the
@@ -334,9 +334,8 @@ class Engine:
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
         # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
-        with prompt_products(self.config.prefill_precision if prompt else "float32", self.model,
-                             self.bf16_attention):
-            logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy)
+        ops = self.plan.prompt_ops if prompt else self.plan.decode_ops  # the format and backend the plan chose
+        logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy, ops=ops)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):

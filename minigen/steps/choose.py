@@ -24,6 +24,7 @@ from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_w
 from ..config import GenerationConfig
 from ..kernels import build as kernel_build
 from ..kernels import cpu, fastpaths, int8, probes, triton_attention
+from ..numerics.precision import FP32, prompt_format
 from ..sampling import Generators
 from . import fused, speculative
 from .eager import EagerStep, NaiveStep
@@ -69,6 +70,22 @@ def prompt_attention_bf16(model, config: GenerationConfig) -> bool:
     """Whether a bf16 prompt's attention runs in bf16 (SDPA on bf16 q, k, v) for `model` here: where it
     measured no slower than fp32 (fastpaths' bf16_attention); the products stay bf16 either way."""
     return config.prefill_precision != "bfloat16" or measured_fast(model, "bf16_attention")
+
+
+def ops_for(model, config: GenerationConfig, prompt: bool, bf16_attention: bool | None = None):
+    """The ops a forward of `model` runs under `config` (Model.forward(..., ops=...)): model.ops
+    configured with the prompt format (prompt=True: prefill_precision's, whose weight copies are made
+    the first time, precision.prompt_format; False: fp32, a decode step's) and reads_blocks
+    (attention_backend='triton'). bf16_attention: a bf16 prompt's attention in bf16 (None:
+    prompt_attention_bf16 decides). model.ops itself where it already runs that way."""
+    fmt = FP32
+    if prompt:
+        bf16 = prompt_attention_bf16(model, config) if bf16_attention is None else bf16_attention
+        fmt = prompt_format(config.prefill_precision, model, bf16)
+    reads_blocks = config.attention_backend == "triton"
+    if fmt == model.ops.prompt and reads_blocks == model.ops.reads_blocks:
+        return model.ops  # the same object: a compiled step's guards keep holding
+    return model.ops.configured(prompt=fmt, reads_blocks=reads_blocks)
 
 
 def _triton_probe(context: int):

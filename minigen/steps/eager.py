@@ -13,9 +13,11 @@ generation (steps/choose.py) and never branches on the kind again:
     FusedStep    fused_decode: every layer of a decode token in one C call (fused.py, chapter 14)
     SpeculativeStep  speculative_method: propose k tokens, verify them in one forward (speculative.py, chapter 15)
 
-Each has `prefill(model, ids, input_pos, cache, policy) -> logits [B, V]` (the last position) and
-`decode(model, tokens [B, 1], input_pos, cache, policy) -> logits [B, V]`, a `name` for reports, and
-`compile_s`, the seconds its first step spent compiling or capturing (0 for most).
+Each has `prefill(model, ids, input_pos, cache, policy, ops=None) -> logits [B, V]` (the last position)
+and `decode(model, tokens [B, 1], input_pos, cache, policy, ops=None) -> logits [B, V]`, a `name` for
+reports, and `compile_s`, the seconds its first step spent compiling or capturing (0 for most). `ops`
+are the ops the model's forward runs (Model.forward): the loop passes them configured with the prompt
+format and the attention backend (steps/choose.ops_for); None: model.ops.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ import torch
 from torch import Tensor
 
 
-def prefill(model, input_ids: Tensor, cache, policy=None) -> Tensor:
+def prefill(model, input_ids: Tensor, cache, policy=None, ops=None) -> Tensor:
     """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
     input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
+    return model(input_ids, input_pos, cache, last_only=True, policy=policy, ops=ops)[:, -1]
 
 
-def decode_step(model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+def decode_step(model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
     """Feed the newest tokens [B, 1] at position input_pos [1] (or [B, 1], per row) -> next-token logits [B, V]."""
-    return model(tokens, input_pos, cache, policy=policy)[:, -1]
+    return model(tokens, input_pos, cache, policy=policy, ops=ops)[:, -1]
 
 
 class EagerStep:
@@ -47,7 +49,7 @@ class EagerStep:
         """inference_mode: the fastest eager mode (CompiledStep wants no_grad)."""
         return torch.inference_mode()
 
-    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         """input_pos [T], or [B, T] per row (-1: padding) -> the last position's logits [B, V].
 
         With prefill_chunk_size C the prompt runs C tokens per forward: each piece writes its keys
@@ -56,16 +58,16 @@ class EagerStep:
         C = self.prefill_chunk_size or input_ids.shape[1]
         for start in range(0, input_ids.shape[1], C):
             logits = model(input_ids[:, start:start + C], input_pos[..., start:start + C], cache,
-                           last_only=True, policy=policy)
+                           last_only=True, policy=policy, ops=ops)
         return logits[:, -1]
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
-        return decode_step(model, tokens, input_pos, cache, policy)
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
+        return decode_step(model, tokens, input_pos, cache, policy, ops)
 
-    def verify(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def verify(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         """Several tokens per row [B, T] at input_pos [T] (or [B, T], -1: padding) -> the logits of
         every position [B, T, V]: speculative decoding's check of k proposals (speculative.py)."""
-        return model(tokens, input_pos, cache, policy=policy)
+        return model(tokens, input_pos, cache, policy=policy, ops=ops)
 
     def report(self, stats) -> None:
         """Fill what this step knows of a finished generation into GenerationStats."""
@@ -80,11 +82,11 @@ class NaiveStep(EagerStep):
     def __init__(self):
         self.seq: Tensor | None = None  # [B, T + i]: the prompt and every token so far
 
-    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         self.seq = input_ids
-        return super().prefill(model, input_ids, input_pos, None, policy)
+        return super().prefill(model, input_ids, input_pos, None, policy, ops)
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         self.seq = torch.cat([self.seq, tokens], dim=1)
         pos = torch.arange(self.seq.shape[1], device=self.seq.device)
-        return model(self.seq, pos, None, last_only=True, policy=policy)[:, -1]
+        return model(self.seq, pos, None, last_only=True, policy=policy, ops=ops)[:, -1]

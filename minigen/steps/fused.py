@@ -140,19 +140,20 @@ class FusedStep(EagerStep):
         self.plan: _Plan | None = None
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
 
-    def prefill(self, model: Model, input_ids: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+    def prefill(self, model: Model, input_ids: Tensor, input_pos: Tensor, cache: KVCache, policy=None,
+                ops=None) -> Tensor:
         """EagerStep.prefill's contract. One sequence whose prompt (or each piece of it, with
         prefill_chunk_size) has 2..FUSED_MAX_ROWS tokens runs `verify`'s C call per piece: the logits
         of its last token [1, V]. Anything else runs EagerStep.prefill (torch's GEMMs)."""
         T = input_ids.shape[1]
         C = min(self.prefill_chunk_size or T, T)
         if not (self.verify_in_c and input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
-            return super().prefill(model, input_ids, input_pos, cache, policy)
+            return super().prefill(model, input_ids, input_pos, cache, policy, ops)
         for start in range(0, T, C):  # a last piece of one token runs verify's torch fallback
-            logits = self.verify(model, input_ids[:, start:start + C], input_pos[start:start + C], cache)
+            logits = self.verify(model, input_ids[:, start:start + C], input_pos[start:start + C], cache, ops=ops)
         return logits[:, -1]
 
-    def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+    def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None, ops=None) -> Tensor:
         """eager.decode_step's contract, fused: a token for each row [B, 1], every row at the one
         position input_pos [1] (a tensor batch decodes in lockstep) -> logits [B, V]."""
         B = tokens.shape[0]
@@ -162,7 +163,7 @@ class FusedStep(EagerStep):
         lib = kernel_build.library()
         return self._run(lib.decode_layers, model, tokens[:, 0], input_pos, cache, B)
 
-    def verify(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None) -> Tensor:
+    def verify(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None, ops=None) -> Tensor:
         """EagerStep.verify's contract: tokens [1, T] of one sequence at consecutive positions input_pos
         [T], 2 <= T <= FUSED_MAX_ROWS, in one C call (each token's keys and values written before any
         attends, so the chunk is causal) -> logits [1, T, V]. Anything else (several rows at their own
@@ -170,7 +171,7 @@ class FusedStep(EagerStep):
         B, T = tokens.shape
         if not (self.verify_in_c and B == 1 and policy is None and input_pos.dim() == 1 and 2 <= T <= FUSED_MAX_ROWS
                 and bool((input_pos.diff() == 1).all())):
-            return super().verify(model, tokens, input_pos, cache, policy)
+            return super().verify(model, tokens, input_pos, cache, policy, ops)
         lib = kernel_build.library()
         return self._run(lib.verify_layers, model, tokens[0], input_pos, cache, 1)[None]
 

@@ -100,10 +100,11 @@ class CudaGraphDecoder:
     """
 
     def __init__(self, step: Callable, sample: Callable, model, cache, policy, config, batch: int,
-                 generators: list[torch.Generator] | None, stop_ids: Tensor, pad: int, first: tuple):
+                 generators: list[torch.Generator] | None, stop_ids: Tensor, pad: int, first: tuple, ops=None):
         """step: eager.decode_step; sample: sampling.sample (passed in, so that this module stays
         below generate.py); generators: one per row (sampling.make_generators), None: greedy;
-        first: (tokens [B], position [1], finished [B]) of the first replay, where warm-up runs."""
+        first: (tokens [B], position [1], finished [B]) of the first replay, where warm-up runs;
+        ops: the ops the captured step runs (None: model.ops)."""
         require_cuda(model)
         device, N = model.device, STOP_CHECK_EVERY
         long = dict(dtype=torch.long, device=device)
@@ -115,7 +116,7 @@ class CudaGraphDecoder:
         states = [g.get_state() for g in generators or ()]
 
         def one_step() -> None:
-            logits = step(model, self.tokens, self.pos, cache, policy)
+            logits = step(model, self.tokens, self.pos, cache, policy, ops)
             token = sample(logits, config, generators)  # [B]: row b's clocks from generator b
             token = torch.where(self.finished, pad, token)  # a finished row repeats its stop token
             self.status[0].add_((~self.finished).any().long())  # emitted while some row was live
@@ -192,11 +193,11 @@ class CompiledStep(EagerStep):
         # under inference_mode inductor copied every layer's cache each step; under no_grad it writes in place
         return torch.no_grad()
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         if not self.first:
-            return self.step(model, tokens, input_pos, cache, policy)
+            return self.step(model, tokens, input_pos, cache, policy, ops)
         before, began = graphs_compiled(), time.perf_counter()
-        logits = self.step(model, tokens, input_pos, cache, policy)
+        logits = self.step(model, tokens, input_pos, cache, policy, ops)
         self.compile_s = time.perf_counter() - began if graphs_compiled() > before else 0.0
         self.first = False
         return logits
@@ -215,29 +216,29 @@ class GraphedStep(EagerStep):
         self.replay: CudaGraphDecoder | None = None
         self.compile_s = 0.0
 
-    def _capture(self, model, cache, policy, stop_ids: Tensor, pad: int, first: tuple) -> CudaGraphDecoder:
+    def _capture(self, model, cache, policy, stop_ids: Tensor, pad: int, first: tuple, ops=None) -> CudaGraphDecoder:
         if self.replay is None:
             began = time.perf_counter()
             self.replay = CudaGraphDecoder(decode_step, self.sample, model, cache, policy, self.config,
-                                           first[0].shape[0], self.generators, stop_ids, pad, first)
+                                           first[0].shape[0], self.generators, stop_ids, pad, first, ops)
             self.compile_s = time.perf_counter() - began
         return self.replay
 
     def decode_loop(self, model, tokens: Tensor, position: Tensor, finished: Tensor, cache, policy,
-                    steps: int, stop_ids: Tensor, pad: int) -> Iterator[list[Tensor]]:
+                    steps: int, stop_ids: Tensor, pad: int, ops=None) -> Iterator[list[Tensor]]:
         """The decode after the first token: tokens [B] (the first, a finished row's already `pad`)
         at position [1], rows in lockstep (each replay advances it by 1). Yields lists of next tokens
         [B], one list per stop check (STOP_CHECK_EVERY tokens, the last list cut after the token at
         which every row has finished): first an empty list once the graph is captured, so that a
         caller timing the chunks leaves the capture out. Tokens equal the eager loop's."""
-        replay = self._capture(model, cache, policy, stop_ids, pad, (tokens, position, finished))
+        replay = self._capture(model, cache, policy, stop_ids, pad, (tokens, position, finished), ops)
         replay.start(tokens, position, finished)
         yield []
         yield from replay.run(steps)
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         no_stop = torch.zeros(0, dtype=torch.long, device=tokens.device)
-        replay = self._capture(model, cache, policy, no_stop, 0, (tokens[:, 0], input_pos, None))
+        replay = self._capture(model, cache, policy, no_stop, 0, (tokens[:, 0], input_pos, None), ops)
         replay.start(tokens[:, 0], input_pos)
         replay.graph.replay()
         return replay.next

@@ -227,8 +227,8 @@ class SpeculativeStep(EagerStep):
     def grad_mode(self):
         return self.target.grad_mode()
 
-    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
-        logits = self.target.prefill(model, input_ids, input_pos, cache, policy)
+    def prefill(self, model, input_ids: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
+        logits = self.target.prefill(model, input_ids, input_pos, cache, policy, ops)
         real = input_pos >= 0 if input_pos.dim() == 2 else torch.ones_like(input_ids, dtype=torch.bool)
         self.texts = [row[keep].tolist() for row, keep in zip(input_ids, real)]
         self.prompt_lens = [len(t) for t in self.texts]
@@ -237,9 +237,9 @@ class SpeculativeStep(EagerStep):
         self.proposer.start(self.texts)
         return logits
 
-    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
+    def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         """The loop's latest token of each row [B, 1] at input_pos ([1] shared, or [B, 1]; -1: the row
-        has stopped) -> the next token of each row [B]."""
+        has stopped) -> the next token of each row [B]. `ops` run the target's verify forwards."""
         B = tokens.shape[0]
         pos = input_pos.expand(B, 1)[:, 0].tolist() if input_pos.dim() == 2 else [int(input_pos[0])] * B
         fed = tokens[:, 0].tolist()
@@ -252,11 +252,11 @@ class SpeculativeStep(EagerStep):
             if not self.queue[b]:
                 need.append(b)
         if need:
-            self._round(model, need, cache, policy)
+            self._round(model, need, cache, policy, ops)
         out = [self.queue[b].popleft() if pos[b] >= 0 else 0 for b in range(B)]
         return torch.tensor(out, device=tokens.device)
 
-    def _round(self, model, rows: list[int], cache, policy) -> None:
+    def _round(self, model, rows: list[int], cache, policy, ops=None) -> None:
         """Propose, verify in one forward, accept: each row in `rows` gets its next accepted tokens."""
         n = self.config.max_new_tokens
         # a round emits up to k + 1 tokens: propose no more than the row can still use
@@ -266,7 +266,7 @@ class SpeculativeStep(EagerStep):
         proposals, qs = self.proposer.propose(rows, self.texts, ks, self.generators)
         self.draft_s += time.perf_counter() - start
         start = time.perf_counter()
-        logits = self._verify(model, rows, proposals, cache, policy)  # [len(rows), T, V]
+        logits = self._verify(model, rows, proposals, cache, policy, ops)  # [len(rows), T, V]
         for i, (b, proposal, q) in enumerate(zip(rows, proposals, qs)):
             generator = self.generators[b] if self.generators is not None else None  # row b's own
             emitted = self.rule(logits[i, :len(proposal) + 1], proposal, q, self.config, generator)
@@ -280,7 +280,7 @@ class SpeculativeStep(EagerStep):
             self.forwards += 1
         self.verify_s += time.perf_counter() - start
 
-    def _verify(self, model, rows: list[int], proposals: list[list[int]], cache, policy) -> Tensor:
+    def _verify(self, model, rows: list[int], proposals: list[list[int]], cache, policy, ops=None) -> Tensor:
         """One target forward over each row's last token and its proposal -> logits [len(rows), T, V]."""
         device = model.device
         T = 1 + max(len(p) for p in proposals)
@@ -289,8 +289,8 @@ class SpeculativeStep(EagerStep):
             ids = torch.tensor([[self.texts[b][-1], *proposal]], device=device)
             pos = torch.arange(self.cached[b], self.cached[b] + T, device=device)
             if T == 1:  # nothing proposed: a plain decode step
-                return self.target.decode(model, ids, pos, cache, policy)[:, None]
-            return self.target.verify(model, ids, pos, cache, policy)
+                return self.target.decode(model, ids, pos, cache, policy, ops)[:, None]
+            return self.target.verify(model, ids, pos, cache, policy, ops)
         B = len(self.texts)
         ids = torch.zeros(B, T, dtype=torch.long, device=device)
         pos = torch.full((B, T), -1, dtype=torch.long, device=device)  # rows not in this round: padding
@@ -299,8 +299,8 @@ class SpeculativeStep(EagerStep):
             ids[b, :len(row)] = torch.tensor(row, device=device)
             pos[b, :len(row)] = torch.arange(self.cached[b], self.cached[b] + len(row), device=device)
         if T == 1:
-            return self.target.decode(model, ids, pos, cache, policy)[rows][:, None]
-        return self.target.verify(model, ids, pos, cache, policy)[rows]
+            return self.target.decode(model, ids, pos, cache, policy, ops)[rows][:, None]
+        return self.target.verify(model, ids, pos, cache, policy, ops)[rows]
 
     def report(self, stats) -> None:
         super().report(stats)
