@@ -448,19 +448,22 @@ def test_int8_prefill_is_the_reference_and_near_fp32(tiny_llama):
 
 
 @needs_int8
-def test_int8_prefill_costs_smollm2_under_half_a_percent_of_perplexity(smollm2, english_text_ids):
+def test_int8_prefill_costs_smollm2_under_one_percent_of_perplexity(smollm2, english_text_ids):
     """Teacher forcing over two slices of English, one forward each (every block's products in int8,
     the head in fp32). The outlier columns are calibrated on the text's last 800 characters, past
-    both slices. Measured on the Xeon: -0.10% perplexity, 96.9% top-1 agreement (512 tokens from
-    the start), +0.16%, 95.7% (1,024 from token 1,024); over seven slices of 512-2,048 tokens,
-    -0.22% to +0.49%, where SmoothQuant's smoothing without outlier columns measured up to +1.2%."""
+    both slices. The bound holds whichever int8 product measured fastest here: the products agree
+    within 4e-6 of each other on every call, yet a last-bit difference moves the next layer's codes
+    where a value lands on a rounding boundary, and perplexity follows. Measured on the Xeon (family 6
+    model 167), the same copies, 512 tokens from the start: oneDNN's -0.10% (96.9% top-1), C's,
+    torch._int_mm's and the plain-torch reference's +0.61% (96.3%); 1,024 from token 1,024: +0.16% and
+    +0.14%. SmoothQuant's smoothing without outlier columns measured up to +1.2%."""
     from minigen.evaluate import score
     model, _ = smollm2
     skip_where_aside("int8", model)  # where every int8 product measured slower than fp32, it would eat CI's time
     for ids in (english_text_ids[:512], english_text_ids[1024:2048]):
         a, b = score(model, ids), score(model, ids, prefill_precision="int8")
         assert not torch.equal(a.nll, b.nll)  # int8 ran
-        assert b.perplexity / a.perplexity - 1 <= 0.005, (a.perplexity, b.perplexity)
+        assert b.perplexity / a.perplexity - 1 <= 0.01, (a.perplexity, b.perplexity)
         assert (a.top1 == b.top1).float().mean() >= 0.94
 
 
