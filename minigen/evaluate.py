@@ -18,6 +18,7 @@ from torch import Tensor
 from .combinations import check_run
 from .steps import fused
 from .steps.choose import prompt_attention_bf16, run_of, warn_demanded
+from .steps.eager import forward
 from .caches.make import make_cache
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
@@ -89,7 +90,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
                 if step is not None:
                     logits.append(step.decode(model, ids[:, s:s + 1], pos, cache))  # [1, V]
                     continue
-                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy)[0])  # [C, V]
+                logits.append(forward(model, ids[:, s:s + C], pos, cache, policy)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
     return Score(nll=nll, top1=logits.argmax(-1))

@@ -109,6 +109,7 @@ def touched(cache, layer: int) -> tuple[list, int]:
 def step(cache, written: Written, positions: range, layers: int):
     """One forward's worth of cache calls -> per layer (key positions [B, S], k and v read [B, Hkv, S, Dh])."""
     k_new, v_new = written.new(positions, layers)
+    cache.reserve(torch.tensor(list(positions)))  # the blocks, before the forward
     key_pos = cache.prepare(torch.tensor(list(positions)))
     reads = []
     for layer in range(layers):
@@ -197,7 +198,7 @@ def test_a_rejected_step_leaves_the_allocator_untouched(name):
     step(cache, written, range(60, 64), L)
     before = allocator_state(cache)
     with pytest.raises(CacheFullError, match="needs 2 more blocks and 0 are free"):
-        cache.prepare(torch.tensor([64]))
+        cache.reserve(torch.tensor([64]))
     assert allocator_state(cache) == before
 
 
@@ -306,6 +307,7 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
         for row, n in enumerate(sizes):  # left padding, as generate lays a ragged prompt out
             pos[row, T - n:] = torch.arange(lengths[row], lengths[row] + n)
         k_new, v_new = (torch.randn(L, B, Hkv, T, Dh, generator=g) for _ in range(2))
+        cache.reserve(pos)
         key_pos = cache.prepare(pos)
         reads = [tuple(t.clone() for t in cache.update(layer, k_new[layer], v_new[layer])) for layer in range(L)]
         for row, n in enumerate(sizes):

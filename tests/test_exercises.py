@@ -627,9 +627,9 @@ def ch03_write(variant):
         last = end // bs if variant == "floor" else math.ceil(end / bs)  # "floor": off by one block
         for j in range(start // bs, last):
             if j >= len(table):
-                table.append(alloc._take())
+                table.append(alloc.take())
             elif variant != "never copies" and (alloc.refs[table[j]] > 1 or variant == "always copies"):
-                src, dst = table[j], alloc._take()
+                src, dst = table[j], alloc.take()
                 if variant != "keeps the count":
                     alloc.refs[src] -= 1
                 if variant != "empty copy":

@@ -39,6 +39,9 @@ class KVCache:
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim,
                    dtype or model.dtype, model.device)
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
     def prepare(self, input_pos: Tensor) -> Tensor:
         """This step writes slots input_pos [T] -> the position of every slot [S] (slot s: s).
 

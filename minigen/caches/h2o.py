@@ -63,6 +63,9 @@ class HeavyHitterCache:
         rank.scatter_(1, newest, float("inf"))
         return rank.masked_fill(pos < 0, empty)
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
     def prepare(self, input_pos: Tensor) -> Tensor:
         """[B, S] when this step's tokens fit (evicting if needed), else [B, S + T] for this step only."""
         one_vector(input_pos, self)

@@ -116,6 +116,9 @@ class QuantizedKVCache:
                                self.dtype)
         return dequantize(part)[:, :, :n]
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
     def prepare(self, input_pos: Tensor) -> Tensor:
         """The position held by each slot of the view `update` returns: [S] = 0..last written."""
         one_vector(input_pos, self)
@@ -213,13 +216,24 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.k_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
         self.v_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
 
+    def reserve(self, input_pos: Tensor) -> None:
+        self._check_appends(input_pos)  # before the allocator changes anything
+        super().reserve(input_pos)
+
     def prepare(self, input_pos: Tensor) -> Tensor:
+        self._check_appends(input_pos)
+        return super().prepare(input_pos)
+
+    def _check_appends(self, input_pos: Tensor) -> None:
         one_vector(input_pos, self)  # each row's open block lives in a per-batch tail
         start = int(input_pos[0])
-        if start not in (0, self._length):  # checked before the allocator changes anything
+        if start not in (0, self._length):
             raise PositionError(f"the quantized paged cache appends: it holds positions 0..{self._length - 1}, "
                                 f"so write position {self._length} next (or 0 for a new sequence), not {start}")
-        return super().prepare(input_pos)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """No data to copy: open blocks live in the rows' private tails (copied at fork), and a full
+        block is never written again."""
 
     def _plan(self, start: int, end: int, tables: list[list[int]]) -> Tensor:
         bs = self.block_size

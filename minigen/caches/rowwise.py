@@ -25,6 +25,14 @@ class RowwiseCache:
         self._cols: list[Tensor | None] = [None] * len(caches)  # this step: the real tokens of each row
         self._sizes: list[int] = [0] * len(caches)  # this step: the slots each row's cache reads
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Each row's real positions to its own cache's reserve (a row of padding only reserves nothing)."""
+        input_pos = input_pos.expand(len(self.caches), -1) if input_pos.dim() == 1 else input_pos
+        for b, cache in enumerate(self.caches):
+            cols = (input_pos[b] >= 0).nonzero()[:, 0]
+            if cols.numel():
+                cache.reserve(input_pos[b, cols])
+
     def prepare(self, input_pos: Tensor) -> Tensor:
         """Each row's real positions to its own cache -> key positions [B, S], -1 where a row holds nothing."""
         B = len(self.caches)

@@ -67,6 +67,9 @@ class WindowKVCache:
         sinks = self.sink_tokens
         return torch.where(pos < sinks, pos, sinks + (pos - sinks) % self.ring)
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
     def prepare(self, input_pos: Tensor) -> Tensor:
         """Positions seen by this step's queries: [S] for one new token, [S + T] for T > 1."""
         if input_pos.dim() == 2:

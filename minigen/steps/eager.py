@@ -15,7 +15,9 @@ generation (steps/choose.py) and never branches on the kind again:
 
 Each has `prefill(model, ids, input_pos, cache, policy) -> logits [B, V]` (the last position) and
 `decode(model, tokens [B, 1], input_pos, cache, policy) -> logits [B, V]`, a `name` for reports, and
-`compile_s`, the seconds its first step spent compiling or capturing (0 for most).
+`compile_s`, the seconds its first step spent compiling or capturing (0 for most). Before each
+forward a step calls `cache.reserve(input_pos)` (the blocks it writes, contract.py), unless its
+caller owns the blocks (`reserves = False`: the serving engine's scheduler reserves them).
 """
 
 from __future__ import annotations
@@ -24,15 +26,25 @@ import torch
 from torch import Tensor
 
 
+def forward(model, tokens: Tensor, input_pos: Tensor, cache, policy=None, last_only: bool = False,
+            reserve: bool = True) -> Tensor:
+    """One forward at input_pos ([T], or [B, T] per row) -> logits [B, T, V] ([B, 1, V] with last_only).
+    The cache first reserves the blocks this forward writes (contract.py), unless reserve=False: its
+    owner reserved them already (the serving engine's scheduler)."""
+    if reserve and cache is not None:
+        cache.reserve(input_pos)
+    return model(tokens, input_pos, cache, last_only=last_only, policy=policy)
+
+
 def prefill(model, input_ids: Tensor, cache, policy=None) -> Tensor:
     """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
     input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return model(input_ids, input_pos, cache, last_only=True, policy=policy)[:, -1]
+    return forward(model, input_ids, input_pos, cache, policy, last_only=True)[:, -1]
 
 
 def decode_step(model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
     """Feed the newest tokens [B, 1] at position input_pos [1] (or [B, 1], per row) -> next-token logits [B, V]."""
-    return model(tokens, input_pos, cache, policy=policy)[:, -1]
+    return forward(model, tokens, input_pos, cache, policy)[:, -1]
 
 
 class EagerStep:
@@ -41,6 +53,7 @@ class EagerStep:
     samples_inside = False  # decode returns logits; the loop samples (GraphedStep samples in its graph)
     compile_s = 0.0
     prefill_chunk_size: int | None = None  # GenerationConfig.prefill_chunk_size (steps/choose.py sets it)
+    reserves = True  # the step reserves the cache's blocks before each forward; False: its caller does (the engine)
 
     def grad_mode(self):
         """inference_mode: the fastest eager mode (CompiledStep wants no_grad)."""
@@ -54,17 +67,18 @@ class EagerStep:
         the whole prompt's, while the activations alive at once scale with C instead of T (chapter 16)."""
         C = self.prefill_chunk_size or input_ids.shape[1]
         for start in range(0, input_ids.shape[1], C):
-            logits = model(input_ids[:, start:start + C], input_pos[..., start:start + C], cache,
-                           last_only=True, policy=policy)
+            logits = forward(model, input_ids[:, start:start + C], input_pos[..., start:start + C], cache, policy,
+                             last_only=True, reserve=self.reserves)
         return logits[:, -1]
 
     def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
-        return decode_step(model, tokens, input_pos, cache, policy)
+        """One token per row [B, 1] at input_pos [1] (or [B, 1] per row) -> next-token logits [B, V]."""
+        return forward(model, tokens, input_pos, cache, policy, reserve=self.reserves)[:, -1]
 
     def verify(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None) -> Tensor:
         """Several tokens per row [B, T] at input_pos [T] (or [B, T], -1: padding) -> the logits of
         every position [B, T, V]: speculative decoding's check of k proposals (speculative.py)."""
-        return model(tokens, input_pos, cache, policy=policy)
+        return forward(model, tokens, input_pos, cache, policy, reserve=self.reserves)
 
     def report(self, stats) -> None:
         """Fill what this step knows of a finished generation into GenerationStats."""
