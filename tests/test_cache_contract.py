@@ -17,7 +17,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import CacheFullError, GenerationConfig
-from minigen.caches.contract import Cache
+from minigen.caches.contract import Cache, positions_of
 from minigen.caches.make import make_cache
 from minigen.generate import make_policy
 from minigen.steps.eager import decode_step, prefill
@@ -97,7 +97,7 @@ class Written:
 
 def layer_pos(key_pos, layer: int):
     """The key positions `layer` reads: a hybrid cache answers prepare per kind of layer (TYPES)."""
-    return key_pos[TYPES[layer]] if isinstance(key_pos, dict) else key_pos
+    return positions_of(key_pos, TYPES[layer])
 
 
 def touched(cache, layer: int) -> tuple[list, int]:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .contiguous import KVCache
+from .contract import ANY_LAYER
 from .paged import PagedKVCache
 from .window import WindowKVCache
 
@@ -69,7 +70,7 @@ class HybridKVCache:
 
     def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
         """Each part plans this step -> {layer type: the positions its slots hold} (the contract)."""
-        return {kind: part.prepare(input_pos) for kind, part in self.parts.items()}
+        return {kind: part.prepare(input_pos)[ANY_LAYER] for kind, part in self.parts.items()}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh] into the part holding `layer`; return what its attention reads."""
@@ -157,8 +158,8 @@ class HybridPagedKVCache:
     def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
         """Both pools read their block tables -> {layer type: key positions [B, S]} (the contract).
         The full pool reads even without full layers: the engine schedules by it."""
-        key_pos = {"full_attention": self.full.prepare(input_pos),
-                   "sliding_attention": self.ring.prepare(input_pos)}
+        key_pos = {"full_attention": self.full.prepare(input_pos)[ANY_LAYER],
+                   "sliding_attention": self.ring.prepare(input_pos)[ANY_LAYER]}
         return {kind: key_pos[kind] for kind in self.kinds}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

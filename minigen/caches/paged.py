@@ -27,7 +27,7 @@ from torch import Tensor
 from ..attention import in_window
 from ..errors import PositionError
 from .blocks import BlockAllocator
-from .contract import BlockView, long_tensor
+from .contract import BlockView, key_positions, long_tensor
 
 
 # ---------------------------------------------------------------- the cache (full precision)
@@ -112,9 +112,14 @@ class PagedKVCache:
                                     "cache.reserve(input_pos) before the forward (prepare only reads the block tables)")
 
     # --- reading the tables, once per forward call (layer independent)
-    def prepare(self, input_pos: Tensor) -> Tensor:
-        """The position of each read slot [S], -1 where a slot holds nothing, from the block tables
-        that `reserve` set; changes no block. Per-row positions [B, T]: `_prepare_rows`."""
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position of each read slot}, from the block tables that `reserve` set;
+        changes no block (contract.py)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
+        """The position of each read slot [S], -1 where a slot holds nothing. Per-row positions
+        [B, T]: `_prepare_rows`."""
         if input_pos.dim() == 2:
             return self._prepare_rows(input_pos)
         self._write_index = None

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
 from ..numerics.quant import GROUP_AXIS, VALUE_AXIS, QuantizedTensor, dequantize, meta_dtype, quantize
-from .contract import BlockView, long_tensor, one_vector
+from .contract import BlockView, key_positions, long_tensor, one_vector
 from .paged import PagedKVCache
 
 
@@ -119,7 +119,11 @@ class QuantizedKVCache:
     def reserve(self, input_pos: Tensor) -> None:
         """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position each slot holds after this step} (contract.py; `_positions`)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
         """The position held by each slot of the view `update` returns: [S] = 0..last written."""
         one_vector(input_pos, self)
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
@@ -220,7 +224,7 @@ class QuantizedPagedKVCache(PagedKVCache):
         self._check_appends(input_pos)  # before the allocator changes anything
         super().reserve(input_pos)
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
         self._check_appends(input_pos)
         return super().prepare(input_pos)
 
