@@ -97,7 +97,7 @@ class Written:
 
 def layer_pos(key_pos, layer: int):
     """The key positions `layer` reads: a hybrid cache answers prepare per kind of layer (TYPES)."""
-    return positions_of(key_pos, TYPES[layer])
+    return positions_of(key_pos, TYPES[layer] if layer < len(TYPES) else "full_attention")  # (the tier's extra layer)
 
 
 def touched(cache, layer: int) -> tuple[list, int]:

@@ -114,9 +114,12 @@ class BlockAllocator:
         return [c for seq, start, end in spans for c in self.claim(seq, start, end)]
 
     def write(self, seq: int, start: int, end: int) -> list[tuple[int, int]]:
-        """Make positions [start, end) of `seq` writable and record them as written -> the (src, dst)
-        block copies to make first (`claim`). Raises CacheFullError, changing nothing, when the pool
-        cannot supply the blocks.
+        """Make positions [start, end) of `seq` writable -> the (src, dst) block copies to make first.
+
+        Allocates the blocks that do not exist yet; a block shared with another sequence is replaced
+        by a private copy (copy-on-write), which the caller must copy before it writes; then records
+        the slots written (fill) and the sequence's length. Raises
+        CacheFullError, changing nothing, when the pool cannot supply the blocks.
         """
         copies = self.claim(seq, start, end)
         bs, table = self.block_size, self.tables[seq]

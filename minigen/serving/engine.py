@@ -18,8 +18,9 @@ and the step that runs the model only read the block tables and write into the b
      (scheduler.py) says a batch slot and their prompts' blocks are free, reusing cached prefix blocks,
      and takes their prompts' blocks;
   3. runs the admitted prompts as one ragged prefill ([B, T], each row at its own positions) and
-     the running sequences as one decode step ([B, 1], each row at its own position), both
-     through the same paged cache, and samples each row with its own settings and generator;
+     the running sequences as one decode step ([B, 1], each row at its own position, the step's
+     `decode`), both through the same paged cache, each forward after `cache.reserve` (the window's
+     frees, the sliding pool's blocks), and samples each row with its own settings and generator;
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
      space left, a prompt spread over as many steps as it takes (chapter 16); the chunks then run
