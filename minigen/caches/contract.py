@@ -19,13 +19,15 @@ rotates a ring buffer or compacts, in the caches that keep no blocks) and return
 key slot holds after this step's write, always as {layer type: positions}: `{ANY_LAYER: p}` when
 every layer holds the same slots, with p `[S]` (the same for every row) or `[B, S]` (rows that
 hold different positions), -1 for an empty slot (`positions_of` reads a layer's entry). Attention
-masks are built from these positions (attention.py), so a cache may store its slots in any order. input_pos is [T], one position vector for every row, or
-[B, T], each row at its own positions with -1 for padding (a ragged batch, the serving engine):
+masks are built from these positions (attention.py), so a cache may store its slots in any order.
+
+input_pos is [T], one position vector for every row, or [B, T], each row at its own positions with -1 for padding (a ragged batch, the serving engine):
 padding is never written and never attended. The contiguous, paged and ring-buffer caches take
 [B, T] themselves; the quantized caches (a per-batch full-precision window) refuse it
 (PositionError), and `make_cache(..., ragged=True)` runs one of them per row (rowwise.py); the
-features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED). A write that starts at position p forgets every position
->= p that the cache held: a cache reused for a new sequence (p = 0) never shows the old one's keys.
+features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED).
+A write that starts at position p forgets every position >= p that the cache held (a paged cache
+at `reserve`): a cache reused for a new sequence (p = 0) never shows the old one's keys.
 A cache whose layers hold different slots (hybrid.py: a model's sliding and full layers) returns one
 entry per layer type, {"full_attention": ..., "sliding_attention": ...}.
 
