@@ -21,8 +21,8 @@ every layer holds the same slots, with p `[S]` (the same for every row) or `[B, 
 hold different positions), -1 for an empty slot (`positions_of` reads a layer's entry). Attention
 masks are built from these positions (attention.py), so a cache may store its slots in any order.
 
-input_pos is [T], one position vector for every row, or [B, T], each row at its own positions with -1 for padding (a ragged batch, the serving engine):
-padding is never written and never attended. The contiguous, paged and ring-buffer caches take
+input_pos is [T], one position vector for every row, or [B, T], each row at its own positions
+with -1 for padding (a ragged batch, the serving engine): padding is never written and never attended. The contiguous, paged and ring-buffer caches take
 [B, T] themselves; the quantized caches (a per-batch full-precision window) refuse it
 (PositionError), and `make_cache(..., ragged=True)` runs one of them per row (rowwise.py); the
 features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED).
