@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .steps.eager import forward
 from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
 from .errors import PromptError
@@ -87,7 +88,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
                 if step is not None:
                     logits.append(step.decode(model, ids[:, s:s + 1], pos, cache, ops=ops))  # [1, V]
                     continue
-                logits.append(model(ids[:, s:s + C], pos, cache, policy=policy, ops=ops)[0])  # [C, V]
+                logits.append(forward(model, ids[:, s:s + C], pos, cache, policy, ops=ops)[0])  # [C, V]
     logits = torch.cat(logits)[:-1]  # [T-1, V]: position t predicts token t+1
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
     return Score(nll=nll, top1=logits.argmax(-1))

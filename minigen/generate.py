@@ -243,15 +243,15 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
 
     def fork(logits: Tensor) -> Tensor:  # [1, V] -> [n, V]: one prompt, n rows sharing its blocks
         cache.fork(n)
-        forked.append(cache.allocator.n_used)
+        forked.append(cache.blocks[0])  # blocks in use
         return logits.expand(n, -1)
 
     tokens = list(run_steps(model, plan, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
                             GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
                             stop=False, after_prefill=fork))
     out = torch.cat([input_ids.expand(n, -1), torch.stack(tokens, dim=1)], dim=1) if tokens else input_ids.expand(n, -1)
-    result = ParallelSample(out, forked[0] if forked else cache.allocator.n_used, cache.allocator.n_used, unshared,
-                            cache.allocator.shared_hit_rate)
+    in_use = cache.blocks[0]
+    result = ParallelSample(out, forked[0] if forked else in_use, in_use, unshared, cache.shared_hit_rate)
     cache.free()
     return result
 

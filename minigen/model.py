@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, imposes_window, layer_mask
-from .caches.contract import BlockView
+from .caches.contract import BlockView, key_positions, positions_of
 from .checkpoints.model_config import ModelConfig
 from .numerics import w8a8
 from .numerics.copies import WeightCopies
@@ -404,11 +404,11 @@ class Model(nn.Module):
             if self.config.arch == "gemma3" and "sliding_attention" in ropes:
                 ropes["sliding_attention"] = self._rope(at, self.inv_freq_local, x.dtype)
         # Masks come from positions, never from counters: key slot s may be seen by query t
-        # when the slot holds a position <= input_pos[t]. `prepare` is where the cache plans this
-        # step (cache.py), once for all layers; a hybrid cache (caches/hybrid.py) answers with the
-        # positions of each kind of layer, {layer type: [S] or [B, S]}.
-        key_pos = cache.prepare(input_pos) if cache is not None else input_pos
-        masks = {kind: layer_mask(input_pos, key_pos[kind] if isinstance(key_pos, dict) else key_pos, policy,
+        # when the slot holds a position <= input_pos[t]. `prepare` says, once for all layers, which
+        # position each slot holds after this step (caches/contract.py): {layer type: [S] or [B, S]},
+        # or {ANY_LAYER: ...} when every layer holds the same slots.
+        key_pos = cache.prepare(input_pos) if cache is not None else key_positions(input_pos)
+        masks = {kind: layer_mask(input_pos, positions_of(key_pos, kind), policy,
                                   None if kind == "full_attention" or imposes_window(policy) else
                                   self.config.own_window or None, x.dtype, cache is not None and ops.reads_blocks)
                  for kind in dict.fromkeys(self.layer_types)}

@@ -17,7 +17,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import CacheFullError, GenerationConfig
-from minigen.caches.contract import Cache
+from minigen.caches.contract import Cache, positions_of
 from minigen.caches.make import make_cache
 from minigen.run_plan import make_policy
 from minigen.steps.eager import decode_step, prefill
@@ -97,7 +97,7 @@ class Written:
 
 def layer_pos(key_pos, layer: int):
     """The key positions `layer` reads: a hybrid cache answers prepare per kind of layer (TYPES)."""
-    return key_pos[TYPES[layer]] if isinstance(key_pos, dict) else key_pos
+    return positions_of(key_pos, TYPES[layer] if layer < len(TYPES) else "full_attention")  # (the tier's extra layer)
 
 
 def touched(cache, layer: int) -> tuple[list, int]:
@@ -109,6 +109,7 @@ def touched(cache, layer: int) -> tuple[list, int]:
 def step(cache, written: Written, positions: range, layers: int):
     """One forward's worth of cache calls -> per layer (key positions [B, S], k and v read [B, Hkv, S, Dh])."""
     k_new, v_new = written.new(positions, layers)
+    cache.reserve(torch.tensor(list(positions)))  # the blocks, before the forward
     key_pos = cache.prepare(torch.tensor(list(positions)))
     reads = []
     for layer in range(layers):
@@ -197,7 +198,7 @@ def test_a_rejected_step_leaves_the_allocator_untouched(name):
     step(cache, written, range(60, 64), L)
     before = allocator_state(cache)
     with pytest.raises(CacheFullError, match="needs 2 more blocks and 0 are free"):
-        cache.prepare(torch.tensor([64]))
+        cache.reserve(torch.tensor([64]))
     assert allocator_state(cache) == before
 
 
@@ -306,6 +307,7 @@ def test_per_row_positions_give_back_each_rows_own_writes(name):
         for row, n in enumerate(sizes):  # left padding, as generate lays a ragged prompt out
             pos[row, T - n:] = torch.arange(lengths[row], lengths[row] + n)
         k_new, v_new = (torch.randn(L, B, Hkv, T, Dh, generator=g) for _ in range(2))
+        cache.reserve(pos)
         key_pos = cache.prepare(pos)
         reads = [tuple(t.clone() for t in cache.update(layer, k_new[layer], v_new[layer])) for layer in range(L)]
         for row, n in enumerate(sizes):

@@ -260,13 +260,15 @@ def test_a_decode_step_of_many_rows_keeps_fp32_under_a_prompt_format(tiny, monke
         pytest.skip("prefill_precision='bfloat16' is refused on a CPU without bf16 dot products")
     engine = Engine(tiny, {"cache_chunk_size": 4, "prefill_precision": "bfloat16"}, max_batch_size=20)
     formats = []
-    prefill = engine.forward_step.prefill
 
-    def recorded(model, ids, *args, ops=None, **kw):
-        formats.append((ids.shape[1], (ops or model.ops).prompt.dtype(SHORT_PROMPT_ROWS + 1)))
-        return prefill(model, ids, *args, ops=ops, **kw)
+    def recording(run):
+        def recorded(model, ids, *args, ops=None, **kw):
+            formats.append((ids.shape[1], (ops or model.ops).prompt.dtype(SHORT_PROMPT_ROWS + 1)))
+            return run(model, ids, *args, ops=ops, **kw)
+        return recorded
 
-    monkeypatch.setattr(engine.forward_step, "prefill", recorded)
+    for name in ("prefill", "decode"):  # the engine's prompts and its decode step
+        monkeypatch.setattr(engine.forward_step, name, recording(getattr(engine.forward_step, name)))
     for i in range(20):
         engine.add_request(torch.arange(1 + i, 21 + i), max_new_tokens=2, stop_token_ids=[])
     engine.run()

@@ -160,7 +160,7 @@ def test_the_window_pool_bound_holds_and_is_reached(window, block_size, step):
         cache = PagedKVCache(0, 1, 1, 1, block_size, bound, window_size=window)
         start, end = 0, first
         while start < context:
-            cache.prepare(torch.arange(start, min(end, context))[None])  # CacheFullError past the bound
+            cache.reserve(torch.arange(start, min(end, context))[None])  # CacheFullError past the bound
             most = max(most, cache.allocator.n_used)
             start, end = end, end + step
     assert most == bound, (most, bound)

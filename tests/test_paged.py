@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import minigen
+from minigen.caches.contract import ANY_LAYER
 from conftest import tiny_hf
 from minigen import CacheFullError, ConfigError, GenerationConfig
 from minigen.caches.make import make_cache
@@ -92,9 +93,10 @@ def test_bad_block_size_raises_config_error(bad):
 
 def test_full_pool_raises_cache_full_error_naming_the_fix(tiny):
     cache = PagedKVCache(2, 1, 2, 32, block_size=4, n_blocks=3)  # 12 slots
-    tiny(random_ids(1, 12), torch.arange(12), cache)  # exactly fits
+    cache.reserve(torch.arange(12))  # exactly fits
+    tiny(random_ids(1, 12), torch.arange(12), cache)
     with pytest.raises(CacheFullError, match="n_blocks"):
-        tiny(random_ids(1, 1), torch.tensor([12]), cache)
+        cache.reserve(torch.tensor([12]))
 
 
 def test_quantized_blocks_need_whole_groups():
@@ -179,6 +181,7 @@ def test_window_frees_blocks_and_matches_the_ring_buffer(tiny):
     cache = make_cache(tiny, GenerationConfig(cache_chunk_size=4, **cfg), 1, 50)
     with torch.inference_mode():
         for p in range(49):
+            cache.reserve(torch.tensor([p]))  # the blocks, before the forward
             tiny(random_ids(1, 1, seed=p), torch.tensor([p]), cache)
     assert cache.allocator.tables[0][0] >= 0  # sinks stay
     held = [j for j, b in enumerate(cache.allocator.tables[0]) if b >= 0]
@@ -206,7 +209,8 @@ def test_quantized_blocks_read_back_as_their_round_trip(key_axis):
     v_all = torch.randn(2, Hkv, 90, Dh)
     for start, end in [(0, 40), (40, 41), (41, 70), (70, 90)]:  # prefill, then appends crossing blocks
         pos = torch.arange(start, end)
-        assert torch.equal(cache.prepare(pos), torch.arange(end))
+        cache.reserve(pos)
+        assert torch.equal(cache.prepare(pos)[ANY_LAYER], torch.arange(end))
         k, v = cache.update(0, k_all[:, :, start:end], v_all[:, :, start:end])
         n_q = start // bs * bs  # positions in blocks that were full before this call
         for got, x, axis in [(k, k_all, -2 if key_axis == "channel" else -1), (v, v_all, -1)]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import minigen
+from minigen.caches.contract import ANY_LAYER
 from minigen.attention import AttentionPolicy, attention_scores, sparse_keep
 from minigen.errors import ConfigError
 from minigen.run_plan import make_policy
@@ -153,7 +154,7 @@ def test_heavy_hitters_long_prompt_compacts_to_budget(tiny_llama):
     policy = make_policy(minigen.GenerationConfig(kv_budget=8), cache)
     with torch.inference_mode():
         minigen.prefill(model, prompt, cache, policy)
-        held = cache.prepare(torch.tensor([20]))
+        held = cache.prepare(torch.tensor([20]))[ANY_LAYER]
     kept = sorted(p for p in held[0].tolist() if p >= 0)  # [B, S]: row 0's positions
     assert len(kept) == 8 and kept[-5:] == [16, 17, 18, 19, 20], kept  # 4 newest of the prompt + the new one
     assert cache.nbytes == HeavyHitterCache.for_model(model, 1, kv_budget=8).nbytes

@@ -36,6 +36,7 @@ from minigen.caches.make import make_cache
 from minigen.kernels import triton_prefill
 from minigen.kernels.triton_prefill import prefill_attention
 from minigen.numerics.quant import QuantizedTensor, dequantize, quantize
+from minigen.steps.eager import forward  # reserves the cache's blocks, then runs the model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -268,7 +269,7 @@ def test_a_prompt_in_pieces_gives_the_torch_logits(models, settings, launches):
         cache, policy = make_cache(model, config, 2, 21), AttentionPolicy.from_config(config)
         ops = model.ops.configured(reads_blocks=backend == "triton")  # attention_backend (steps/choose.ops_for)
         with torch.no_grad():
-            logits[backend] = torch.cat([model(tokens[:, a:b], torch.arange(a, b), cache, policy=policy, ops=ops)
+            logits[backend] = torch.cat([forward(model, tokens[:, a:b], torch.arange(a, b), cache, policy, ops=ops)
                                          for a, b in ((0, 9), (9, 16), (16, 21))], dim=1)
     assert launches == [T for T in (9, 7, 5) for _ in range(model.config.n_layers)]  # every piece, every layer
     torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)

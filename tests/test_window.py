@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import minigen
+from minigen.caches.contract import ANY_LAYER
 from minigen.attention import AttentionPolicy, attend, in_window, window_attention, window_mask
 from minigen.errors import ConfigError
 from minigen.course.exercises.ch05 import article_window_attention
@@ -69,7 +70,7 @@ def test_slot_rule_keeps_sinks_and_last_window():
     cache = WindowKVCache(1, 1, 1, 2, window_size=5, sink_tokens=2)
     assert cache.nbytes == cache.k.nbytes * 2 + cache.slot_pos.nbytes and cache.k.shape[3] == 7
     for p in range(23):
-        held = cache.prepare(torch.tensor([p]))
+        held = cache.prepare(torch.tensor([p]))[ANY_LAYER]
         cache.update(0, torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2))
     expected = {0, 1} | set(range(23 - 5, 23))
     assert set(held.tolist()) == expected

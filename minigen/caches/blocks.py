@@ -10,6 +10,7 @@ the serving engine (engine.py) drive the same allocator.
 from __future__ import annotations
 
 import math
+import sys
 
 from ..errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
 
@@ -41,6 +42,17 @@ class BlockAllocator:
         self.tables[seq], self.lengths[seq] = [], 0
         return seq
 
+    def share(self, seq: int, blocks: list[int]) -> None:
+        """Give an empty sequence the full `blocks` as its first logical blocks, shared by reference
+        count (a block no one holds leaves the free list)."""
+        for b in blocks:
+            if self.refs[b] == 0:
+                self.free.remove(b)
+                self.fill[b] = self.block_size
+            self.refs[b] += 1
+        self.tables[seq] = list(blocks)
+        self.lengths[seq] = len(blocks) * self.block_size
+
     def fork(self, seq: int, n: int) -> list[int]:
         """n new sequences that share every block of `seq` (their tables are copies) -> their ids."""
         new = []
@@ -69,12 +81,14 @@ class BlockAllocator:
                     need += 1
         return need
 
-    def write(self, seq: int, start: int, end: int) -> list[tuple[int, int]]:
-        """Make positions [start, end) of `seq` writable -> the (src, dst) block copies to make first.
+    def claim(self, seq: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Give `seq` the blocks that positions [start, end) will be written into, before they are
+        -> the (src, dst) block copies to make first.
 
         Allocates the blocks that do not exist yet; a block shared with another sequence is replaced
-        by a private copy (copy-on-write), which the caller must copy before it writes. Raises
-        CacheFullError, changing nothing, when the pool cannot supply the blocks.
+        by a private copy (copy-on-write), which the caller must copy before anything writes into it.
+        Records nothing as written (`write` does). Raises CacheFullError, changing nothing, when the
+        pool cannot supply the blocks.
         """
         bs, table, copies = self.block_size, self.tables[seq], []
         for j in range(start // bs, math.ceil(end / bs)):
@@ -84,13 +98,32 @@ class BlockAllocator:
         self.check_room(self.blocks_needed([(seq, start, end)]))
         for j in range(start // bs, math.ceil(end / bs)):
             if j >= len(table):
-                table.append(self._take())
+                table.append(self.take())
             elif self.refs[table[j]] > 1:  # shared: this sequence gets its own copy
-                src, dst = table[j], self._take()
+                src, dst = table[j], self.take()
                 self.refs[src] -= 1
                 self.fill[dst] = self.fill[src]
                 table[j] = dst
                 copies.append((src, dst))
+        return copies
+
+    def claim_all(self, spans: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """`claim(seq, start, end)` for each of `spans`, all or none: CacheFullError, changing nothing,
+        when the pool cannot supply them together -> the block copies to make first."""
+        self.check_room(self.blocks_needed(spans))
+        return [c for seq, start, end in spans for c in self.claim(seq, start, end)]
+
+    def write(self, seq: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Make positions [start, end) of `seq` writable -> the (src, dst) block copies to make first.
+
+        Allocates the blocks that do not exist yet; a block shared with another sequence is replaced
+        by a private copy (copy-on-write), which the caller must copy before it writes; then records
+        the slots written (fill) and the sequence's length. Raises
+        CacheFullError, changing nothing, when the pool cannot supply the blocks.
+        """
+        copies = self.claim(seq, start, end)
+        bs, table = self.block_size, self.tables[seq]
+        for j in range(start // bs, math.ceil(end / bs)):
             self.fill[table[j]] = max(self.fill[table[j]], min(bs, end - j * bs))
         self.lengths[seq] = max(self.lengths[seq], end)
         return copies
@@ -125,7 +158,8 @@ class BlockAllocator:
                 self._release(b)
         del self.lengths[seq]
 
-    def _take(self) -> int:
+    def take(self) -> int:
+        """Hand out one free block (held once, nothing written) -> its id."""
         b = self.free.pop()
         self.refs[b], self.fill[b] = 1, 0
         return b
@@ -137,6 +171,20 @@ class BlockAllocator:
             self.free.append(b)
 
     # --- accounting
+    @property
+    def host_nbytes(self) -> int:
+        """Host bytes of the bookkeeping, measured on its structures: the lists free, refs and fill
+        (their slots and the int objects they hold that Python does not share) and the block tables."""
+        lists = (self.free, self.refs, self.fill, *self.tables.values())
+        ints = {id(x): x for lst in lists for x in lst if not -5 <= x <= 256}  # small ints are Python's own
+        return sum(sys.getsizeof(lst) for lst in lists) + sum(sys.getsizeof(x) for x in ints.values())
+
+    @classmethod
+    def host_bytes_per_block(cls, sample: int = 4096) -> float:
+        """Host bytes of bookkeeping per block of a pool, measured on an empty pool of `sample` blocks
+        (it grows linearly: one slot in each list, one int object per block id)."""
+        return cls(sample, 1).host_nbytes / sample
+
     @property
     def n_used(self) -> int:
         """Blocks held by at least one sequence."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .contract import check_fits
+from .contract import check_fits, key_positions
 
 
 class KVCache:
@@ -39,7 +39,14 @@ class KVCache:
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim,
                    dtype or model.dtype, model.device)
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position each slot holds after this step} (contract.py; `_positions`)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
         """This step writes slots input_pos [T] -> the position of every slot [S] (slot s: s).
 
         input_pos [B, T] (a ragged batch) writes row b's token t at slot input_pos[b, t], padding

@@ -3,34 +3,50 @@ shares (the block view a kernel reads, position checks). `make.py` builds the ca
 
 Shapes: L layers, B batch rows, Hkv key/value heads, T new tokens, S key slots, Dh head dim.
 
-A forward pass uses a cache in two moves:
+A forward pass uses a cache in three moves:
 
+    cache.reserve(input_pos)                  before the forward, by whoever owns the step
     key_pos = cache.prepare(input_pos)        once per forward, before the first layer
     k, v = cache.update(layer, k_new, v_new)  once per layer
 
-`prepare(input_pos)` is the only place where a cache's state moves: it allocates blocks,
-evicts, rotates a ring buffer, compacts. It returns the position each key slot holds after this
-step's write, `[S]` (the same for every row) or `[B, S]` (rows that hold different positions),
-with -1 for an empty slot; attention masks are built from these positions (attention.py), so a
-cache may store its slots in any order. input_pos is [T], one position vector for every row, or
-[B, T], each row at its own positions with -1 for padding (a ragged batch, the serving engine):
-padding is never written and never attended. The contiguous, paged and ring-buffer caches take
+`reserve(input_pos)` is the only place where a cache's blocks move: a paged cache forgets the
+positions at or after the write, frees the blocks outside its window, allocates and decides the
+copies on write there, and raises CacheFullError, changing nothing, when its pool cannot hold the
+step; a preallocated cache has nothing to do. The owner calls it: generate's steps before each
+forward (steps/eager.py), the serving engine's scheduler before each of its forwards.
+`prepare(input_pos)` never allocates or frees a block: it reads the block tables (and evicts,
+rotates a ring buffer or compacts, in the caches that keep no blocks) and returns the position each
+key slot holds after this step's write, always as {layer type: positions}: `{ANY_LAYER: p}` when
+every layer holds the same slots, with p `[S]` (the same for every row) or `[B, S]` (rows that
+hold different positions), -1 for an empty slot (`positions_of` reads a layer's entry). Attention
+masks are built from these positions (attention.py), so a cache may store its slots in any order.
+
+input_pos is [T], one position vector for every row, or [B, T], each row at its own positions
+with -1 for padding (a ragged batch, the serving engine): padding is never written and never attended. The contiguous, paged and ring-buffer caches take
 [B, T] themselves; the quantized caches (a per-batch full-precision window) refuse it
 (PositionError), and `make_cache(..., ragged=True)` runs one of them per row (rowwise.py); the
-features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED). A write that starts at position p forgets every position
->= p that the cache held: a cache reused for a new sequence (p = 0) never shows the old one's keys.
-A cache whose layers hold different slots (hybrid.py: a model's sliding and full layers) returns
-{layer type: positions} from `prepare` instead, and each layer reads the entry of its type.
+features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED).
+A write that starts at position p forgets every position >= p that the cache held (a paged cache
+at `reserve`): a cache reused for a new sequence (p = 0) never shows the old one's keys.
+A cache whose layers hold different slots (hybrid.py: a model's sliding and full layers) returns one
+entry per layer type, {"full_attention": ..., "sliding_attention": ...}.
 
-`update(layer, k, v)` writes the new keys and values [B, Hkv, T, Dh] where `prepare` decided and
-returns what attention reads, [B, Hkv, S, Dh]. It touches only that layer's state.
+`update(layer, k, v)` writes the new keys and values [B, Hkv, T, Dh] where `prepare` decided (a
+paged cache: into the blocks `reserve` gave, after the layer's copies on write) and returns what
+attention reads, [B, Hkv, S, Dh]. It touches only that layer's state.
 
 `nbytes` is every byte the cache holds between steps (on all tiers, metadata included; a
 preallocated cache counts its whole allocation); `peak_nbytes` the most it has held at any moment,
 the short-lived tensors of a step included. `device_nbytes` is the part on the model's device.
 `blocks` is (blocks in use, blocks in the pool) for a paged cache, None otherwise. `observers`
 are the attention observers the cache needs to see (heavy hitters learn from attention); none for
-most. `layer_tensors()` lists the per-layer state, layer first, which an offload tier moves.
+most. `layer_tensors()` lists the per-layer state, layer first, which an offload tier moves and the
+fused C step reads through its addresses.
+
+A paged cache (BlockCache) also names its sequences and blocks: `select_rows`, `add_sequence`,
+`free_sequence`, `fork(n)` (one row into n that share its blocks), `free()` (every row's blocks back),
+`copy_blocks` (the data of copies on write that an owner's own allocator decided), `write_slots()`
+(the pool slot of each token `prepare` placed) and `shared_hit_rate`.
 
 The contiguous cache and the ring buffer keep positions on the device and run a decode step
 (T = 1) without a host sync or a Python list: what torch.compile(fullgraph=True) and CUDA graphs
@@ -68,7 +84,9 @@ class Cache(Protocol):
 
     observers: tuple[Callable[[int, Tensor], None], ...]  # attention.AttentionObserver: (layer, probs)
 
-    def prepare(self, input_pos: Tensor) -> Tensor | dict[str, Tensor]: ...
+    def reserve(self, input_pos: Tensor) -> None: ...
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]: ...
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
 
@@ -97,14 +115,41 @@ class BlockCache(Cache, Protocol):
     lies, a BlockView (the pool, the block tables, the full-precision recent positions), instead of
     gathering it. `select_rows(sequences)` says which of the pool's sequences the next forward runs,
     one per batch row: a caller that owns the pool (the serving engine) changes its rows between
-    steps this way, never by setting attributes."""
+    steps this way, never by setting attributes. The module docstring says what the rest promise."""
 
     def update_blocks(self, layer: int, k: Tensor, v: Tensor) -> BlockView: ...
 
     def select_rows(self, sequences: list[int]) -> None: ...
 
+    def add_sequence(self) -> int: ...
+
+    def free_sequence(self, seq: int) -> None: ...
+
+    def fork(self, n: int) -> None: ...
+
+    def free(self) -> None: ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
+
+    def write_slots(self) -> Tensor: ...
+
+    @property
+    def shared_hit_rate(self) -> float: ...
+
 
 # ---------------------------------------------------------------- what the caches share
+ANY_LAYER = "any_layer"  # prepare's key when every layer holds the same slots
+
+
+def key_positions(positions: Tensor) -> dict[str, Tensor]:
+    """prepare's answer of a cache whose every layer holds the same slots: {ANY_LAYER: positions}."""
+    return {ANY_LAYER: positions}
+
+
+def positions_of(key_pos: dict[str, Tensor], kind: str) -> Tensor:
+    """The key positions a layer of type `kind` reads in prepare's answer (its own entry, else ANY_LAYER's)."""
+    return key_pos[kind] if kind in key_pos else key_pos[ANY_LAYER]
+
 
 
 def long_tensor(rows: list, device: torch.device | str = "cpu") -> Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from .contract import one_vector
+from .contract import key_positions, one_vector
 
 
 class HeavyHitterCache:
@@ -55,7 +55,7 @@ class HeavyHitterCache:
         return cls(cfg.n_layers, batch, cfg.n_kv_heads, cfg.head_dim, kv_budget,
                    dtype=dtype or model.dtype, device=model.device)
 
-    def _rank(self, pos: Tensor, score: Tensor, empty: float) -> Tensor:
+    def rank(self, pos: Tensor, score: Tensor, empty: float) -> Tensor:
         """[B, N]: the order in which entries are evicted (lowest first). The `recent` newest
         positions of each row are never evicted (+inf); empty entries rank as `empty`."""
         rank = score.clone()
@@ -63,7 +63,14 @@ class HeavyHitterCache:
         rank.scatter_(1, newest, float("inf"))
         return rank.masked_fill(pos < 0, empty)
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position each slot holds after this step} (contract.py; `_positions`)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
         """[B, S] when this step's tokens fit (evicting if needed), else [B, S + T] for this step only."""
         one_vector(input_pos, self)
         if self._pending is not None:
@@ -76,7 +83,7 @@ class HeavyHitterCache:
         free = int((self.slot_pos[0] < 0).sum())  # rows advance together: the same count in every row
         new_pos = input_pos.expand(B, T)
         if T <= max(free, self.budget - self.recent):  # empty slots first, then the least attended
-            self._slots = self._rank(self.slot_pos, self.score, float("-inf")).topk(T, dim=1, largest=False).indices
+            self._slots = self.rank(self.slot_pos, self.score, float("-inf")).topk(T, dim=1, largest=False).indices
             self.slot_pos.scatter_(1, self._slots, new_pos)
             self.score.scatter_(1, self._slots, 0.0)
             return self.slot_pos
@@ -114,7 +121,7 @@ class HeavyHitterCache:
         score = torch.cat([self.score, p["score"]], dim=1)
         # More than kv_budget positions are held (that is why the step was pending), so the top
         # kv_budget of each row are real tokens.
-        keep = self._rank(pos, score, float("-inf")).topk(self.budget, dim=1).indices  # [B, S]
+        keep = self.rank(pos, score, float("-inf")).topk(self.budget, dim=1).indices  # [B, S]
         for layer in range(self.k.shape[0]):
             index = keep[:, None, :, None].expand_as(self.k[layer])  # [B, Hkv, S, Dh]
             self.k[layer] = torch.cat([self.k[layer], p["k"][layer]], dim=2).gather(2, index)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .contiguous import KVCache
+from .contract import ANY_LAYER
 from .paged import PagedKVCache
 from .window import WindowKVCache
 
@@ -64,9 +65,12 @@ class HybridKVCache:
         return cls(c.layer_types, batch, c.n_kv_heads, max_len, c.head_dim, c.sliding_window,
                    dtype or model.dtype, model.device, spare)
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: both parts are preallocated (the contract)."""
+
     def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
         """Each part plans this step -> {layer type: the positions its slots hold} (the contract)."""
-        return {kind: part.prepare(input_pos) for kind, part in self.parts.items()}
+        return {kind: part.prepare(input_pos)[ANY_LAYER] for kind, part in self.parts.items()}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh] into the part holding `layer`; return what its attention reads."""
@@ -140,11 +144,22 @@ class HybridPagedKVCache:
                       1 + math.ceil((sliding_window + min(step_tokens, context) - 2) / block_size))
         return max_batch_size * per_row
 
+    def reserve(self, input_pos: Tensor) -> None:
+        """Both pools give the rows this step's blocks, before the forward (paged.py's reserve): the
+        full pool's are usually the engine's already (its scheduler claims them); the sliding pool
+        frees the blocks that left the window, then allocates."""
+        self.full.reserve(input_pos)
+        self.ring.reserve(input_pos)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write's data in the full pool, whose allocator is the engine's (contract.BlockCache)."""
+        self.full.copy_blocks(copies)
+
     def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
-        """Both pools plan this step -> {layer type: key positions [B, S]} (the contract). The full
-        pool plans even without full layers: the engine schedules by it."""
-        key_pos = {"full_attention": self.full.prepare(input_pos),
-                   "sliding_attention": self.ring.prepare(input_pos)}
+        """Both pools read their block tables -> {layer type: key positions [B, S]} (the contract).
+        The full pool reads even without full layers: the engine schedules by it."""
+        key_pos = {"full_attention": self.full.prepare(input_pos)[ANY_LAYER],
+                   "sliding_attention": self.ring.prepare(input_pos)[ANY_LAYER]}
         return {kind: key_pos[kind] for kind in self.kinds}
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -158,7 +173,7 @@ class HybridPagedKVCache:
         self.full.select_rows(sequences)
         for seq in sequences:
             if seq not in self.sliding_of:
-                self.sliding_of[seq] = self.ring.allocator.add_sequence()
+                self.sliding_of[seq] = self.ring.add_sequence()
         self.ring.select_rows([self.sliding_of[seq] for seq in sequences])
 
     def free(self, seq: int | None = None) -> None:
@@ -172,8 +187,7 @@ class HybridPagedKVCache:
             return
         sliding = self.sliding_of.pop(seq, None)
         if sliding is not None:
-            self.ring.allocator.free_sequence(sliding)
-            self.ring.rows = [r for r in self.ring.rows if r != sliding]
+            self.ring.free_sequence(sliding)
         self.full.rows = [r for r in self.full.rows if r != seq]
 
     def reset(self) -> None:
@@ -197,5 +211,5 @@ class HybridPagedKVCache:
     @property
     def blocks(self) -> tuple[int, int]:
         """(blocks in use, blocks in the pool), both pools together."""
-        return (self.full.allocator.n_used + self.ring.allocator.n_used,
-                self.full.allocator.n_blocks + self.ring.allocator.n_blocks)
+        (full_used, full_pool), (ring_used, ring_pool) = self.full.blocks, self.ring.blocks
+        return full_used + ring_used, full_pool + ring_pool

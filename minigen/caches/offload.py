@@ -62,7 +62,11 @@ class OffloadedKVCache:
     def observers(self):
         return self.inner.observers
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def reserve(self, input_pos: Tensor) -> None:
+        one_vector(input_pos, self)
+        self.inner.reserve(input_pos)  # blocks are layer independent
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
         one_vector(input_pos, self)  # the tier moves one batch's layers in lockstep
         return self.inner.prepare(input_pos)  # block tables and positions are layer independent
 

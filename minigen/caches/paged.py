@@ -27,7 +27,7 @@ from torch import Tensor
 from ..attention import in_window
 from ..errors import PositionError
 from .blocks import BlockAllocator
-from .contract import BlockView, long_tensor
+from .contract import BlockView, key_positions, long_tensor
 
 
 # ---------------------------------------------------------------- the cache (full precision)
@@ -38,9 +38,11 @@ class PagedKVCache:
     tables have the same shape; with input_pos [B, T] each row writes its own positions (a ragged
     batch, or the serving engine's sequences, chosen with `select_rows` before each step). It follows
     the cache contract (contract.py, BlockCache):
-    `prepare` allocates, copies on write, frees blocks outside the window and forgets positions
-    at or after a write that starts early (a new sequence or a rollback); `update` only writes and
-    gathers. A step the pool cannot hold raises CacheFullError before anything changes.
+    `reserve`, called before the forward by whoever owns the step, allocates, copies on write, frees
+    blocks outside the window and forgets positions at or after a write that starts early (a new
+    sequence or a rollback); a step the pool cannot hold raises CacheFullError before anything
+    changes. `prepare` only reads the block tables, and `update` only writes into the blocks the
+    rows were given and gathers.
     """
     observers = ()
 
@@ -57,7 +59,8 @@ class PagedKVCache:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self._make_storage()
-        self._table = self._copies = self._write_slots = None  # this step's plan, set by prepare
+        self._table = self._write_slots = None  # this step's plan, set by prepare
+        self._copies: Tensor | None = None  # [2, n]: the (src, dst) blocks reserve gave this step to copy on write
         self._write_index: Tensor | None = None  # per-row positions: which of the B * T tokens are written
         self._blocks = self._lens = None  # this step's logical tables [B, n] (-1: freed) and lengths [B]
         self._read: dict[str, Tensor] = {}  # "k"/"v" -> the buffer attention reads gathered blocks from
@@ -70,18 +73,59 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    # --- bookkeeping, once per forward call (layer independent)
-    def prepare(self, input_pos: Tensor) -> Tensor:
-        """Plan this step's blocks (rewind, window, allocation, copy-on-write) -> the position of
-        each read slot [S], -1 where a slot holds nothing. Per-row positions [B, T]: `_prepare_rows`."""
+    # --- blocks, before the forward: the caller that owns the step (generate's steps, the engine's scheduler)
+    def reserve(self, input_pos: Tensor) -> None:
+        """Give the rows the blocks that writing input_pos ([T], or [B, T] per row, -1: padding) takes,
+        before the forward: forget positions at or after a write that starts early (a new sequence
+        or a rollback), free blocks outside the window, allocate, copy shared blocks (copy-on-write).
+        A step the pool cannot hold raises CacheFullError before anything changes."""
+        self._allocate(self._spans(input_pos))
+        self._peak = max(self._peak, self.nbytes)
+
+    def _spans(self, input_pos: Tensor) -> dict[int, tuple[int, int]]:
+        """Each row's sequence -> the (start, end) of the consecutive positions it writes (rows of
+        padding only write nothing). One host sync per forward call."""
+        if input_pos.dim() == 1:
+            start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+            if start < 0 or end - start != input_pos.shape[0]:
+                raise PositionError(f"the paged cache takes consecutive positions >= 0, got {start}..{end - 1} "
+                                    f"for {input_pos.shape[0]} tokens")
+            return {row: (start, end) for row in self.rows}
+        pos, spans = input_pos.cpu(), {}
+        for b, row in enumerate(self.rows):
+            real = pos[b][pos[b] >= 0]
+            if real.numel():
+                start, end = int(real[0]), int(real[-1]) + 1
+                if not torch.equal(real, torch.arange(start, end)):
+                    raise PositionError(f"the paged cache takes consecutive positions >= 0 in each row; row {b} "
+                                        f"has {real.tolist()}")
+                spans[row] = (start, end)
+        return spans
+
+    def _check_reserved(self, spans: dict[int, tuple[int, int]]) -> None:
+        """PositionError unless every row already holds the blocks of the positions it writes."""
+        bs, alloc = self.block_size, self.allocator
+        for row, (start, end) in spans.items():
+            table = alloc.tables[row]
+            if alloc.lengths[row] < end or any(table[j] < 0 for j in range(start // bs, math.ceil(end / bs))):
+                raise PositionError(f"sequence {row} holds no blocks for positions {start}..{end - 1}: call "
+                                    "cache.reserve(input_pos) before the forward (prepare only reads the block tables)")
+
+    # --- reading the tables, once per forward call (layer independent)
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position of each read slot}, from the block tables that `reserve` set;
+        changes no block (contract.py)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
+        """The position of each read slot [S], -1 where a slot holds nothing. Per-row positions
+        [B, T]: `_prepare_rows`."""
         if input_pos.dim() == 2:
             return self._prepare_rows(input_pos)
         self._write_index = None
-        start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
-        if start < 0 or end - start != input_pos.shape[0]:
-            raise PositionError(f"the paged cache takes consecutive positions >= 0, got {start}..{end - 1} "
-                                f"for {input_pos.shape[0]} tokens")
-        self._allocate({row: (start, end) for row in self.rows})
+        spans = self._spans(input_pos)
+        self._check_reserved(spans)
+        start, end = int(input_pos[0]), int(input_pos[-1]) + 1
         key_pos = self._plan(start, end, [self.allocator.tables[row] for row in self.rows])
         self._peak = max(self._peak, self.nbytes)
         return key_pos
@@ -91,16 +135,7 @@ class PagedKVCache:
         positions (or nothing) -> key positions [B, S], each row's blocks in table order, -1 where
         a slot holds nothing (rows with fewer blocks are padded)."""
         pos, alloc, bs = input_pos.cpu(), self.allocator, self.block_size  # one host sync per forward call
-        spans = {}  # sequence -> (start, end) of the positions it writes
-        for b, row in enumerate(self.rows):
-            real = pos[b][pos[b] >= 0]
-            if real.numel():
-                start, end = int(real[0]), int(real[-1]) + 1
-                if not torch.equal(real, torch.arange(start, end)):
-                    raise PositionError(f"the paged cache takes consecutive positions >= 0 in each row; row {b} "
-                                        f"has {real.tolist()}")
-                spans[row] = (start, end)
-        self._allocate(spans)
+        self._check_reserved(self._spans(input_pos))
         # Read: each row's kept blocks, padded with block 0 (its slots marked -1, never attended).
         kept = [[j for j, b in enumerate(alloc.tables[row]) if b >= 0] for row in self.rows]
         n = max(1, max(len(k) for k in kept))
@@ -122,7 +157,7 @@ class PagedKVCache:
 
     def _allocate(self, spans: dict[int, tuple[int, int]]) -> None:
         """Give each sequence the blocks for writing positions [start, end) of `spans`: forget its
-        positions >= start, free blocks outside the window, allocate (copy-on-write) -> self._copies.
+        positions >= start, free blocks outside the window, allocate -> self._copies (copy-on-write).
         Every change is worked out first, so that a step the pool cannot hold changes nothing."""
         alloc = self.allocator
         rewind = {row: a for row, (a, _) in spans.items() if alloc.lengths[row] > a}
@@ -136,7 +171,16 @@ class PagedKVCache:
             if j < len(alloc.tables[row]) and alloc.tables[row][j] >= 0:
                 alloc.free_block(row, j)
         copies = [c for row, a, e in writes for c in alloc.write(row, a, e)]
+        # copied layer by layer as each layer writes (an offload tier holds only some layers at a time)
         self._copies = long_tensor(copies, self.device).T if copies else None  # [2, n_copies]: src, dst
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write's data: block src -> block dst of every layer, for each (src, dst), before the
+        forward writes into dst, for copies a caller's own allocator made (contract.BlockCache)."""
+        if copies:
+            src, dst = long_tensor(copies, self.device).T
+            for pool in (self.k, self.v):
+                pool[:, dst] = pool[:, src]
 
     def _outside_window(self, row: int, start: int) -> list[int]:
         """Logical blocks of `row` that no query from `start` on can see (attention.in_window is monotone)."""
@@ -196,7 +240,7 @@ class PagedKVCache:
     def _write(self, pool: Tensor, x: Tensor) -> None:
         B, Hkv, T, Dh = x.shape
         x = x.to(pool.dtype)  # stored in the cache's dtype (kv_dtype)
-        if self._copies is not None:  # copy-on-write: give each writer its own copy of a shared block
+        if self._copies is not None:  # copy-on-write that reserve decided: each writer's own copy of a shared block
             pool[self._copies[1]] = pool[self._copies[0]]
         slots = pool.view(-1, Hkv, Dh)  # [N*bs, Hkv, Dh]
         x = rearrange(x, "b h t d -> (b t) h d")
@@ -236,6 +280,20 @@ class PagedKVCache:
                                 "allocator.add_sequence() first")
         self.rows = list(sequences)
 
+    def add_sequence(self) -> int:
+        """Start an empty sequence in this cache's pool -> its id (for `select_rows`)."""
+        return self.allocator.add_sequence()
+
+    def free_sequence(self, seq: int) -> None:
+        """Give back every block of sequence `seq` and drop it from the rows."""
+        self.allocator.free_sequence(seq)
+        self.rows = [r for r in self.rows if r != seq]
+
+    def write_slots(self) -> Tensor:
+        """The pool slot (physical block * block_size + offset) of each token this step writes, [B * T]
+        in row order (per-row positions: the real tokens only), as `prepare` set it."""
+        return self._write_slots
+
     def fork(self, n: int) -> None:
         """Turn a batch of one sequence into n rows that share its blocks (parallel sampling)."""
         if len(self.rows) != 1:
@@ -249,7 +307,7 @@ class PagedKVCache:
         self.rows = []
 
     def reset(self) -> None:
-        """Forget every position: each row's blocks go back to the pool (prepare at position 0 does it too)."""
+        """Forget every position: each row's blocks go back to the pool (reserve at position 0 does it too)."""
         for row in self.rows:
             self.allocator.truncate(row, 0)
 
@@ -273,3 +331,8 @@ class PagedKVCache:
     def blocks(self) -> tuple[int, int]:
         """(blocks in use, blocks in the pool)."""
         return self.allocator.n_used, self.allocator.n_blocks
+
+    @property
+    def shared_hit_rate(self) -> float:
+        """Block-table entries served by a block that another sequence also holds / all entries."""
+        return self.allocator.shared_hit_rate

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..errors import PLAN_HINT, CacheFullError, ConfigError, PositionError
 from ..numerics.quant import GROUP_AXIS, VALUE_AXIS, QuantizedTensor, dequantize, meta_dtype, quantize
-from .contract import BlockView, long_tensor, one_vector
+from .contract import BlockView, key_positions, long_tensor, one_vector
 from .paged import PagedKVCache
 
 
@@ -116,7 +116,14 @@ class QuantizedKVCache:
                                self.dtype)
         return dequantize(part)[:, :, :n]
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position each slot holds after this step} (contract.py; `_positions`)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
         """The position held by each slot of the view `update` returns: [S] = 0..last written."""
         one_vector(input_pos, self)
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1  # one host sync per forward call
@@ -213,13 +220,24 @@ class QuantizedPagedKVCache(PagedKVCache):
         self.k_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
         self.v_tail = torch.zeros(tail, dtype=self.dtype, device=self.device)
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def reserve(self, input_pos: Tensor) -> None:
+        self._check_appends(input_pos)  # before the allocator changes anything
+        super().reserve(input_pos)
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        self._check_appends(input_pos)
+        return super().prepare(input_pos)
+
+    def _check_appends(self, input_pos: Tensor) -> None:
         one_vector(input_pos, self)  # each row's open block lives in a per-batch tail
         start = int(input_pos[0])
-        if start not in (0, self._length):  # checked before the allocator changes anything
+        if start not in (0, self._length):
             raise PositionError(f"the quantized paged cache appends: it holds positions 0..{self._length - 1}, "
                                 f"so write position {self._length} next (or 0 for a new sequence), not {start}")
-        return super().prepare(input_pos)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """No data to copy: open blocks live in the rows' private tails (copied at fork), and a full
+        block is never written again."""
 
     def _plan(self, start: int, end: int, tables: list[list[int]]) -> Tensor:
         bs = self.block_size

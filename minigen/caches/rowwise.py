@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .contract import ANY_LAYER, key_positions
+
 
 class RowwiseCache:
     """B batch-1 caches behind the cache contract, for input_pos [B, T] (or [T], every row alike)."""
@@ -25,8 +27,17 @@ class RowwiseCache:
         self._cols: list[Tensor | None] = [None] * len(caches)  # this step: the real tokens of each row
         self._sizes: list[int] = [0] * len(caches)  # this step: the slots each row's cache reads
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
-        """Each row's real positions to its own cache -> key positions [B, S], -1 where a row holds nothing."""
+    def reserve(self, input_pos: Tensor) -> None:
+        """Each row's real positions to its own cache's reserve (a row of padding only reserves nothing)."""
+        input_pos = input_pos.expand(len(self.caches), -1) if input_pos.dim() == 1 else input_pos
+        for b, cache in enumerate(self.caches):
+            cols = (input_pos[b] >= 0).nonzero()[:, 0]
+            if cols.numel():
+                cache.reserve(input_pos[b, cols])
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """Each row's real positions to its own cache -> {ANY_LAYER: key positions [B, S]}, -1 where a
+        row holds nothing."""
         B = len(self.caches)
         input_pos = input_pos.expand(B, -1) if input_pos.dim() == 1 else input_pos
         held = []
@@ -34,12 +45,12 @@ class RowwiseCache:
             cols = (input_pos[b] >= 0).nonzero()[:, 0]
             # A row with padding only writes nothing and reads nothing (its query is padding too).
             self._cols[b] = cols if cols.numel() else None
-            held.append(cache.prepare(input_pos[b, cols]).reshape(-1) if cols.numel() else input_pos[b, :0])
+            held.append(cache.prepare(input_pos[b, cols])[ANY_LAYER].reshape(-1) if cols.numel() else input_pos[b, :0])
             self._sizes[b] = held[-1].shape[0]
         key_pos = torch.full((B, max(self._sizes)), -1, dtype=torch.long, device=input_pos.device)
         for b, pos in enumerate(held):
             key_pos[b, :pos.shape[0]] = pos
-        return key_pos
+        return key_positions(key_pos)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write each row's real tokens of k, v [B, Hkv, T, Dh] into its cache -> [B, Hkv, S, Dh]."""

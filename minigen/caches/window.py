@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
-from .contract import check_fits
+from .contract import check_fits, key_positions
 
 
 class WindowKVCache:
@@ -67,7 +67,14 @@ class WindowKVCache:
         sinks = self.sink_tokens
         return torch.where(pos < sinks, pos, sinks + (pos - sinks) % self.ring)
 
-    def prepare(self, input_pos: Tensor) -> Tensor:
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out before the forward: the slots are preallocated (the contract)."""
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        """{ANY_LAYER: the position each slot holds after this step} (contract.py; `_positions`)."""
+        return key_positions(self._positions(input_pos))
+
+    def _positions(self, input_pos: Tensor) -> Tensor:
         """Positions seen by this step's queries: [S] for one new token, [S + T] for T > 1."""
         if input_pos.dim() == 2:
             return self._prepare_rows(input_pos)

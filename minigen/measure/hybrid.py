@@ -110,8 +110,9 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> Model:
 
 def fill(cache, cfg: ModelConfig, context: int, seed: int) -> None:
     """Write positions 0..context-1 of seeded random keys and values into every layer, through the
-    cache contract (prepare, then update per layer): the hybrid cache's rings keep the last window."""
+    cache contract (reserve, prepare, then update per layer): the hybrid cache's rings keep the last window."""
     g = torch.Generator().manual_seed(seed)
+    cache.reserve(torch.arange(context))
     cache.prepare(torch.arange(context))
     for layer in range(cfg.n_layers):
         k = torch.randn(1, cfg.n_kv_heads, context, cfg.head_dim, generator=g)  # [B, Hkv, T, Dh]

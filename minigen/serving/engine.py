@@ -9,14 +9,18 @@ Shapes: B sequences in a step, T tokens per row of a prefill, V vocabulary; a bl
     tokens = engine.run()                            # {request_id: prompt + new tokens, 1-D}
     engine.metrics()                                 # TTFT, TPOT, KV usage, hit rate, ... (scheduler.py)
 
-Every `step()` (iteration-level scheduling, as in Orca and vLLM):
-  1. reserves a block for each running sequence whose next token opens one; when the pool
-     cannot, preempts the newest running sequence (its blocks go back; it is recomputed later);
+Every `step()` (iteration-level scheduling, as in Orca and vLLM) owns the blocks: the paged cache
+and the step that runs the model only read the block tables and write into the blocks they are given.
+  1. takes a block for each running sequence whose next token opens one (and the rest of a prompt
+     under way); when the pool cannot, preempts the newest running sequence (its blocks go back; it is
+     recomputed later);
   2. admits waiting requests that have arrived, first come first served, while `can_admit`
-     (scheduler.py) says a batch slot and their prompts' blocks are free, reusing cached prefix blocks;
+     (scheduler.py) says a batch slot and their prompts' blocks are free, reusing cached prefix blocks,
+     and takes their prompts' blocks;
   3. runs the admitted prompts as one ragged prefill ([B, T], each row at its own positions) and
-     the running sequences as one decode step ([B, 1], each row at its own position), both
-     through the same paged cache, and samples each row with its own settings and generator;
+     the running sequences as one decode step ([B, 1], each row at its own position, the step's
+     `decode`), both through the same paged cache, each forward after `cache.reserve` (the window's
+     frees, the sliding pool's blocks), and samples each row with its own settings and generator;
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
      space left, a prompt spread over as many steps as it takes (chapter 16); the chunks then run
@@ -42,7 +46,7 @@ import torch
 from torch import Tensor
 
 from ..config import GenerationConfig, resolve_config
-from ..errors import ConfigError, PromptError, RequestError
+from ..errors import CacheFullError, ConfigError, PromptError, RequestError
 from ..generate import check_prompt
 from ..paths import check_fits
 from ..places import check_where
@@ -104,6 +108,7 @@ class Engine:
         # rows at their own positions; here the config meets the model and the machine, before the pool
         self.plan = make_plan(model, self.config, max_batch_size, "engine")
         self.forward_step = self.plan.step
+        self.forward_step.reserves = False  # the scheduler (step) reserves every block before each forward
         c, bs = model.config, self.config.cache_chunk_size
         dtype = model.dtype if self.config.kv_dtype is None else DTYPES[self.config.kv_dtype]
         # A model with sliding layers keeps them in a pool of windows (HybridPagedKVCache), unless the
@@ -115,14 +120,16 @@ class Engine:
         self.sliding_blocks = (HybridPagedKVCache.sliding_pool_blocks(
             max_batch_size, c.sliding_window, bs, c.max_seq_len, max_num_batched_tokens or c.max_seq_len)
             if self.hybrid else 0)
-        sliding_bytes = self.sliding_blocks * (sliding * layer_bytes + 56)  # a fixed pool, whatever num_blocks
+        # each block of either pool also costs the allocator's host bookkeeping, measured on its lists
+        host_bytes = math.ceil(PrefixAllocator.host_bytes_per_block())
+        sliding_bytes = self.sliding_blocks * (sliding * layer_bytes + host_bytes)  # a fixed pool, whatever num_blocks
         if num_blocks is None:
             room = int(MEMORY_FRACTION * available_bytes(model.device)) - sliding_bytes
             fits = room // block_bytes if block_bytes else math.inf  # no full layers: the pool is bookkeeping
             num_blocks = max(1, min(max_batch_size * blocks_for(c.max_seq_len, bs), fits))
         # A pool that all of this device's memory could not hold is refused before its allocator's
-        # lists (free, refs, fill: about 56 host bytes a block) and its tensors are made
-        pool_bytes = num_blocks * (block_bytes + 56) + sliding_bytes
+        # lists and its tensors are made
+        pool_bytes = num_blocks * (block_bytes + host_bytes) + sliding_bytes
         check_fits(pool_bytes, f"num_blocks={num_blocks:,} (a pool of blocks of {bs} tokens)",
                    "Fix: lower num_blocks, or pass num_blocks=None to size the pool from the memory available",
                    ConfigError, model.device)
@@ -231,11 +238,10 @@ class Engine:
         """Schedule, run one prefill and one decode forward, sample -> {request_id: new token ids}.
         With nothing to run (no request has arrived) it returns {} and records no step."""
         began, t = time.perf_counter(), self.now()
-        # 1. the running sequences' next tokens (and the rest of the prompts partly prefilled) first:
-        #    preempt the newest while the pool cannot hold them
-        while self.running and self._reserved_blocks() > len(self.alloc.free):
+        # 1. the blocks of the running sequences' next tokens (and of the rest of the prompts partly
+        #    prefilled), taken now: preempt the newest while the pool cannot hold them
+        while self.running and not self._claim(self.running):
             self._preempt(self.running[-1])
-        reserved = self._reserved_blocks()
         decoding = [r for r in self.running if r.prefilled]
         budget = None if self.max_num_batched_tokens is None else self.max_num_batched_tokens - len(decoding)
         # 2. prompt chunks: first the prompts already under way, in admission order ...
@@ -245,7 +251,6 @@ class Engine:
                 chunks.append((req, self._chunk(req, budget)))
                 budget = None if budget is None else budget - len(chunks[-1][1])
         # ... then arrived requests, in order, while a slot and their blocks are free (and tokens are left)
-        committed = 0  # blocks the admitted prompts will take
         while self.waiting and self.waiting[0].arrival_s <= t and (budget is None or budget > 0):
             req = self.waiting[0]
             # no prefix hits with sliding layers: their window's keys of the skipped positions do not exist
@@ -253,15 +258,14 @@ class Engine:
                                                                            self.block_size))
             fresh = blocks_for(len(req.tokens), self.block_size) - len(hits)
             revived = sum(self.alloc.refs[b] == 0 for b in hits)  # cached blocks no one holds: they leave the free list
-            if not can_admit(fresh + revived, len(self.alloc.free) - committed, reserved, len(self.running),
-                             self.max_batch_size):
+            # the running sequences' blocks are taken already: none is left to reserve for them
+            if not can_admit(fresh + revived, len(self.alloc.free), 0, len(self.running), self.max_batch_size):
                 break
             self.waiting.pop(0)
-            self._admit(req, hits)
+            self._admit(req, hits)  # takes its prompt's blocks
             self.running.append(req)
             chunks.append((req, self._chunk(req, budget)))
             budget = None if budget is None else budget - len(chunks[-1][1])
-            committed += fresh
         new: dict[int, list[int]] = {}
         if not chunks and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
             return new
@@ -303,15 +307,21 @@ class Engine:
         rest = req.tokens[req.computed:]
         return rest if budget is None else rest[:budget]
 
-    def _reserved_blocks(self) -> int:
-        """Blocks the running sequences' next tokens, and the rest of the prompts under way, take from the pool."""
-        return self.alloc.blocks_needed([(r.seq, r.computed, r.computed + 1 if r.prefilled else len(r.tokens))
-                                         for r in self.running])
+    def _claim(self, reqs: list[Request]) -> bool:
+        """Take the blocks that the next token of each of `reqs` (the rest of its prompt, while it is
+        under way) is written into, copies on write included, all or none -> whether the pool held them."""
+        spans = [(r.seq, r.computed, r.computed + 1 if r.prefilled else len(r.tokens)) for r in reqs]
+        try:
+            self.cache.copy_blocks(self.alloc.claim_all(spans))
+        except CacheFullError:
+            return False
+        return True
 
     def _admit(self, req: Request, hits: list[int]) -> None:
         req.seq = self.alloc.add_sequence()
         self.alloc.share(req.seq, hits)
         req.computed = req.registered = req.cached = len(hits) * self.block_size
+        self._claim([req])  # can_admit saw that its blocks are free
         req.cached_tokens += req.cached
         self.hit_tokens += req.cached
         self.admitted_tokens += len(req.tokens)
@@ -333,9 +343,13 @@ class Engine:
             ids[b, T - len(chunk):] = torch.tensor(chunk)
             pos[b, T - len(chunk):] = torch.arange(req.computed, req.computed + len(chunk))
         self.cache.select_rows([r.seq for r in reqs])
+        # the blocks of this forward, before it: the full pool's were claimed; the window's frees and the
+        # sliding pool's blocks are taken here, so the forward only reads the tables and writes the blocks
+        self.cache.reserve(pos)
         # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
         ops = self.plan.prompt_ops if prompt else self.plan.decode_ops  # the format and backend the plan chose
-        logits = self.forward_step.prefill(self.model, ids.to(device), pos.to(device), self.cache, self.policy, ops=ops)
+        step = self.forward_step.prefill if prompt else self.forward_step.decode
+        logits = step(self.model, ids.to(device), pos.to(device), self.cache, self.policy, ops=ops)
         greedy = logits.argmax(dim=-1).tolist()
         now = self.now()
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):

@@ -128,24 +128,14 @@ class PrefixAllocator(BlockAllocator):
             found.append(self.block_of[key])
         return found
 
-    def share(self, seq: int, blocks: list[int]) -> None:
-        """Give an empty sequence the cached `blocks` as its first logical blocks (taken back from
-        the free list when no one holds them)."""
-        for b in blocks:
-            if self.refs[b] == 0:
-                self.free.remove(b)
-            self.refs[b] += 1
-        self.tables[seq] = list(blocks)
-        self.lengths[seq] = len(blocks) * self.block_size
-
     def free_sequence(self, seq: int) -> None:
         """Release its blocks last first: a prefix's tail is then evicted before its head, which
         every later block's key depends on (vLLM frees in the same order)."""
         self.tables[seq].reverse()
         super().free_sequence(seq)
 
-    def _take(self) -> int:
-        b = super()._take()
+    def take(self) -> int:
+        b = super().take()
         key = self.key_of.pop(b, None)
         if key is not None:  # evicted: its tokens are about to be overwritten
             del self.block_of[key]

@@ -16,8 +16,10 @@ generation (steps/choose.py) and never branches on the kind again:
 Each has `prefill(model, ids, input_pos, cache, policy, ops=None) -> logits [B, V]` (the last position)
 and `decode(model, tokens [B, 1], input_pos, cache, policy, ops=None) -> logits [B, V]`, a `name` for
 reports, and `compile_s`, the seconds its first step spent compiling or capturing (0 for most). `ops`
-are the ops the model's forward runs (Model.forward): the loop passes them configured with the prompt
-format and the attention backend (steps/choose.ops_for); None: model.ops.
+are the ops the model's forward runs (Model.forward): the plan's, configured with the prompt format
+and the attention backend (run_plan.py); None: model.ops. Before each forward a step calls
+`cache.reserve(input_pos)` (the blocks it writes, contract.py), unless its caller owns the blocks
+(`reserves = False`: the serving engine's scheduler reserves them).
 """
 
 from __future__ import annotations
@@ -26,15 +28,25 @@ import torch
 from torch import Tensor
 
 
+def forward(model, tokens: Tensor, input_pos: Tensor, cache, policy=None, last_only: bool = False,
+            reserve: bool = True, ops=None) -> Tensor:
+    """One forward at input_pos ([T], or [B, T] per row) -> logits [B, T, V] ([B, 1, V] with last_only).
+    The cache first reserves the blocks this forward writes (contract.py), unless reserve=False: its
+    owner reserved them already (the serving engine's scheduler). ops: Model.forward's (None: model.ops)."""
+    if reserve and cache is not None:
+        cache.reserve(input_pos)
+    return model(tokens, input_pos, cache, last_only=last_only, policy=policy, ops=ops)
+
+
 def prefill(model, input_ids: Tensor, cache, policy=None, ops=None) -> Tensor:
     """Run the prompt [B, T] at positions 0..T-1 -> logits of the last position [B, V]."""
     input_pos = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return model(input_ids, input_pos, cache, last_only=True, policy=policy, ops=ops)[:, -1]
+    return forward(model, input_ids, input_pos, cache, policy, last_only=True, ops=ops)[:, -1]
 
 
 def decode_step(model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
     """Feed the newest tokens [B, 1] at position input_pos [1] (or [B, 1], per row) -> next-token logits [B, V]."""
-    return model(tokens, input_pos, cache, policy=policy, ops=ops)[:, -1]
+    return forward(model, tokens, input_pos, cache, policy, ops=ops)[:, -1]
 
 
 class EagerStep:
@@ -44,6 +56,7 @@ class EagerStep:
     loops_on_device = False  # GraphedStep: its decode_loop runs every token after the first (graphs.py)
     compile_s = 0.0
     prefill_chunk_size: int | None = None  # GenerationConfig.prefill_chunk_size (steps/choose.py sets it)
+    reserves = True  # the step reserves the cache's blocks before each forward; False: its caller does (the engine)
 
     def grad_mode(self):
         """inference_mode: the fastest eager mode (CompiledStep wants no_grad)."""
@@ -57,17 +70,18 @@ class EagerStep:
         the whole prompt's, while the activations alive at once scale with C instead of T (chapter 16)."""
         C = self.prefill_chunk_size or input_ids.shape[1]
         for start in range(0, input_ids.shape[1], C):
-            logits = model(input_ids[:, start:start + C], input_pos[..., start:start + C], cache,
-                           last_only=True, policy=policy, ops=ops)
+            logits = forward(model, input_ids[:, start:start + C], input_pos[..., start:start + C], cache, policy,
+                             last_only=True, reserve=self.reserves, ops=ops)
         return logits[:, -1]
 
     def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
-        return decode_step(model, tokens, input_pos, cache, policy, ops)
+        """One token per row [B, 1] at input_pos [1] (or [B, 1] per row) -> next-token logits [B, V]."""
+        return forward(model, tokens, input_pos, cache, policy, reserve=self.reserves, ops=ops)[:, -1]
 
     def verify(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         """Several tokens per row [B, T] at input_pos [T] (or [B, T], -1: padding) -> the logits of
         every position [B, T, V]: speculative decoding's check of k proposals (speculative.py)."""
-        return model(tokens, input_pos, cache, policy=policy, ops=ops)
+        return forward(model, tokens, input_pos, cache, policy, reserve=self.reserves, ops=ops)
 
     def report(self, stats) -> None:
         """Fill what this step knows of a finished generation into GenerationStats."""

@@ -113,15 +113,16 @@ class _Plan:
             self.keep.append(t)
             return t.data_ptr()
 
+        k, v = cache.layer_tensors()  # [L, B, Hkv, S, Dh] each: C writes layer i's slots in place
         layers = (_Layer * cfg.n_layers)()
         for i, b in enumerate(model.blocks):
             layers[i] = _Layer(fp32(b.attn_norm.weight), fp32(b.mlp_norm.weight),
                                _weight(b.attn.wqkv), _weight(b.attn.wo), _weight(b.mlp.w_gate_up),
                                _weight(b.mlp.w_down), fp32(b.attn.bqkv),
-                               cache.k_layers[i].data_ptr(), cache.v_layers[i].data_ptr())
+                               k[i].data_ptr(), v[i].data_ptr())
         self.layers = layers
-        self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, cache.max_len,
-                          int(cache.k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
+        self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, k.shape[3],
+                          int(k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
                           _weight(model.head), None)
         self.x = torch.empty(FUSED_MAX_ROWS, cfg.dim)  # the residual stream of each row (or chunk token), written by C
@@ -186,7 +187,8 @@ class FusedStep(EagerStep):
         if self.planned_for != (id(model), id(cache)):
             self.plan, self.planned_for = _Plan(model, cache), (id(model), id(cache))
         plan = self.plan
-        cache.prepare(input_pos)  # the contract's check: a position past the allocation raises CacheFullError
+        cache.reserve(input_pos)  # the contract's moves (a contiguous cache has none to make) and its check:
+        cache.prepare(input_pos)  # a position past the allocation raises CacheFullError
         pos = int(input_pos[0])
         ids = ids.to(torch.int64).contiguous()
         if not bool(((ids >= 0) & (ids < model.config.vocab_size)).all()):  # C would read past the embedding

@@ -9,7 +9,7 @@ what prefix sharing saves.
    by a fresh block, which inherits the source's `fill`, while the source loses one holder; the last
    holder of a block writes in place. Then record the slots written in `alloc.fill` of the block
    (the most of what it held and `end - j * bs`, at most bs) and the sequence's length in
-   `alloc.lengths`. Take every block with `alloc._take()` (it pops the free stack and sets the
+   `alloc.lengths`. Take every block with `alloc.take()` (it pops the free stack and sets the
    block's count to 1 and its fill to 0). The checker's pool never runs out and never holds a freed
    position, so leave out the room check and the window.
 2. `slot_of(block_table, position, block_size)`: the index, in the pool flattened to
@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 import random
+
+import torch
 
 from ...caches.paged import PagedKVCache
 from ...caches.blocks import BlockAllocator
@@ -44,9 +46,9 @@ def solution_write(alloc: BlockAllocator, seq: int, start: int, end: int) -> lis
     bs, table, copies = alloc.block_size, alloc.tables[seq], []
     for j in range(start // bs, math.ceil(end / bs)):  # every block the positions touch, the last partial one too
         if j >= len(table):
-            table.append(alloc._take())
+            table.append(alloc.take())
         elif alloc.refs[table[j]] > 1:  # another sequence reads this block: write into a copy
-            src, dst = table[j], alloc._take()
+            src, dst = table[j], alloc.take()
             alloc.refs[src] -= 1
             alloc.fill[dst] = alloc.fill[src]  # the copy holds what the source held
             table[j] = dst
@@ -114,7 +116,7 @@ def _write_hint(want: tuple, got: tuple) -> str:
 def check_write(fn) -> bool:
     """fn(alloc, seq, start, end) -> copies, leaving `alloc` as BlockAllocator.write does, step by step."""
     want = _replay(lambda alloc, *args: alloc.write(*args))
-    with forbidding(BlockAllocator.write, *(() if fn is solution_write else (solution_write,))):
+    with forbidding(BlockAllocator.write, BlockAllocator.claim, *(() if fn is solution_write else (solution_write,))):
         got = _replay(fn)
     for w, g in zip(want, got):
         if w != g:
@@ -155,16 +157,19 @@ def check_slot_of(fn) -> bool:
              "the logical block is position // block_size and the offset position % block_size"),
         ])
 
-    got = answers(fn, cases, solution_slot_of, PagedKVCache._plan)
+    got = answers(fn, cases, solution_slot_of, PagedKVCache.prepare)
     return compare("slot_of", cases, lambda *args: next(got), hints)
 
 
 def _slot_by_package(table: list[int], position: int, block_size: int) -> int:
     """The slot PagedKVCache writes `position` to, when its sequence's block table is `table`."""
-    cache = PagedKVCache(1, 1, 1, 1, block_size, n_blocks=max(table) + 1)
-    cache.allocator.lengths[cache.rows[0]] = position + 1
-    cache._plan(position, position + 1, [table])
-    return int(cache._write_slots[0])
+    alloc = BlockAllocator(max(table) + 1, block_size)
+    seq = alloc.add_sequence()
+    alloc.share(seq, table)  # the sequence holds exactly these blocks, in this order
+    cache = PagedKVCache(1, 0, 1, 1, block_size, alloc.n_blocks, allocator=alloc)
+    cache.select_rows([seq])
+    cache.prepare(torch.tensor([position]))
+    return int(cache.write_slots()[0])
 
 
 # ---------------------------------------------------------------- 3. prefix sharing

@@ -10,7 +10,7 @@
    score [S] the attention each slot has received so far. Return the slot (an int) that the next
    token is written to: an empty slot if there is one; otherwise the least attended slot, never one
    of the `recent` slots holding the newest positions (by position: slots are reused out of order).
-   The checker runs it with the cache's own ranking (HeavyHitterCache._rank, prepare) patched to raise.
+   The checker runs it with the cache's own ranking (HeavyHitterCache.rank, prepare) patched to raise.
 """
 
 from __future__ import annotations
@@ -152,9 +152,10 @@ def _victim_cases() -> list[tuple[str, tuple, int]]:
                 positions[int(torch.randint(budget, (1,), generator=g))] = -1
             cache = HeavyHitterCache(1, 1, 1, 1, budget, recent)
             cache.slot_pos[0], cache.score[0] = positions, score
-            cache.prepare(torch.tensor([int(positions.max()) + 1]))  # the next token
+            nxt = int(positions.max()) + 1
+            cache.prepare(torch.tensor([nxt]))  # the next token
             label = f"budget {budget}, recent {recent}, positions {positions.tolist()}"
-            cases.append((label, (positions, score, recent), int(cache._slots[0, 0])))
+            cases.append((label, (positions, score, recent), int((cache.slot_pos[0] == nxt).nonzero()[0, 0])))
     return cases
 
 
@@ -166,5 +167,5 @@ def check_victim(fn) -> bool:
         return known_mistake(got, _mistakes(*args))
 
     answer = lambda slot_pos, score, recent: fn(slot_pos.clone(), score.clone(), recent)  # noqa: E731
-    with forbidding(HeavyHitterCache._rank, HeavyHitterCache.prepare, *_unless_given(solution_victim, fn)):
+    with forbidding(HeavyHitterCache.rank, HeavyHitterCache.prepare, *_unless_given(solution_victim, fn)):
         return compare("victim", cases, answer, hints)
