@@ -10,12 +10,10 @@ gate/up into another, so a decode step launches fewer ops.
 The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig`
 (checkpoints/model_config.py) and a state dict in this module's names.
 
-This file is the math, in plain torch. The few ops that a kernel may run instead (a product, a
-norm, one-query attention, attention over paged blocks) go through `ops`, passed down from
-Model.forward's `ops=` or `model.ops`: `TorchOps` below, the reference, unless loading installs
-kernels/dispatch.py's `KernelOps`, which picks the C, oneDNN or Triton kernel that takes the call
-and falls back to these references (every kernel is tested against them); the ops also carry the
-prompt format and the attention backend of the forward (TorchOps.configured).
+This file is the math, in plain torch. The ops a kernel may run instead (a product, a norm,
+attention) go through `ops` (Model.forward's `ops=`, else `model.ops`): `TorchOps` below, the
+reference, or kernels/dispatch.py's `KernelOps`, which loading installs and which falls back to
+these references. The ops also carry the forward's prompt format and attention backend.
 """
 
 from __future__ import annotations
@@ -118,20 +116,15 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
 # ---------------------------------------------------------------- the ops a kernel may run
 class TorchOps:
-    """The plain torch reference of each op that a kernel may run instead (kernels/dispatch.py).
-
-    A decode step at batch 1 runs these ~120 times with a few thousand multiply-adds each, so there
-    the cost of an op is its dispatch and its memory traffic, which is what the kernels remove.
-
-    The ops also carry how one forward runs (Model.forward(..., ops=...)): `prompt`, the format of
-    a prompt's products and attention (prefill_precision, chapter 16), and `reads_blocks`, whether
-    attention reads a paged cache's blocks in place (attention_backend='triton', chapter 9): `configured`."""
+    """The plain torch reference of each op that a kernel may run instead (kernels/dispatch.py): a
+    decode step at batch 1 runs these ~120 times, so an op's cost is its dispatch and memory traffic.
+    `prompt`: the format of a prompt's products and attention (prefill_precision, chapter 16);
+    `reads_blocks`: attention reads a paged cache's blocks in place (attention_backend='triton')."""
     prompt: PromptFormat = FP32
     reads_blocks: bool = False
 
     def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None) -> "TorchOps":
-        """A new ops object with this one's state, `prompt` and `reads_blocks` replaced where given
-        (None: kept); this one is unchanged."""
+        """A new ops object, `prompt` and `reads_blocks` replaced where given; this one is unchanged."""
         ops = copy.copy(self)
         ops.prompt = self.prompt if prompt is None else prompt
         ops.reads_blocks = self.reads_blocks if reads_blocks is None else reads_blocks
@@ -166,8 +159,7 @@ class TorchOps:
         return attend(q, k, v, mask, fp32_softmax, bf16)
 
     def plan_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int) -> object:
-        """What every layer's attend_blocks of one decode step shares, made once per step (None here:
-        the torch reference plans nothing; kernels/dispatch.py's ops plan the Triton launch)."""
+        """What every layer's attend_blocks of one step shares (the reference plans nothing)."""
         return None
 
     def attend_blocks(self, q: Tensor, view: BlockView, window_size: int | None, sink_tokens: int,
@@ -370,24 +362,17 @@ class Model(nn.Module):
         """The output projection [V, D]: `lm_head`, or the token embedding when they are tied."""
         return self.embed if self.lm_head is None else self.lm_head
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
+    dtype = property(lambda self: self.embed.dtype, doc="The weights' dtype (the embedding's).")
+    device = property(lambda self: self.embed.device, doc="The model's device (the embedding's).")
 
     def forward(self, tokens: Tensor, input_pos: Tensor, cache=None, last_only: bool = False,
                 policy: AttentionPolicy | None = None, ops: TorchOps | None = None) -> Tensor:
         """tokens [B, T] at positions input_pos [T] -> logits [B, T, V] (or [B, 1, V]), fp32.
 
-        input_pos may also be [B, T], one position vector per row (a ragged batch): each row at its
-        own positions, -1 marking padding, which no cache writes and no query attends (cache.py).
-        With `cache`, the new keys/values are written at `input_pos` and attention reads every
-        cached position; without, attention sees only these T tokens (the naive loop). Numbers
-        flow in `self.precision` (precision.py): fp32 by default. `ops` runs every op (None: `self.ops`).
-        """
+        input_pos may also be [B, T], one per row (a ragged batch; -1 marks padding, never written or
+        attended). With `cache`, the new keys/values are written at `input_pos` and attention reads
+        every cached position; without, only these T tokens (the naive loop). Numbers flow in
+        `self.precision` (precision.py); `ops` runs every op (None: `self.ops`)."""
         assert tokens.dim() == 2 and input_pos.shape in ((tokens.shape[1],), tuple(tokens.shape)), \
             f"tokens must be [B, T] and input_pos [T] or [B, T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
         p, ops = self.precision, self.ops if ops is None else ops
@@ -403,10 +388,9 @@ class Model(nn.Module):
             ropes = dict.fromkeys(self.layer_types, self._rope(at, self.inv_freq, x.dtype))
             if self.config.arch == "gemma3" and "sliding_attention" in ropes:
                 ropes["sliding_attention"] = self._rope(at, self.inv_freq_local, x.dtype)
-        # Masks come from positions, never from counters: key slot s may be seen by query t
-        # when the slot holds a position <= input_pos[t]. `prepare` says, once for all layers, which
-        # position each slot holds after this step (caches/contract.py): {layer type: [S] or [B, S]},
-        # or {ANY_LAYER: ...} when every layer holds the same slots.
+        # Masks come from positions, never from counters: query t sees slot s when it holds a position
+        # <= input_pos[t]. `prepare` says, once for all layers, which position each slot holds
+        # (caches/contract.py): {layer type: [S] or [B, S]}, or {ANY_LAYER: ...} for every layer.
         key_pos = cache.prepare(input_pos) if cache is not None else key_positions(input_pos)
         masks = {kind: layer_mask(input_pos, positions_of(key_pos, kind), policy,
                                   None if kind == "full_attention" or imposes_window(policy) else
