@@ -5,7 +5,8 @@ config.py checks every config against these tables when it is built; course/tabl
 them as the README's table (scripts/update_readme.py). These rules read only a config's fields.
 What a config needs of the model and the machine (the fused C step, Triton, CUDA, the head dim)
 is declared here too, as RUN_RULES, and checked once per generation, when its step is chosen
-(steps/choose.py). Every table is data: nothing here changes after import.
+(steps/choose.py). What each place a plan runs cannot run is the third axis (places.py). Every
+table is data: nothing here changes after import.
 """
 
 from __future__ import annotations

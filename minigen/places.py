@@ -27,7 +27,7 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                        "would read quantized keys where the prompt alone is attended in full precision "
                        "(generate(model, prompts) runs a quantized ragged batch, one cache per row)", "quant_bits=None"),
         "prefill_chunk_size": ("prefill_chunk_size is generate's setting: the engine splits prompts by the tokens "
-                               "one step may run", "Engine(..., max_num_batched_tokens=256) and prefill_chunk_size=None"),
+                               "one step may run", "Engine(..., max_num_batched_tokens={prefill_chunk_size}) and prefill_chunk_size=None"),
     }),
     "parallel_sample": ("parallel_sample", {
         "prefetch_depth": ("parallel_sample forks the paged cache's rows, which an offload tier holds",
@@ -54,5 +54,6 @@ def check_where(c: "GenerationConfig", where: str) -> None:
     what, table = WHERE_REFUSED.get(where, ("", {}))
     for feature in c.features():
         if feature in table:
-            why, fix = table[feature]
-            raise ConfigError(f"{describe(c, feature)} does not combine with {what}: {why}. Fix: {fix}.")
+            why, fix = table[feature]  # a fix may name the config's own values: {prefill_chunk_size}
+            raise ConfigError(f"{describe(c, feature)} does not combine with {what}: {why}. "
+                              f"Fix: {fix.format_map(c.to_dict())}.")

@@ -114,7 +114,7 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
              if config.speculative_method == "draft" else None)
     generators = make_generators(config, batch, model.device)  # row r: seed + r
     step = choose_step(model, config, batch, tuple(observers), sample, generators, ragged=ragged,
-                       draft_model=draft_model, max_len=max_len, draft_step=draft and draft.step)
+                       draft_model=draft_model, max_len=max_len, draft_plan=draft)
     run = run_of(model, config, batch, tuple(observers))
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
     bf16_attention = prompt_attention_bf16(model, config)

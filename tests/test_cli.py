@@ -41,6 +41,16 @@ def test_generate_prints_the_continuation_and_stats(cli):
     assert "[3 tokens" in err and "KV cache" in err and "tok/s" in err
 
 
+def test_explain_prints_the_plan_before_the_tokens(cli):
+    status, out, err = cli("generate", PROMPT, "--max-new-tokens", "3", "--explain")
+    assert status == 0 and out.startswith(PROMPT + " Paris")
+    plan = err[:err.index("[3 tokens")]
+    assert [line.split(":")[0] for line in plan.strip().splitlines()] == ["decode", "prompt", "attention", "KV", "kernels"]
+    assert "46,080 bytes a token" in plan  # SmolLM2's fp32 keys and values: 2 x 30 layers x 3 heads x 64 x 4
+    naive = cli("generate", PROMPT, "--max-new-tokens", "3", "--no-cache", "--explain")[2]
+    assert "the naive loop" in naive and "the naive loop" not in plan
+
+
 def test_no_cache_gives_the_same_text(cli):
     cached = cli("generate", PROMPT, "--max-new-tokens", "3")
     naive = cli("generate", PROMPT, "--max-new-tokens", "3", "--no-cache")
@@ -135,8 +145,8 @@ def test_bench_json_that_cannot_be_written_exits_2_before_the_run(tiny_folder, t
 
 def test_bench_json_is_written_whole(tiny_folder, tmp_path, capsys):
     status, out, _ = run_main(capsys, "bench", "--model", str(tiny_folder), "--prompt-len", "8", "--new-tokens",
-                              "32", "--repeats", "1", "--no-baseline", "--json", str(tmp_path / "bench.json"))
-    assert status == 0 and "wrote" in out
+                              "32", "--repeats", "1", "--no-baseline", "--explain", "--json", str(tmp_path / "bench.json"))
+    assert status == 0 and "wrote" in out and "minigen's plan:\n  decode:" in out  # --explain: what ran, in words
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["new_tokens"] == 32 and result["engines"]["minigen"]["decode_tokens_per_s"] > 0
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left beside it

@@ -110,7 +110,10 @@ def test_a_batch_row_gets_the_logits_of_its_prompt_alone(tiny_llama):
     with torch.inference_mode():
         batch = model(prompts[:, :1], torch.tensor([0]))
         alone = torch.cat([model(prompts[r:r + 1, :1], torch.tensor([0])) for r in range(5)])
-    assert torch.equal(batch, alone)
+    if model.ops.paths().allowed("c_matvec"):  # the C loops run here: the same bits
+        assert torch.equal(batch, alone)
+    else:  # the one-row C loop measured slower here: torch's product may block 5 rows otherwise than 1
+        assert torch.allclose(batch, alone, rtol=1e-5, atol=1e-5)
 
 
 def test_matvec_stands_aside_where_torch_must_see_the_op():

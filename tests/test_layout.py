@@ -310,8 +310,9 @@ def test_the_rules_are_declared_data():
 # Private attributes read across modules that this rule lets stand, as (module, "value.attr"), each
 # with its reason. Modules another change rewrites keep theirs until then.
 PRIVATE_READS_ALLOWED = {
-    # numerics/bf16_copies.py is being rewritten in another change: a tensor's version counter
-    ("numerics.bf16_copies", "(w.codes if isinstance(w, QuantizedWeight) else w)._version"),
+    # torch keeps a tensor's in-place version counter as _version, with no public name: a weight's
+    # bf16 copy remembers it, so that a copy of a weight changed in place is never read
+    ("numerics.copies", "(w.codes if isinstance(w, QuantizedWeight) else w)._version"),
     # torch's nn.Module keeps its children, parameters and buffers in these tables, with no public
     # way to give a shallow copy of a Module tables of its own (a draft that shares the target's layers)
     ("drafts", "draft._modules"), ("drafts", "draft._parameters"), ("drafts", "draft._buffers"),

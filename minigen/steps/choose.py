@@ -139,7 +139,7 @@ def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> b
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
                 sample: Callable | None = None, generators: Generators = None,
                 ragged: bool = False, draft_model=None, max_len: int | None = None,
-                draft_step: EagerStep | None = None) -> EagerStep:
+                draft_plan=None) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generators, one per row: for
     a CUDA graph, which samples inside the graph, and for speculative sampling). Here, once, the config meets the
     model and the machine (combinations.check_run): a setting they cannot run is refused with
@@ -155,8 +155,12 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
             proposer = speculative.NgramProposer(config)
         else:  # the draft runs its own fastest step (fused at batch 1 where it applies)
             draft = speculative.draft_config(config)
-            draft_step = draft_step or _choose(draft_model, draft, batch, (), None, None, batch > 1)
-            proposer = speculative.DraftProposer(draft_model, draft, draft_step, batch, max_len)
+            if draft_plan is not None:  # the draft's own plan (run_plan.make_plan, where="draft"): its step and cache
+                proposer = speculative.DraftProposer(draft_model, draft_plan.config, draft_plan.step, batch, max_len,
+                                                     draft_plan.make_cache(draft_model))
+            else:
+                proposer = speculative.DraftProposer(draft_model, draft, _choose(draft_model, draft, batch, (), None,
+                                                                                 None, batch > 1), batch, max_len)
         return speculative.SpeculativeStep(target, proposer, config, generators, ragged or batch > 1)
     return _choose(model, config, batch, observers, sample, generators, ragged)
 
