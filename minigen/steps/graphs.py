@@ -194,6 +194,8 @@ class CompiledStep(EagerStep):
         return torch.no_grad()
 
     def decode(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
+        # the model's own ops go in as None, as a direct call of the compiled step passes them: one guard, one graph
+        ops = None if ops is model.ops else ops
         if not self.first:
             return self.step(model, tokens, input_pos, cache, policy, ops)
         before, began = graphs_compiled(), time.perf_counter()
