@@ -1119,3 +1119,35 @@ def test_row(row, request):
     assert "\n" not in str(e).strip(), "the message is one line"
     for fragment in row["fragments"]:
         assert fragment in str(e), f"{fragment!r} not in: {e}"
+
+
+# ---------------------------------------------------------------- the run plan
+@case("plan-beside-a-config")
+def _(tiny_model):
+    ids = torch.tensor([[1, 2, 3]])
+    plan = minigen.make_plan(tiny_model, GenerationConfig(max_new_tokens=3), 1, max_len=6)
+    with pytest.raises(errors.ConfigError, match="give a plan or a config, not both"):
+        minigen.generate(tiny_model, ids, plan=plan, max_new_tokens=3)
+    minigen.generate(tiny_model, ids, GenerationConfig(max_new_tokens=3), plan=plan)
+
+
+@case("plan-for-another-batch")
+def _(tiny_model):
+    plan = minigen.make_plan(tiny_model, GenerationConfig(max_new_tokens=3), 1, max_len=10)
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3], [4, 5, 6]]), plan=plan)
+
+
+@case("plan-for-another-place")
+def _(tiny_model):
+    plan = minigen.make_plan(tiny_model, GenerationConfig(max_new_tokens=3), 2, max_len=10)
+    minigen.generate(tiny_model, [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], plan=plan)
+
+
+@case("plan-where-unknown")
+def _(tiny_model):
+    minigen.make_plan(tiny_model, GenerationConfig(), 1, where="server")
+
+
+@case("plan-not-a-plan")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), plan="fused")
