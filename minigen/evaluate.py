@@ -20,7 +20,7 @@ from .config import GenerationConfig, resolve_config
 from .entropy import EntropyRecorder
 from .errors import PromptError
 from .generate import check_prompt
-from .run_plan import Plan, make_plan
+from .run_plan import Plan, given_plan, make_plan
 from .model import Model
 
 
@@ -47,7 +47,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     `observers` see every layer's attention probabilities (attention.AttentionObserver).
     `plan`: one make_plan built with where="score" for this text's length, run instead of a new one.
     """
-    config = resolve_config(config, overrides) if plan is None else plan.config
+    config = given_plan(plan, config, overrides, "score", observers=observers) or resolve_config(config, overrides)
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() not in (1, 2):
         raise PromptError(f"token_ids must be an integer tensor [T] or [1, T], got "
                           f"{tuple(token_ids.shape) if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__}")
@@ -68,7 +68,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     # fp32 runs, with a warning. fused_decode=True scores what the fused step computes, one token at a
     # time; "auto" keeps the chunked forward (the plan's eager step), which reads each weight once per
     # chunk rather than once per token
-    plan = plan or make_plan(model, config, 1, "score", max_len=T, observers=tuple(observers))
+    plan = plan.check_fits(1, T) if plan else make_plan(model, config, 1, "score", max_len=T, observers=tuple(observers))
     step = plan.step if plan.step.name == "fused" else None
     if step is not None:
         C = 1

@@ -28,7 +28,7 @@ from .caches.contract import Cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
 from .model import Model
-from .run_plan import Plan, make_plan
+from .run_plan import Plan, given_plan, make_plan
 from .sampling import sample
 from .stats import GenerationStats, finish_timing, record_cache
 
@@ -131,21 +131,6 @@ def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache
     record_cache(stats, cache)
 
 
-def given_plan(plan: Plan | None, config, overrides: dict, where: str) -> GenerationConfig | None:
-    """A plan the caller built (plan=): its config runs, so a config or overrides beside it are refused."""
-    if plan is None:
-        return None
-    if not isinstance(plan, Plan):
-        raise ConfigError(f"plan={plan!r} is not a Plan: build one with minigen.make_plan(model, config, batch)")
-    if config is not None or overrides:
-        raise ConfigError("give a plan or a config, not both: the plan holds its config (plan.config); "
-                          "build another with minigen.make_plan(model, config, batch)")
-    if plan.where != where:
-        raise ConfigError(f"this plan was built for where={plan.where!r}, not {where!r}: "
-                          f"make_plan(model, config, batch, where={where!r})")
-    return plan.config
-
-
 def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig, observers: tuple[AttentionObserver, ...],
                  draft_model, plan: Plan | None) -> Plan:
     """A tensor batch's checks and its plan, before any work (so that stream raises at the call, not
@@ -154,10 +139,7 @@ def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig, obse
     B, max_len = input_ids.shape[0], input_ids.shape[1] + config.max_new_tokens
     if plan is None:
         return make_plan(model, config, B, "generate", max_len=max_len, observers=observers, draft_model=draft_model)
-    if plan.batch != B or plan.max_len < max_len:
-        raise ConfigError(f"this plan runs {plan.batch} rows of up to {plan.max_len} positions; the call needs {B} of "
-                          f"{max_len}: make_plan(model, config, {B}, max_len={max_len})")
-    return plan
+    return plan.check_fits(B, max_len)
 
 
 def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: GenerationStats) -> Iterator[Tensor]:
@@ -188,7 +170,8 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     one; it holds its config. stats.plan says, in words, what ran.
     """
     where = "ragged" if isinstance(input_ids, (list, tuple)) else "generate"
-    config = given_plan(plan, config, overrides, where) or resolve_config(config, overrides)
+    config = given_plan(plan, config, overrides, where, observers=observers, draft_model=draft_model) \
+        or resolve_config(config, overrides)
     if where == "ragged":
         return _generate_ragged(model, input_ids, config, tuple(observers), draft_model, plan)
     stats = GenerationStats()
@@ -203,7 +186,8 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
            draft_model: Model | None = None, plan: Plan | None = None, **overrides) -> Iterator[Tensor]:
     """Yield each new token [B] as soon as it is sampled; `stats`, when given, is filled as the
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
-    config = given_plan(plan, config, overrides, "generate") or resolve_config(config, overrides)
+    config = given_plan(plan, config, overrides, "generate", observers=observers, draft_model=draft_model) \
+        or resolve_config(config, overrides)
     # Check here: a generator function would only raise at the first next(), far from the call.
     plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
     return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats())
@@ -230,12 +214,11 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     """
     _check_parallel_args(input_ids, n)
     config = given_plan(plan, config, overrides, "parallel_sample") or resolve_config(config, overrides)
-    if config.cache_chunk_size is None:
-        config = config.replace(cache_chunk_size=16)
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    T, new, bs = input_ids.shape[1], config.max_new_tokens, config.cache_chunk_size
-    # paged: the eager step (the table keeps the fused one off)
-    plan = plan or make_plan(model, config, n, "parallel_sample", max_len=T + new)
+    T, new = input_ids.shape[1], config.max_new_tokens
+    # paged (the plan's blocks of 16 where the config names none): the eager step, which the table keeps
+    plan = plan.check_fits(n, T + new) if plan else make_plan(model, config, n, "parallel_sample", max_len=T + new)
+    bs = plan.config.cache_chunk_size
     unshared = n * math.ceil((T + new) / bs)
     cache = plan.make_cache(model, rows=1, pool_rows=n)  # one row now, n after the fork
     policy = plan.make_policy(cache)
@@ -298,7 +281,8 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
                           "Generate the prompts one at a time, or as one [B, T] tensor of equal lengths.")
     lens = [p.numel() for p in prompts]
     B, T, n = len(prompts), max(lens), config.max_new_tokens
-    plan = plan or make_plan(model, config, B, "ragged", max_len=T + n, draft_model=draft_model)
+    plan = plan.check_fits(B, T + n) if plan else make_plan(model, config, B, "ragged", max_len=T + n,
+                                                           draft_model=draft_model)
     stats, device = GenerationStats(), model.device
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     pos = torch.full((B, T), -1, dtype=torch.long, device=device)

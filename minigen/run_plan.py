@@ -32,6 +32,7 @@ import torch
 from .attention import AttentionObserver, AttentionPolicy
 from .caches.make import make_cache
 from .combinations import Run
+from .errors import ConfigError
 from .config import GenerationConfig
 from .kernels import build as kernel_build
 from .kernels import fastpaths
@@ -42,6 +43,7 @@ from .steps import graphs, speculative
 from .steps.eager import EagerStep
 
 DTYPE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+PARALLEL_BLOCK = 16  # parallel_sample's cache_chunk_size where its config names none
 WEIGHT_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "int4": "int4"}
 
 
@@ -81,6 +83,14 @@ class Plan:
         """The attention policy (window, sinks, sparse selection, observers) with the cache's observers."""
         return make_policy(self.config, cache, self.observers)
 
+    def check_fits(self, batch: int, max_len: int) -> "Plan":
+        """This plan, for a call of `batch` rows of up to `max_len` positions; ConfigError if it was
+        built for other rows or fewer positions."""
+        if self.batch != batch or self.max_len < max_len:
+            raise ConfigError(f"this plan runs {self.batch} rows of up to {self.max_len} positions; the call needs "
+                              f"{batch} of {max_len}: make_plan(model, config, {batch}, max_len={max_len})")
+        return self
+
     def __str__(self) -> str:
         width = max(map(len, self.parts))
         return "\n".join(f"{name + ':':<{width + 1}} {words}" for name, words in self.parts.items())
@@ -96,6 +106,26 @@ def make_policy(config: GenerationConfig, cache, observers: tuple[AttentionObser
     return AttentionPolicy.from_config(config, (*observers, *cache_observers))
 
 
+def given_plan(plan: Plan | None, config, overrides: dict, where: str, **beside) -> GenerationConfig | None:
+    """The config of a plan the caller built (plan=), which runs as built: a config, overrides or
+    anything else the plan already holds (`beside`: observers, a draft model) given with it is
+    refused, as is a plan built for another place. None without a plan."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan={plan!r} is not a Plan: build one with minigen.make_plan(model, config, batch)")
+    given = [key for key, value in beside.items() if value]
+    if config is not None or overrides or given:
+        keys = ", ".join(["config"] * (config is not None) + list(overrides) + given)
+        raise ConfigError(f"give a plan or a config, not both ({keys} given beside plan=): the plan holds its "
+                          "config, observers and draft model; build another with minigen.make_plan(model, config, "
+                          "batch, observers=..., draft_model=...)")
+    if plan.where != where:
+        raise ConfigError(f"this plan was built for where={plan.where!r}, not {where!r}: "
+                          f"make_plan(model, config, batch, where={where!r})")
+    return plan.config
+
+
 def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, where: str = "generate", *,
               max_len: int | None = None, observers: tuple[AttentionObserver, ...] = (), draft_model=None) -> Plan:
     """The plan for `batch` rows of `model` under `config` at `where` (places.WHERES), each row's
@@ -107,6 +137,8 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
         # score's chunked forward reads each weight once per chunk, not once per token; the profiler's
         # categories are torch's ops, which the fused step runs in one C call: both run the eager step
         config = config.replace(fused_decode=False)
+    if where == "parallel_sample" and config.cache_chunk_size is None:
+        config = config.replace(cache_chunk_size=PARALLEL_BLOCK)  # its rows share the prompt's blocks: paged
     max_len = max_len or model.config.max_seq_len
     ragged = where in ("ragged", "engine") or (where == "draft" and batch > 1)
     speculative.check_draft(config, model, draft_model)
@@ -114,7 +146,7 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
              if config.speculative_method == "draft" else None)
     generators = make_generators(config, batch, model.device)  # row r: seed + r
     step = choose_step(model, config, batch, tuple(observers), sample, generators, ragged=ragged,
-                       draft_model=draft_model, max_len=max_len, draft_plan=draft)
+                       draft_model=draft_model, draft_plan=draft)
     run = run_of(model, config, batch, tuple(observers))
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
     bf16_attention = prompt_attention_bf16(model, config)

@@ -89,6 +89,10 @@ def test_a_given_plan_runs_and_gives_the_same_tokens(llama):
     (lambda m, ids, p: minigen.generate(m, ids.expand(2, -1), plan=p), "this plan runs 1 rows"),
     (lambda m, ids, p: minigen.generate(m, [ids[0], ids[0]], plan=p), "built for where='generate', not 'ragged'"),
     (lambda m, ids, p: minigen.generate(m, ids, plan="fused"), "is not a Plan"),
+    (lambda m, ids, p: minigen.generate(m, ids, plan=p, observers=(object(),)), "observers given beside plan="),
+    (lambda m, ids, p: minigen.score(m, ids[0], minigen.GenerationConfig(), plan=p), "a plan or a config, not both"),
+    (lambda m, ids, p: minigen.score(m, ids[0], plan=p), "built for where='generate', not 'score'"),
+    (lambda m, ids, p: minigen.parallel_sample(m, ids, 3, plan=p), "built for where='generate', not 'parallel_sample'"),
 ])
 def test_a_plan_that_does_not_fit_the_call_is_refused(llama, call, fragment):
     ids = ids_of(llama)
@@ -136,3 +140,24 @@ def test_a_draft_gets_its_own_plan(llama):
     assert plan.step.name.startswith("speculative") and "a draft model's" in str(plan)
     with pytest.raises(ConfigError, match="draft"):
         make_plan(llama, config, 1, max_len=16)  # no draft model given
+
+
+def test_a_plan_for_other_rows_is_refused_everywhere_it_is_taken(llama):
+    ids = ids_of(llama)
+    config = minigen.GenerationConfig(max_new_tokens=3, do_sample=True, seed=0)
+    two = make_plan(llama, config, 2, "parallel_sample", max_len=ids.shape[1] + 3)
+    with pytest.raises(ConfigError, match="this plan runs 2 rows"):
+        minigen.parallel_sample(llama, ids, 3, plan=two)
+    short = make_plan(llama, minigen.GenerationConfig(), 1, "score", max_len=ids.shape[1] - 1)
+    with pytest.raises(ConfigError, match="the call needs 1 of 6"):
+        minigen.score(llama, ids[0], plan=short)
+
+
+def test_a_parallel_sample_plan_pages_its_cache_as_parallel_sample_does(llama):
+    """parallel_sample's default blocks of 16 come from its plan, so a plan made for it by hand forks too."""
+    ids = ids_of(llama)
+    config = minigen.GenerationConfig(max_new_tokens=3, do_sample=True, seed=0)
+    plan = make_plan(llama, config, 2, "parallel_sample", max_len=ids.shape[1] + 3)
+    assert plan.config.cache_chunk_size == 16 and "paged blocks of 16" in str(plan)
+    given = minigen.parallel_sample(llama, ids, 2, plan=plan)
+    assert torch.equal(given.tokens, minigen.parallel_sample(llama, ids, 2, config).tokens)

@@ -138,13 +138,12 @@ def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> b
 
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
                 sample: Callable | None = None, generators: Generators = None,
-                ragged: bool = False, draft_model=None, max_len: int | None = None,
-                draft_plan=None) -> EagerStep:
+                ragged: bool = False, draft_model=None, draft_plan=None) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generators, one per row: for
     a CUDA graph, which samples inside the graph, and for speculative sampling). Here, once, the config meets the
     model and the machine (combinations.check_run): a setting they cannot run is refused with
-    ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py): its
-    draft model's cache holds `max_len` positions; several rows run at their own positions."""
+    ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py); a draft
+    model runs the draft_plan that run_plan.make_plan built for it; several rows run at their own positions."""
     speculative.check_draft(config, model, draft_model)
     if config.speculative_method is not None:
         if batch > 1 and not ragged:
@@ -153,14 +152,9 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
         target = _choose(model, config, batch, observers, sample, generators, ragged or batch > 1)
         if config.speculative_method == "ngram":
             proposer = speculative.NgramProposer(config)
-        else:  # the draft runs its own fastest step (fused at batch 1 where it applies)
-            draft = speculative.draft_config(config)
-            if draft_plan is not None:  # the draft's own plan (run_plan.make_plan, where="draft"): its step and cache
-                proposer = speculative.DraftProposer(draft_model, draft_plan.config, draft_plan.step, batch, max_len,
-                                                     draft_plan.make_cache(draft_model))
-            else:
-                proposer = speculative.DraftProposer(draft_model, draft, _choose(draft_model, draft, batch, (), None,
-                                                                                 None, batch > 1), batch, max_len)
+        else:  # the draft's own plan (run_plan.make_plan, where="draft"): its fastest step and its cache
+            proposer = speculative.DraftProposer(draft_model, draft_plan.config, draft_plan.step, batch,
+                                                 draft_plan.make_cache(draft_model))
         return speculative.SpeculativeStep(target, proposer, config, generators, ragged or batch > 1)
     return _choose(model, config, batch, observers, sample, generators, ragged)
 

@@ -39,7 +39,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..caches.make import make_cache
 from ..combinations import FUSED_MAX_ROWS
 from ..config import GenerationConfig
 from ..errors import ConfigError
@@ -95,15 +94,11 @@ class DraftProposer:
     would (same temperature, top-k, top-p) and keeps its probabilities q for the acceptance rule."""
     name = "draft"
 
-    def __init__(self, draft, config: GenerationConfig, step: EagerStep, batch: int, max_len: int, cache=None):
+    def __init__(self, draft, config: GenerationConfig, step: EagerStep, batch: int, cache):
         """config: draft_config(the target's); step and cache: the draft's own, from its plan
-        (run_plan.make_plan(draft, config, batch, "draft")); cache None: made here the same way."""
-        self.model, self.config, self.step, self.batch = draft, config, step, batch
+        (run_plan.make_plan(draft, config, batch, "draft"): rows at their own positions when batch > 1)."""
+        self.model, self.config, self.step, self.batch, self.cache = draft, config, step, batch, cache
         self.ragged = batch > 1  # rows drift apart as they accept different counts: per-row positions
-        if cache is None:
-            with self.step.grad_mode():
-                cache = make_cache(draft, self.config, batch, max_len, ragged=self.ragged)
-        self.cache = cache
         self.cached = [0] * batch  # positions of each row's text held in the draft's cache
         self.fed = [0] * batch  # of each row's latest proposals, how many went into that cache (all but the last)
 
