@@ -106,14 +106,15 @@ class KernelOps:
             y = int8.int8_linear(x.float(), w8, backend) if backend is not None else None
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         quantized = isinstance(w, QuantizedWeight)
-        one_row = self.on(_ONE_ROW.get(w.bits if quantized else w.dtype, "c_matvec"), x)
-        if x.numel() == x.shape[-1] and one_row:
+        one_row = _ONE_ROW.get(w.bits if quantized else w.dtype, "c_matvec")  # the measurement of its one-row loop
+        if x.numel() == x.shape[-1] and self.on(one_row, x):
             y = cpu.matvec(x.float(), w)  # one row (a decode step at batch 1): stream the weights once
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
         rows = x.numel() // x.shape[-1]
         # the several-row loop gives each row the bits the one-row loop gives it alone: it runs only beside it
-        if rows <= cpu.MAX_ROWS and x.dtype == torch.float32 and not quantized and one_row and self.on("c_rows", x):
+        if (rows <= cpu.MAX_ROWS and x.dtype == torch.float32 and not quantized and self.on(one_row, x)
+                and self.on("c_rows", x)):
             y = cpu.matmul_rows(x.reshape(rows, x.shape[-1]), w)  # a batch's rows read each weight once
             if y is not None:
                 return y.view(*x.shape[:-1], w.shape[0]).to(out_dtype)
