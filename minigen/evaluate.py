@@ -68,7 +68,8 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     # fp32 runs, with a warning. fused_decode=True scores what the fused step computes, one token at a
     # time; "auto" keeps the chunked forward (the plan's eager step), which reads each weight once per
     # chunk rather than once per token
-    plan = plan.check_fits(1, T) if plan else make_plan(model, config, 1, "score", max_len=T, observers=tuple(observers))
+    plan = (plan.check_fits(1, T) if plan
+            else make_plan(model, config, 1, "score", max_len=T, observers=tuple(observers)))
     step = plan.step if plan.step.name == "fused" else None
     if step is not None:
         C = 1

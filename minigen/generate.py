@@ -5,10 +5,10 @@ Shapes: B batch, T prompt tokens, n new tokens, V vocabulary.
     generate ─> make_plan ─> plan.make_cache ─> step.prefill(prompt) ─> sample ─> step.decode(token) ─> ...
 
 `run_steps` is the loop, the one place where prefill and decode steps run; a generation builds its
-plan once (run_plan.py: `print(plan)` says what runs), which holds the step object: the naive loop (use_cache=False, every step runs the whole
-sequence so far: chapter 1), the eager cached loop (the prompt once, then one token per step at its
-explicit position: chapter 2), the compiled or CUDA-graph step (chapter 8), or the fused C step
-(chapter 14: the default at batch 1 on a CPU). A tensor batch [B, T] shares its positions; a
+plan once (run_plan.py: `print(plan)` says what runs), which holds the step object: the naive loop
+(use_cache=False, every step runs the whole sequence so far: chapter 1), the eager cached loop (the
+prompt once, then one token per step at its explicit position: chapter 2), the compiled or CUDA-graph
+step (chapter 8), or the fused C step (chapter 14: the default at batch 1 on a CPU). A tensor batch [B, T] shares its positions; a
 ragged batch (a list of prompts) runs each row at its own positions; `parallel_sample` (chapter 3)
 prefills one prompt into a paged cache and forks it into n rows that share its blocks.
 """

@@ -38,7 +38,7 @@ from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
 from .sampling import Generators, make_generators, sample
-from .steps.choose import choose_step, measurements, ops_for, prompt_attention_bf16, run_of
+from .steps.choose import choose_step, measurements, ops_for, run_of
 from .steps import graphs, speculative
 from .steps.eager import EagerStep
 
@@ -58,7 +58,6 @@ class Plan:
     step: EagerStep  # prefill and decode (steps/eager.py lists the kinds)
     observers: tuple[AttentionObserver, ...] = ()
     generators: Generators = None  # one per row when sampling (row r: seed + r, sampling.py); None when greedy
-    bf16_attention: bool = True  # a bf16 prompt's attention in bf16 (measured no slower than fp32 here)
     fast_paths: fastpaths.FastPaths | None = None  # this machine's measurements at the model's shapes (CPU)
     prompt_ops: object = None  # the model's ops for a prompt: its format (prefill_precision) and attention backend
     decode_ops: object = None  # the model's ops for a decode step: fp32 products, the attention backend
@@ -99,7 +98,8 @@ class Plan:
         return str(self).splitlines()
 
 
-def make_policy(config: GenerationConfig, cache, observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
+def make_policy(config: GenerationConfig, cache,
+                observers: tuple[AttentionObserver, ...] = ()) -> AttentionPolicy | None:
     """The attention policy (window, sinks, sparse, observers) that `config` selects, with the
     observers the cache needs; None: plain causal attention."""
     cache_observers = tuple(cache.observers) if cache is not None else ()
@@ -149,9 +149,9 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
                        draft_model=draft_model, draft_plan=draft)
     run = run_of(model, config, batch, tuple(observers))
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
-    bf16_attention = prompt_attention_bf16(model, config)
-    plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, bf16_attention, fast,
-                ops_for(model, config, prompt=True, bf16_attention=bf16_attention), ops_for(model, config, prompt=False))
+    # the prompt's ops carry its format; a bf16 prompt's attention in bf16 where that measured no slower here
+    plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, fast,
+                ops_for(model, config, prompt=True), ops_for(model, config, prompt=False))
     plan.parts = describe(plan, model)
     return plan
 
@@ -209,7 +209,8 @@ def _prompt_words(plan: Plan, model) -> str:
     pieces = f", in pieces of {c.prefill_chunk_size} tokens" if c.prefill_chunk_size else ""
     short = "; a prompt of 16 tokens or fewer runs fp32 on the several-row C kernel" if cpu else ""
     if c.prefill_precision == "bfloat16":
-        attention = "bf16 attention" if plan.bf16_attention else "fp32 attention (bf16's measured slower here)"
+        attention = ("bf16 attention" if plan.prompt_ops.prompt.attention_bf16
+                     else "fp32 attention (bf16's measured slower here)")
         return (f"bf16 products with fp32 sums through oneDNN's bf16 GEMM{_ratio(plan, 'bf16_prompt', 'fp32')}, "
                 f"{attention}{pieces}{short}")
     if c.prefill_precision == "int8":
