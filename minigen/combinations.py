@@ -239,6 +239,7 @@ class Run:
     int8_dot: bool | None = None  # an x86 CPU with int8 dot products (AVX512-VNNI, AVX-VNNI or AMX-INT8); None: unknown
     int8_product: bool | None = None  # an int8 product runs here (kernels/int8.py: minigen's C, oneDNN's or torch._int_mm)
     model_window: int | None = None  # the window the model's sliding layers were trained with; 0: none slides
+    quantized: bool | None = None  # the linear weights are int4 / int8 codes (load's weight_bits)
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
@@ -338,6 +339,16 @@ RUN_RULES: tuple[RunRule, ...] = (
      lambda c, r: f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is on "
      f"{r.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen to run the kernel in "
      "Triton's interpreter (correct, slow)"),
+    # int8_activations=True (not a feature of the table: checked by steps/choose.py, where it is demanded)
+    ("int8_activations", ("quantized",), lambda c, r: not r.quantized, lambda c, r: "int8_activations=True "
+     "multiplies int4/int8 weight codes by int8 activations, and this model's weights are not quantized: load it with "
+     "weight_bits=4 or 8, or set int8_activations=False (fp32 and bf16 weights decode exactly)"),
+    ("int8_activations", ("device",), lambda c, r: r.device != "cpu", lambda c, r: f"int8_activations=True runs "
+     f"minigen's C kernels on a CPU, and the model is on {r.device}. Fix: int8_activations=False"),
+    ("int8_activations", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
+     f"int8_activations=True needs minigen's C kernel, which is {r.c_kernel}. Fix: int8_activations=False"),
+    ("int8_activations", (), lambda c, r: c.compile or c.cuda_graphs, lambda c, r: "int8_activations=True runs in "
+     "minigen's C kernels, which a compiled or captured step does not call. Fix: int8_activations=False"),
     # values (and keys per token) are grouped over the channels of one head
     ("quant_bits", ("head_dim",), lambda c, r: r.head_dim % c.quant_group_size, lambda c, r:
      f"quant_group_size={c.quant_group_size} does not divide this model's head dim {r.head_dim}: values (and "
@@ -359,29 +370,6 @@ def check_run(c: "GenerationConfig", r: Run) -> None:
     refusals = run_refusals(c, r)
     if refusals:
         raise ConfigError(refusals[0])
-
-
-# ---------------------------------------------------------------- per-row positions
-# Features that cannot run rows at different positions (a ragged batch, the serving engine):
-# feature -> (why, the fix). Every other feature takes per-row positions [B, T] (cache.py).
-RAGGED_REFUSED: dict[str, str] = {
-    "use_cache=False": "the naive loop recomputes every row's whole sequence; ragged batches go through the cache",
-    "prefetch_depth": "the offload tier moves one batch's layers in lockstep",
-    "kv_budget": "heavy hitters evict per row from attention that padding queries would pollute",
-    "sparse": "sparse selection ranks keys per query, padding queries included",
-    "compile": "a compiled step has one shape; ragged rows plan their positions on the host",
-    "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
-    "attention_backend": "the Triton kernel reads rows at one shared length",
-    "fused_decode": "the fused step decodes every row at one shared position",
-}
-
-
-def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
-    """Refuse, with the key and the fix, a feature that cannot take per-row positions (`table`)."""
-    for feature in c.features():
-        if feature in table:
-            fix = switch_off(feature)
-            raise ConfigError(f"{describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
 
 
 def refused_with(c: "GenerationConfig", feature: str) -> list[str]:

@@ -121,6 +121,11 @@ class GenerationConfig:
     # dot products of AVX512-BF16 / AMX on a CPU; torch attention's q, k, v too, softmax fp32) or "int8" (int8 codes of weights and activations,
     # int32 sums: AVX512-VNNI / AMX-INT8; numerics/w8a8.py); the decode step keeps its own format
     prefill_precision: str = "float32"
+    # int4 / int8 weights (load's weight_bits) times int8 activations, a scale per 32 of them, with
+    # integer dot products (numerics/int8_act.py, chapter 14): "auto" wherever it measured faster than
+    # fp32 activations here (decode steps and prompts each), True demands it, False forbids it.
+    # fp32 and bf16 weights never take it: their decode stays exact
+    int8_activations: bool | str = "auto"
     # the prompt runs this many tokens per forward, each piece attending to the cached pieces before
     # it: activations scale with the chunk, not the prompt (transformers' name); None: one forward
     prefill_chunk_size: int | None = None
@@ -330,6 +335,10 @@ def _check_values(c: GenerationConfig) -> None:
     if c.fused_decode != "auto" and not isinstance(c.fused_decode, bool):
         raise ConfigError(f"fused_decode={c.fused_decode!r} is invalid: use \"auto\" (the fused C step wherever it "
                           "applies, the default), true (demand it) or false (never)")
+    if c.int8_activations != "auto" and not isinstance(c.int8_activations, bool):
+        raise ConfigError(f"int8_activations={c.int8_activations!r} is invalid: use \"auto\" (int8 activations for "
+                          "int4/int8 weights wherever they measured faster here, the default), true (demand them) "
+                          "or false (fp32 activations)")
     if c.attention_backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend={c.attention_backend!r} is invalid: use \"torch\" (gather the blocks, "
                           "then torch's attention) or \"triton\" (the fused kernel of triton_attention.py)")

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .attention import AttentionPolicy, Causal, attend, attend_blocks, attend_prompt_blocks, imposes_window, layer_mask
 from .caches.contract import BlockView, key_positions, positions_of
 from .checkpoints.model_config import ModelConfig
-from .numerics import w8a8
+from .numerics import int8_act, w8a8
 from .numerics.copies import WeightCopies
 from .numerics.precision import FP32, Precision, PromptFormat
 from .numerics.weight_quant import QuantizedWeight
@@ -109,8 +109,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
 
     HF checkpoints pair dimension i with i + Dh/2 ("rotate_half"): x * cos + [-x2, x1] * sin.
     Rolling x by Dh/2 gives [x2, x1], so with `sin_signed` = [-sin, sin] the rotation is one
-    multiply and one fused multiply-add. cos and sin_signed are [T, 1, Dh] (or [B, T, 1, Dh]).
-    """
+    multiply and one fused multiply-add. cos and sin_signed are [T, 1, Dh] (or [B, T, 1, Dh])."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
@@ -119,22 +118,24 @@ class TorchOps:
     """The plain torch reference of each op that a kernel may run instead (kernels/dispatch.py): a
     decode step at batch 1 runs these ~120 times, so an op's cost is its dispatch and memory traffic.
     `prompt`: the format of a prompt's products and attention (prefill_precision, chapter 16);
-    `reads_blocks`: attention reads a paged cache's blocks in place (attention_backend='triton')."""
+    `reads_blocks`: attention reads a paged cache's blocks in place (attention_backend='triton');
+    `int8_act`: int4/int8 weights meet int8 activations (int8_activations, numerics/int8_act.py)."""
     prompt: PromptFormat = FP32
     reads_blocks: bool = False
+    int8_act: bool = False
 
-    def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None) -> "TorchOps":
-        """A new ops object, `prompt` and `reads_blocks` replaced where given; this one is unchanged."""
+    def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None,
+                   int8_act: bool | None = None) -> "TorchOps":
+        """A new ops object, each of `prompt`, `reads_blocks`, `int8_act` replaced where given; this one is unchanged."""
         ops = copy.copy(self)
-        ops.prompt = self.prompt if prompt is None else prompt
-        ops.reads_blocks = self.reads_blocks if reads_blocks is None else reads_blocks
+        for name, value in (("prompt", prompt), ("reads_blocks", reads_blocks), ("int8_act", int8_act)):
+            setattr(ops, name, getattr(self, name) if value is None else value)
         return ops
 
     def linear(self, x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
-        """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T.
-
-        fp32 activations against 16-bit weights sum in fp32 (chapter 7); int8/int4 weights are
-        dequantized for the product (chapter 14); a prompt's rows in `self.prompt`'s format (chapter 16)."""
+        """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T. fp32 activations
+        against 16-bit weights sum in fp32 (chapter 7); int8/int4 weights are dequantized for the product, or
+        meet int8 activations (chapter 14); a prompt's rows in `self.prompt`'s format (chapter 16)."""
         out_dtype = out_dtype or x.dtype
         fmt, copies = self.prompt.dtype(x.numel() // x.shape[-1]), self.prompt.copies
         if fmt == torch.int8 and copies is not None and (w8 := copies.int8_of(w)) is not None:  # its int8 copy
@@ -142,6 +143,8 @@ class TorchOps:
         if fmt == torch.bfloat16 and copies is not None and (wb := copies.bf16_of(w)) is not None:  # its bf16 copy
             return F.linear(x.bfloat16(), wb).to(out_dtype)
         if isinstance(w, QuantizedWeight):
+            if self.int8_act and fmt == torch.float32:  # int8 activations times the codes, fp32 result
+                return int8_act.reference_linear(x, w).to(out_dtype)
             w = w.dequantize()
         if fmt == torch.bfloat16:
             return F.linear(x.bfloat16(), w.bfloat16()).to(out_dtype)

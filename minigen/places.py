@@ -10,8 +10,31 @@ machine's rules (combinations.RUN_RULES) allow.
 
 from __future__ import annotations
 
-from .combinations import RAGGED_REFUSED, describe, switch_off
+from .combinations import describe, switch_off
 from .errors import ConfigError
+
+# ---------------------------------------------------------------- per-row positions
+# Features that cannot run rows at different positions (a ragged batch, the serving engine):
+# feature -> (why, the fix). Every other feature takes per-row positions [B, T] (cache.py).
+RAGGED_REFUSED: dict[str, str] = {
+    "use_cache=False": "the naive loop recomputes every row's whole sequence; ragged batches go through the cache",
+    "prefetch_depth": "the offload tier moves one batch's layers in lockstep",
+    "kv_budget": "heavy hitters evict per row from attention that padding queries would pollute",
+    "sparse": "sparse selection ranks keys per query, padding queries included",
+    "compile": "a compiled step has one shape; ragged rows plan their positions on the host",
+    "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
+    "attention_backend": "the Triton kernel reads rows at one shared length",
+    "fused_decode": "the fused step decodes every row at one shared position",
+}
+
+
+def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
+    """Refuse, with the key and the fix, a feature that cannot take per-row positions (`table`)."""
+    for feature in c.features():
+        if feature in table:
+            fix = switch_off(feature)
+            raise ConfigError(f"{describe(c, feature)} does not combine with {what}: {table[feature]}. Fix: {fix}.")
+
 
 WHERES = ("generate", "ragged", "engine", "parallel_sample", "score", "profile", "draft")
 _ROWS = {feature: (why, switch_off(feature)) for feature, why in RAGGED_REFUSED.items()}

@@ -38,7 +38,7 @@ from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
 from .sampling import Generators, make_generators, sample
-from .steps.choose import choose_step, measurements, ops_for, run_of
+from .steps.choose import block_bits, choose_step, int8_activations, measurements, ops_for, run_of
 from .steps import graphs, speculative
 from .steps.eager import EagerStep
 
@@ -150,8 +150,10 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     run = run_of(model, config, batch, tuple(observers))
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
     # the prompt's ops carry its format; a bf16 prompt's attention in bf16 where that measured no slower here
+    decode_i8, prompt_i8 = int8_activations(model, config, run)  # int4 / int8 codes times int8 activations
     plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, fast,
-                ops_for(model, config, prompt=True), ops_for(model, config, prompt=False))
+                ops_for(model, config, prompt=True, int8_act=prompt_i8),
+                ops_for(model, config, prompt=False, int8_act=decode_i8))
     plan.parts = describe(plan, model)
     return plan
 
@@ -172,8 +174,17 @@ def _ratio(plan: Plan, path: str, against: str) -> str:
 def _where_words(plan: Plan, model) -> str:
     weights = plan.run.weight_dtypes or {str(model.dtype).removeprefix("torch.")}
     rows = f"batch {plan.batch}" + (", rows at their own positions" if plan.ragged else "")
+    acts = f"{DTYPE_WORDS.get(model.precision.compute, str(model.precision.compute))} activations"
+    if plan.decode_ops is not None and plan.decode_ops.int8_act:
+        acts = "int8 activations (a scale per 32; integer dot products" + _ratio(plan, _s8(model, "c_matvec"),
+                                                                                  "fp32 activations") + ")"
     return (f"{rows}, {model.device.type.upper()}, {'/'.join(sorted(WEIGHT_WORDS.get(w, w) for w in weights))} "
-            f"weights, {DTYPE_WORDS.get(model.precision.compute, str(model.precision.compute))} activations")
+            f"weights, {acts}")
+
+
+def _s8(model, kind: str) -> str:
+    """The measurement of int8 activations' kernel for the blocks' weights: c_matvec_q4_s8, gemm_q8_s8..."""
+    return f"{kind}_q{block_bits(model)}_s8"
 
 
 def step_words(step, plan: Plan) -> str:
@@ -219,6 +230,11 @@ def _prompt_words(plan: Plan, model) -> str:
         return f"int8 weights and activations, int32 sums ({product}){pieces}{short}"
     if not cpu:
         return f"{DTYPE_WORDS.get(model.precision.compute)} products through torch's GEMM{pieces}"
+    if plan.run.quantized and plan.prompt_ops.int8_act:
+        return (f"int8 activations (a scale per 32) times the weights' codes, int32 sums, C's GEMM"
+                f"{_ratio(plan, _s8(model, 'gemm'), 'fp32 activations')}{pieces}")
+    if plan.run.quantized:
+        return f"fp32 activations times the weights' codes, widened in C's panels (gemm_q){pieces}"
     gemm = ("oneDNN's fp32 GEMM" if plan.fast_paths is None or plan.fast_paths.allowed("onednn_fp32")
             else "torch's fp32 GEMM (oneDNN's measured slower here)")
     return f"fp32 through {gemm}{pieces}{short}"

@@ -490,6 +490,31 @@ def _(tiny_model):
         minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, fused_decode=True)
 
 
+@case("int8-activations-not-a-bool")
+def _():
+    GenerationConfig(int8_activations="yes")
+
+
+@case("int8-activations-fp32-weights")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, int8_activations=True)
+
+
+@case("int8-activations-compiled")
+def _():
+    int4_model = minigen.quantize_weights(minigen.from_hf(tiny_hf("llama")), 4)
+    minigen.generate(int4_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, int8_activations=True, compile=True,
+                     fused_decode=False)
+
+
+@case("int8-activations-kernel-off")
+def _():
+    from minigen.kernels import build as kernel_build
+    int4_model = minigen.quantize_weights(minigen.from_hf(tiny_hf("llama")), 4)
+    with kernel_build.enabled(False):
+        minigen.generate(int4_model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, int8_activations=True)
+
+
 # ---------------------------------------------------------------- checkpoints and the model cache
 @case("load-dtype-int8")
 def _(tiny_folder):

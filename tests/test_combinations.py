@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig, drafts
-from minigen.combinations import APPLIED, FEATURES, RAGGED_REFUSED, REFUSED, refused_with
+from minigen.combinations import APPLIED, FEATURES, REFUSED, refused_with
+from minigen.places import RAGGED_REFUSED
 from minigen.course.table import combination_table
 from minigen.evaluate import score
 

@@ -71,7 +71,7 @@ CACHES = {
     "fp16 cache": dict(kv_dtype="float16"),
 }
 # The caches that take a batch's rows at their own positions (speculating rows move apart; the
-# others are refused for several rows: combinations.RAGGED_REFUSED).
+# others are refused for several rows: places.RAGGED_REFUSED).
 ROW_CACHES = ("contiguous", "paged 4", "paged 16", "window", "window with sinks", "paged window", "fp16 cache")
 NEW = 20  # new tokens per greedy run
 

@@ -283,7 +283,9 @@ def test_smollm2_quality_and_the_shipped_values(smollm2, english_text_ids):
             assert (model.blocks[0].mlp.w_down.dequantize() - w).abs().max() < 1e-3
             assert torch.equal(model.embed.dequantize(), fp32.embed)  # Q8_0: every value exactly
             prompt = english_text_ids[None, :32]
-            assert torch.equal(minigen.generate(model, prompt, max_new_tokens=24, stop_token_ids=[]).tokens,
+            # fp32 activations: int8 ones (int8_activations, on "auto" where faster) round them, by design
+            assert torch.equal(minigen.generate(model, prompt, max_new_tokens=24, stop_token_ids=[],
+                                                int8_activations=False).tokens,
                                minigen.generate(fp32, prompt, max_new_tokens=24, stop_token_ids=[]).tokens)
 
 

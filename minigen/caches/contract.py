@@ -25,7 +25,7 @@ input_pos is [T], one position vector for every row, or [B, T], each row at its 
 with -1 for padding (a ragged batch, the serving engine): padding is never written and never attended. The contiguous, paged and ring-buffer caches take
 [B, T] themselves; the quantized caches (a per-batch full-precision window) refuse it
 (PositionError), and `make_cache(..., ragged=True)` runs one of them per row (rowwise.py); the
-features that cannot take per-row positions are refused up front (combinations.RAGGED_REFUSED).
+features that cannot take per-row positions are refused up front (places.RAGGED_REFUSED).
 A write that starts at position p forgets every position >= p that the cache held (a paged cache
 at `reserve`): a cache reused for a new sequence (p = 0) never shows the old one's keys.
 A cache whose layers hold different slots (hybrid.py: a model's sliding and full layers) returns one

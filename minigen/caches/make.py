@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run
+from ..combinations import Run, check_run
+from ..places import RAGGED_REFUSED, check_rows
 from ..config import GenerationConfig
 from ..numerics.precision import DTYPES
 from .contiguous import KVCache
@@ -23,7 +24,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
     """The cache `config` selects for `batch` rows of up to `max_len` positions; None for the naive loop.
     A paged pool holds `pool_rows` rows (default `batch`; more for rows forked later).
     ragged=True: a cache that takes per-row positions [B, T] (features that cannot are refused,
-    combinations.RAGGED_REFUSED); the quantized caches then run one cache per row (rowwise.py).
+    places.RAGGED_REFUSED); the quantized caches then run one cache per row (rowwise.py).
 
     Storage is contiguous or paged (cache_chunk_size), in kv_dtype (default: the weights' dtype);
     a model trained with sliding layers (ModelConfig.layer_types) gets the hybrid cache (hybrid.py)

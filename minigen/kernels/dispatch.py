@@ -14,6 +14,8 @@ accepts it and otherwise to the reference:
                        oneDNN's bf16 GEMM on the weight's bf16 copy (fp32 weights:
                        ops.prompt.copies, the model's; bf16_copies.py) or bf16
                        tiles of its codes
+                       int8 / int4 codes with int8_act (int8_activations): C's       int8_act's
+                       integer dot products, one row or a prompt's (int8_act.py)      reference
                        a prompt's 17+ rows in an "int8" format, a block's weight:     w8a8's
                        the rows as int8 codes against its int8 copy, by the int8      reference
                        product measured fastest here (kernels/int8.py: C's
@@ -30,8 +32,9 @@ fast here. Each path that stands aside says so once, with its ratio. The prompt 
 (prefill_precision) are the user's demand: they run whatever they measured (steps/choose.py warns).
 
 The ops carry how one forward runs, as model.TorchOps does: `prompt`, the prompt format
-(precision.PromptFormat), and `reads_blocks` (attention_backend='triton': the attend_blocks ops read
-the paged cache in place). `configured` gives a new KernelOps with them replaced, sharing this one's
+(precision.PromptFormat), `reads_blocks` (attention_backend='triton': the attend_blocks ops read
+the paged cache in place) and `int8_act` (int8_activations: int4 / int8 codes meet int8 activations, for
+a decode step or a prompt, each where it measured faster here: steps/choose.py). `configured` gives a new KernelOps with them replaced, sharing this one's
 measurements, whose reference is configured alike (every call it declines runs in the same format).
 
 Each kernel function in cpu.py returns None where it does not apply (not on the CPU, autograd,
@@ -57,6 +60,7 @@ class KernelOps:
     """The reference's ops (model.TorchOps), each run by a kernel where one takes the call."""
     prompt: PromptFormat = FP32  # the format of a prompt's products (prefill_precision, chapter 16)
     reads_blocks: bool = False  # attention reads a paged cache's blocks in place (attention_backend='triton')
+    int8_act: bool = False  # int4/int8 weights meet int8 activations (int8_activations, numerics/int8_act.py)
 
     def __init__(self, reference, shapes: Shapes | None = None):
         self.reference = reference  # the plain torch ops: every call a kernel declines goes there
@@ -64,13 +68,14 @@ class KernelOps:
         self.measured: fastpaths.FastPaths | None = None  # read at the first choice
         self.read_at = -1  # fastpaths.generation() when read
 
-    def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None) -> "KernelOps":
-        """A new KernelOps with `prompt` and `reads_blocks` replaced where given (None: kept), its
-        reference configured alike; this one is unchanged."""
+    def configured(self, prompt: PromptFormat | None = None, reads_blocks: bool | None = None,
+                   int8_act: bool | None = None) -> "KernelOps":
+        """A new KernelOps with `prompt`, `reads_blocks` and `int8_act` replaced where given (None: kept),
+        its reference configured alike; this one is unchanged."""
         ops = copy.copy(self)
-        ops.reference = self.reference.configured(prompt, reads_blocks)
-        ops.prompt = self.prompt if prompt is None else prompt
-        ops.reads_blocks = self.reads_blocks if reads_blocks is None else reads_blocks
+        ops.reference = self.reference.configured(prompt, reads_blocks, int8_act)
+        for name, value in (("prompt", prompt), ("reads_blocks", reads_blocks), ("int8_act", int8_act)):
+            setattr(ops, name, getattr(self, name) if value is None else value)
         return ops
 
     def paths(self) -> fastpaths.FastPaths:
@@ -106,6 +111,11 @@ class KernelOps:
             y = int8.int8_linear(x.float(), w8, backend) if backend is not None else None
             return y.to(out_dtype) if y is not None else self.reference.linear(x, w, out_dtype)
         quantized = isinstance(w, QuantizedWeight)
+        if quantized and self.int8_act:  # int8 activations: integer dot products with the codes (int8_activations)
+            one = x.numel() == x.shape[-1]
+            y = cpu.matvec_s8(x.float(), w) if one else cpu.quantized_linear_s8(x.float(), w)
+            return (y.view(*x.shape[:-1], w.shape[0]).to(out_dtype) if y is not None
+                    else self.reference.linear(x, w, out_dtype))
         one_row = _ONE_ROW.get(w.bits if quantized else w.dtype, "c_matvec")  # the measurement of its one-row loop
         if x.numel() == x.shape[-1] and self.on(one_row, x):
             y = cpu.matvec(x.float(), w)  # one row (a decode step at batch 1): stream the weights once

@@ -20,6 +20,11 @@ shapes, and one that loses stands aside:
     bf16_attention  a prompt's attention in bf16, SDPA            SDPA in fp32
     int8_c, int8_onednn, int8_int_mm
                     a prompt's rows as int8 codes (kernels/int8)  the fp32 product (F.linear)
+    c_matvec_q4_s8, c_matvec_q8_s8
+                    one row, int4 / int8 codes times int8        the C row with fp32 activations
+                    activations (integer dot products)
+    gemm_q4_s8, gemm_q8_s8
+                    a prompt's rows, the same, C's GEMM          C's panels with fp32 activations
     fused_step, fused_verify (steps/fused.py)
                     a decode token / 4 tokens of one sequence in one C call   the eager step
 
@@ -35,7 +40,8 @@ torch version, minigen's version and kernel sources) in $MINIGEN_CACHE/fastpaths
 atomically, an entry per shape.
 
 What follows: a fast path whose ratio (reference time / fast time, the median over adjacent pairs)
-is below probes.SLOWER (0.8: clearly slower, past what timings wander here) stands aside wherever
+is below probes.SLOWER (0.8: clearly slower, past what timings wander here; a lossy path, int8
+activations, below probes.LOSSY_GAIN, 1.1: a tie buys nothing for its loss) stands aside wherever
 minigen chooses by itself (dispatch.py, fused_decode="auto", the int8 product a prompt runs), with
 one notice that names the ratio; a setting that demands it (prefill_precision="bfloat16" or "int8",
 fused_decode=True) still runs it, with a warning that gives the ratio. `python -m minigen bench`
@@ -57,7 +63,7 @@ import torch
 
 from ..paths import cache_dir
 from . import build
-from .probes import PROBES, Measurement, Probe, Shapes, run_probe
+from .probes import PROBES, SLOWER, Measurement, Probe, Shapes, run_probe
 
 
 class FastPathNotice(RuntimeWarning):
@@ -84,6 +90,12 @@ class FastPaths:
         notice(m)
         return False
 
+    def gains(self, path: str) -> bool:
+        """Whether a lossy fast path runs on "auto": measured here, and at least its Measurement.least times
+        its reference (probes.LOSSY_GAIN); one notice where it measured less."""
+        m = self.measured.get(path)
+        return m is not None and self.allowed(path)
+
     def best_int8(self) -> Measurement | None:
         """The fastest int8 prompt product measured here (kernels/int8.py's backends), or None."""
         found = [m for p, m in self.measured.items() if p.startswith("int8_")]
@@ -101,8 +113,9 @@ def notice(m: Measurement) -> None:
     """Say once per process that `m`'s fast path stands aside here, with its ratio."""
     if m.path not in _noticed:
         _noticed.add(m.path)
-        warnings.warn(f"minigen: {m.fast} measured {m.ratio:.2f}x its reference ({m.reference}) on this machine, "
-                      f"so it stands aside ({m.path}; python -m minigen bench prints every measurement)",
+        least = f" (a lossy path runs from {m.least:.2f}x)" if m.least > 1 else ""
+        warnings.warn(f"minigen: {m.fast} measured {m.ratio:.2f}x its reference ({m.reference}) on this machine"
+                      f"{least}, so it stands aside ({m.path}; python -m minigen bench prints every measurement)",
                       FastPathNotice, stacklevel=3)
 
 
@@ -185,7 +198,8 @@ def _parse(entry: dict) -> dict[str, Measurement]:
     out = {}
     for path, m in entry.items():
         with contextlib.suppress(TypeError, KeyError, ValueError):
-            out[path] = Measurement(**{k: m[k] for k in ("path", "fast", "reference", "fast_s", "reference_s", "ratio")})
+            out[path] = Measurement(**{k: m[k] for k in ("path", "fast", "reference", "fast_s", "reference_s", "ratio")},
+                                    least=float(m.get("least", SLOWER)))
     return out
 
 

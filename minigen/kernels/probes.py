@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..numerics import w8a8
+from ..numerics import int8_act, w8a8
 from ..numerics.weight_quant import quantize_matrix
 from . import build, cpu, int8
 
@@ -30,6 +31,9 @@ REPEATS = 6  # timed pairs per probe
 # row loops gain their most at two threads, where torch's one-row product reaches half the memory's
 # bandwidth (kernels/build.py). Every ratio is printed, ties included.
 SLOWER = 0.8
+# A lossy fast path (int8 activations: numerics/int8_act.py) runs on "auto" only from this ratio up: a tie
+# buys nothing for what it costs in accuracy
+LOSSY_GAIN = 1.1
 # SmolLM2-135M's shapes: the smallest a probe measures at (a test model's 32 channels measure call overhead)
 FLOOR = dict(dim=576, hidden=1536, heads=9, kv_heads=3, head_dim=64)
 
@@ -64,6 +68,7 @@ class Measurement:
     fast_s: float
     reference_s: float
     ratio: float = 0.0  # reference time / fast time, the median over adjacent pairs: above 1 the fast path is faster
+    least: float = SLOWER  # the ratio below which it stands aside (LOSSY_GAIN for a lossy path)
 
     def __post_init__(self):
         if not self.ratio:  # a measurement given as two times: their ratio
@@ -71,7 +76,7 @@ class Measurement:
 
     @property
     def stands_aside(self) -> bool:
-        return self.ratio < SLOWER
+        return self.ratio < self.least
 
     def line(self) -> str:
         verdict = "stands aside" if self.stands_aside else "runs"
@@ -88,6 +93,7 @@ class Probe:
     reference: str
     make: Callable[[Shapes, int], tuple[Callable, Callable] | None]
     prompt: bool = False  # a prompt probe: a first try at FIRST_ROWS rows, then PROMPT_ROWS
+    least: float = SLOWER  # below this ratio the path stands aside (Measurement.least)
 
 
 # ---------------------------------------------------------------- the probes
@@ -220,6 +226,31 @@ def _int8(backend: str):
     return make
 
 
+def _s8(bits: int, prompt: bool):
+    """int8 activations (numerics/int8_act.py) against fp32 activations, both through C: one row against
+    STREAM_LAYERS matrices from memory (a decode step), or a prompt's rows. A kernel whose result strays from
+    int8_act's reference here (a wrong build) does not run: it says so, and has no measurement."""
+    def make(s: Shapes, rows: int):
+        if not build.available():
+            return None
+        if prompt:
+            qs, x = [quantize_matrix(_weights(s)["down"], bits, 32)], torch.randn(rows, s.hidden)
+            fast, ref = (lambda: cpu.quantized_linear_s8(x, qs[0])), (lambda: cpu.quantized_linear(x, qs[0]))
+        else:
+            qs, x = [quantize_matrix(w, bits, 32) for w in _layers(s)], torch.randn(s.dim)
+            fast, ref = (lambda: [cpu.matvec_s8(x, q) for q in qs][0]), (lambda: [cpu.matvec(x, q) for q in qs][0])
+        y = fast()
+        if y is None:
+            return None
+        want = int8_act.reference_linear(x, qs[0])
+        if not torch.allclose(y, want, rtol=1e-4, atol=1e-4 * float(want.abs().max())):
+            warnings.warn(f"minigen: C's int{bits} x int8-activation kernel strays from its reference here (by "
+                          f"{float((y - want).abs().max()):.3g}), so it stands aside", RuntimeWarning, stacklevel=2)
+            return None
+        return fast, ref
+    return make
+
+
 PROBES: tuple[Probe, ...] = (
     Probe("avx512_rows", "the C loops built with AVX-512", "the same loops built without it (AVX2)", _avx512_rows),
     Probe("c_matvec", "C's one-row fp32 matrix-vector loop", "F.linear", _c_matvec),
@@ -237,6 +268,10 @@ PROBES: tuple[Probe, ...] = (
     Probe("int8_c", "C's int8 dot products (a prompt)", "the fp32 product", _int8("c"), prompt=True),
     Probe("int8_onednn", "oneDNN's int8 GEMM (a prompt)", "the fp32 product", _int8("onednn"), prompt=True),
     Probe("int8_int_mm", "torch._int_mm (a prompt)", "the fp32 product", _int8("int_mm"), prompt=True),
+    *(Probe(f"c_matvec_q{b}_s8", f"C's one-row int{b} x int8-activation dot products",
+            f"C's int{b} row with fp32 activations", _s8(b, False), least=LOSSY_GAIN) for b in (4, 8)),
+    *(Probe(f"gemm_q{b}_s8", f"C's int{b} x int8-activation GEMM (a prompt)", f"C's int{b} panels, fp32 activations",
+            _s8(b, True), prompt=True, least=LOSSY_GAIN) for b in (4, 8)),
 )
 
 
@@ -285,5 +320,5 @@ def run_probe(probe: Probe, shapes: Shapes, repeats: int = REPEATS) -> Measureme
             if _ratio(pairs) < SLOWER:  # slower: measured again, three times as long, before it stands aside
                 pairs += _pairs(fast, ref, 2 * repeats)
     f, r = (statistics.median(t) for t in zip(*pairs))
-    return Measurement(probe.path, probe.fast, probe.reference, f, r, _ratio(pairs))
+    return Measurement(probe.path, probe.fast, probe.reference, f, r, _ratio(pairs), probe.least)
 

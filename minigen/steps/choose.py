@@ -20,11 +20,14 @@ import torch
 
 from ..attention import attend_blocks
 from ..caches.contract import BlockView
-from ..combinations import RAGGED_REFUSED, Run, check_rows, check_run, refused_with, run_refusals
+from ..combinations import Run, check_run, refused_with, run_refusals
+from ..places import RAGGED_REFUSED, check_rows
 from ..config import GenerationConfig
+from ..errors import ConfigError
 from ..kernels import build as kernel_build
 from ..kernels import cpu, fastpaths, int8, probes, triton_attention
 from ..numerics.precision import FP32, prompt_format
+from ..numerics.weight_quant import QuantizedWeight, quantized
 from ..sampling import Generators
 from . import fused, speculative
 from .eager import EagerStep, NaiveStep
@@ -42,6 +45,7 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
               observers=bool(observers),
               triton="missing" if not triton_attention.AVAILABLE else
               "interpreted" if triton_attention.INTERPRETED else "compiled")
+    run = dataclasses.replace(run, quantized=quantized(model))
     if run.arch == "llama":  # the weights the fused step would read (another family is refused by its arch)
         run = dataclasses.replace(run, weight_dtypes=frozenset(map(fused.weight_kind, fused.weights(model))))
     if config.cuda_graphs:
@@ -51,7 +55,8 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
     if config.prefill_precision == "int8" and run.device == "cpu":
         run = dataclasses.replace(run, int8_product=any(map(int8.available, int8.BACKENDS)),
                                   int8_dot=cpu.int8_dot_products())
-    if config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"):
+    if ((config.fused_decode is not False and run.device == "cpu" and not run_refusals(config, run, "fused_decode"))
+            or config.int8_activations is True):
         run = dataclasses.replace(run, c_kernel_ok=kernel_build.available(), c_kernel=kernel_build.status())
     return run
 
@@ -72,20 +77,53 @@ def prompt_attention_bf16(model, config: GenerationConfig) -> bool:
     return config.prefill_precision != "bfloat16" or measured_fast(model, "bf16_attention")
 
 
-def ops_for(model, config: GenerationConfig, prompt: bool, bf16_attention: bool | None = None):
+def ops_for(model, config: GenerationConfig, prompt: bool, bf16_attention: bool | None = None,
+            int8_act: bool = False):
     """The ops a forward of `model` runs under `config` (Model.forward(..., ops=...)): model.ops
     configured with the prompt format (prompt=True: prefill_precision's, whose weight copies are made
-    the first time, precision.prompt_format; False: fp32, a decode step's) and reads_blocks
-    (attention_backend='triton'). bf16_attention: a bf16 prompt's attention in bf16 (None:
-    prompt_attention_bf16 decides). model.ops itself where it already runs that way."""
+    the first time, precision.prompt_format; False: fp32, a decode step's), reads_blocks
+    (attention_backend='triton') and int8_act (int8_activations: int8_activations() decides).
+    bf16_attention: a bf16 prompt's attention in bf16 (None: prompt_attention_bf16 decides).
+    model.ops itself where it already runs that way."""
     fmt = FP32
     if prompt:
         bf16 = prompt_attention_bf16(model, config) if bf16_attention is None else bf16_attention
         fmt = prompt_format(config.prefill_precision, model, bf16)
     reads_blocks = config.attention_backend == "triton"
-    if fmt == model.ops.prompt and reads_blocks == model.ops.reads_blocks:
+    if fmt == model.ops.prompt and reads_blocks == model.ops.reads_blocks and int8_act == model.ops.int8_act:
         return model.ops  # the same object: a compiled step's guards keep holding
-    return model.ops.configured(prompt=fmt, reads_blocks=reads_blocks)
+    return model.ops.configured(prompt=fmt, reads_blocks=reads_blocks, int8_act=int8_act)
+
+
+
+def block_bits(model) -> int | None:
+    """The bits of the blocks' quantized weights (load's weight_bits), or None for fp32 / bf16 blocks."""
+    found = [w.bits for w in model.blocks.modules() if isinstance(w, QuantizedWeight)]
+    return found[0] if found else None
+
+
+def int8_activations(model, config: GenerationConfig, run: Run) -> tuple[bool, bool]:
+    """(decode, prompt): whether a decode step's products, and a prompt's, multiply the int4 / int8 weight
+    codes by int8 activations (config.int8_activations, numerics/int8_act.py). True: both, where
+    combinations.RUN_RULES allow it (ConfigError otherwise), with a warning where one measured slower;
+    "auto": each where it measured probes.LOSSY_GAIN times fp32 activations' C kernel here, on a CPU, outside
+    torch.compile and CUDA graphs; a prompt in a prefill_precision other than float32 keeps its format."""
+    mode = config.int8_activations
+    if mode is True:
+        refusals = run_refusals(config, run, "int8_activations")
+        if refusals:
+            raise ConfigError(refusals[0])
+    bits = block_bits(model)
+    if mode is False or bits is None or run.device != "cpu" or config.compile or config.cuda_graphs \
+            or not kernel_build.available():
+        return False, False
+    paths, plain = measurements(model), config.prefill_precision == "float32"
+    decode, prompt = f"c_matvec_q{bits}_s8", f"gemm_q{bits}_s8"
+    if mode is True:
+        for path in (decode, prompt):
+            fastpaths.demanded(paths.get(path), "int8_activations=True")
+        return True, plain
+    return paths.gains(decode), plain and paths.gains(prompt)
 
 
 def _triton_probe(context: int):
@@ -175,7 +213,8 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
         step = CompiledStep(model)
     elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)
                                          and measured_fast(model, "fused_step")):
-        step = fused.FusedStep(verify_in_c=measured_fast(model, "fused_verify"))  # ragged: refused True above
+        step = fused.FusedStep(verify_in_c=measured_fast(model, "fused_verify"),  # ragged: refused True above
+                               int8_act=int8_activations(model, config, run)[0])
         if config.fused_decode is True:
             fastpaths.demanded(measurements(model).get("fused_step"), "fused_decode=True")
     else:

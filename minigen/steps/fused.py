@@ -54,7 +54,8 @@ from ..numerics.weight_quant import QuantizedWeight
 
 # the C kinds of weight; combinations.FUSED_WEIGHTS / FUSED_CACHE say what the step takes, and
 # combinations.RUN_RULES refuses the rest before a step is chosen
-KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4)
+KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4); with int8
+# activations (numerics/int8_act.py) 4 (int8) or 5 (int4)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -89,10 +90,11 @@ def weights(model: Model) -> list:
             model.embed, model.head]
 
 
-def _weight(w) -> _Weight:
+def _weight(w, int8_act: bool = False) -> _Weight:
+    """w's description; int8_act: a product's codes meet int8 activations (an embedding's lookups never do)."""
     if isinstance(w, QuantizedWeight):
         n, k = w.shape
-        return _Weight(2 if w.bits == 8 else 3, 0, w.codes.data_ptr(), w.scales.data_ptr(),
+        return _Weight((2 if w.bits == 8 else 3) + 2 * int8_act, 0, w.codes.data_ptr(), w.scales.data_ptr(),
                        w.mins.data_ptr() if w.mins is not None else None, n, k, w.group_size)
     assert w.is_contiguous() and w.dim() == 2
     return _Weight(KINDS[w.dtype], 0, w.data_ptr(), None, None, w.shape[0], w.shape[1], 0)
@@ -102,7 +104,7 @@ class _Plan:
     """The C descriptions of one (model, cache) pair, built at its first step; `keep` holds the fp32
     copies (norms, biases) whose addresses the descriptions point to."""
 
-    def __init__(self, model: Model, cache: KVCache):
+    def __init__(self, model: Model, cache: KVCache, int8_act: bool = False):
         cfg = model.config
         self.keep: list[Tensor] = []
 
@@ -117,14 +119,14 @@ class _Plan:
         layers = (_Layer * cfg.n_layers)()
         for i, b in enumerate(model.blocks):
             layers[i] = _Layer(fp32(b.attn_norm.weight), fp32(b.mlp_norm.weight),
-                               _weight(b.attn.wqkv), _weight(b.attn.wo), _weight(b.mlp.w_gate_up),
-                               _weight(b.mlp.w_down), fp32(b.attn.bqkv),
+                               *(_weight(w, int8_act) for w in (b.attn.wqkv, b.attn.wo, b.mlp.w_gate_up, b.mlp.w_down)),
+                               fp32(b.attn.bqkv),
                                k[i].data_ptr(), v[i].data_ptr())
         self.layers = layers
         self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, k.shape[3],
                           int(k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
-                          _weight(model.head), None)
+                          _weight(model.head, int8_act), None)
         self.x = torch.empty(FUSED_MAX_ROWS, cfg.dim)  # the residual stream of each row (or chunk token), written by C
 
 
@@ -136,8 +138,9 @@ class FusedStep(EagerStep):
     on the cache."""
     name = "fused"
 
-    def __init__(self, verify_in_c: bool = True):
+    def __init__(self, verify_in_c: bool = True, int8_act: bool = False):
         self.verify_in_c = verify_in_c  # False where fastpaths measured the C verify slower than the eager one
+        self.int8_act = int8_act  # int4 / int8 codes meet int8 activations (int8_activations, steps/choose.py)
         self.plan: _Plan | None = None
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
 
@@ -185,7 +188,7 @@ class FusedStep(EagerStep):
         assert type(cache) is KVCache and cache.k.shape[1] == rows and cache.k.dtype in CACHE_DTYPES, \
             "fused_decode writes a contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
         if self.planned_for != (id(model), id(cache)):
-            self.plan, self.planned_for = _Plan(model, cache), (id(model), id(cache))
+            self.plan, self.planned_for = _Plan(model, cache, self.int8_act), (id(model), id(cache))
         plan = self.plan
         cache.reserve(input_pos)  # the contract's moves (a contiguous cache has none to make) and its check:
         cache.prepare(input_pos)  # a position past the allocation raises CacheFullError
