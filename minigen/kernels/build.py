@@ -206,6 +206,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemm_s8.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.gemm_s8.restype = ctypes.c_int
     lib.gemm_s8_variant.restype = ctypes.c_char_p  # the loop this build runs: b"avx512vnni", b"avxvnni", ...
+    # codes, scales, mins, bits, x, y, M, n, k, G, threads -> 0, or -1 without memory (csrc/gemm_q_s8.c)
+    lib.gemm_q_s8.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.gemm_q_s8.restype = ctypes.c_int
+    lib.gemm_q_s8_variant.restype = ctypes.c_char_p  # b"avx512vnni", b"avxvnni", b"avx2", b"portable"
 
 
 def library() -> ctypes.CDLL | None:

@@ -214,6 +214,29 @@ def quantized_linear(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     return y.view(*x.shape[:-1], n)
 
 
+def quantized_linear_s8(x: Tensor, w: QuantizedWeight) -> Tensor | None:
+    """x [..., k] @ w.T for int8 / int4 weights and several fp32 rows, the activations quantized to int8
+    per block of 32 (numerics/int8_act.py: `reference_linear`'s result) -> [..., n] fp32, in one C call
+    (csrc/gemm_q_s8.c): integer dot products (vpdpbusd) of the codes with x's codes, a panel of codes
+    repacked at a time in each thread's cache. None where it does not apply (the rules of
+    `quantized_linear`, and k and the group size multiples of 32)."""
+    n, k = w.shape
+    G = w.group_size
+    if not (x.dtype == torch.float32 and x.shape[-1] == k and w.dtype == torch.float32 and w.bits in (4, 8)
+            and k % 32 == 0 and G % 32 == 0 and k % G == 0 and _takes(x, w.codes)):
+        return None
+    x2 = x.reshape(-1, k).contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, n)
+    mins = None if w.mins is None else w.mins.data_ptr()
+    threads = torch.get_num_threads()
+    if build.loaded().gemm_q_s8(w.codes.data_ptr(), w.scales.data_ptr(), mins, w.bits, x2.data_ptr(), y.data_ptr(),
+                                M, n, k, G, threads) != 0:
+        # x's codes, scales and sums (~k + 12 k / 32 bytes a row), a panel of 32 channels a thread
+        raise _no_memory(M * (k + 12 * k // 32) + threads * 32 * (k + 8 * k // G))
+    return y.view(*x.shape[:-1], n)
+
+
 def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight, kept: Tensor | None = None) -> Tensor | None:
     """x [..., k] @ w.T with both rounded to bf16 and fp32 sums, through oneDNN (which runs bf16 dot
     products: AVX512-BF16's vdpbf16ps, or AMX tiles) -> [..., n] fp32, rounded to bf16 by the GEMM:

@@ -48,7 +48,9 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [..., k] fp32 (k a multiple of BLOCK) -> (codes int8 [..., k], scales fp32 [..., k / BLOCK])."""
     blocks = x.float().unflatten(-1, (-1, BLOCK))
     amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))  # fp32 division, as C's
+    # fp32 division, as C's 127.0f / amax: a Python number over a tensor (`127.0 / amax`) is torch's
+    # reciprocal times 127, two roundings, which moved a code of x * inv = 77.49999 by one
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv).clamp(-127, 127).to(torch.int8)
     return codes.flatten(-2), (amax / 127.0).squeeze(-1)
 

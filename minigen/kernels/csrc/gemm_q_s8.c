@@ -1,0 +1,367 @@
+/* A prompt's products with int4 / int8 group-wise weight codes and int8 activations (chapter 14,
+ * numerics/int8_act.py): y [M, n] = int8_act.reference_linear(x, W), in one C call.
+ *
+ *     qx[r, j] = round(x[r, j] 127 / a[r, b]), dx[r, b] = a[r, b] / 127   per block b of 32 activations
+ *     y[r, i] = sum_b s[i, g(b)] dx[r, b] isum[r, i, b]  (+ sum_g m[i, g] xsum[r, g] for int4)
+ *     isum[r, i, b] = sum_{j in b} q[i, j] qx[r, j]      exact int32
+ *
+ * Why: gemm_q.c widens the codes to fp32 and multiplies in fp32, 16 multiply-adds an AVX-512 FMA;
+ * `vpdpbusd` does 64 (4 unsigned bytes times 4 signed bytes into each int32 lane), as llama.cpp's
+ * Q4_0 x Q8_0 does. One side must be unsigned: int4 codes are (0..15); int8 codes become q + 128,
+ * and each block's int32 sum starts at -128 sum_{j in b} qx[r, j] (made with x's codes), so the
+ * block's sum is exact: |(q + 128) qx| <= 255 * 127, 32 of them far inside int32.
+ *
+ * Layout: x is quantized once a call (its rows shared out among the threads) and packed MR rows at
+ * a time: [M / MR][k / 4][MR] int32 (4 codes of a row each, what the micro-kernel broadcasts), with
+ * dx, the int8 corrections and int4's group sums of x [.][blocks or groups][MR]. The weights are
+ * not copied: each (group of rows, panel) unit repacks PANEL = NV x LANES output channels of codes
+ * into its thread's buffer, [k / 4][PANEL][4] unsigned bytes (one vector load: LANES channels' next
+ * 4 codes), with the panel's scales (and minimums) as fp32 [k / G][PANEL]; the group's rows (at
+ * most X_GROUP_BYTES of packed x, in L2) then run against it from L1 / L2.
+ *
+ * The micro-kernel holds MR x NV vectors of int32 block sums and MR x NV of fp32 sums. Per block of
+ * 32: 8 steps of NV loads, MR broadcasts and MR NV vpdpbusd, then acc += float(isum) * (s * dx)
+ * (a conversion, a multiply and an FMA per vector: the cost of a scale per 32), and int4's
+ * acc += m * xsum once per group. Each output is summed by one unit, in the order of k: the same
+ * bits whatever the thread count, the grouping or the other rows of x (lanes never mix rows).
+ * Variants: AVX512-VNNI (16 lanes), AVX-VNNI (8 lanes), AVX2 (vpdpbusd emulated exactly, as
+ * gemm_s8.c does), portable C (GCC's vector extensions).
+ * Measured on this course's Xeon (family 6 model 167, AVX512-VNNI), one thread, 512 rows of SmolLM2-135M's
+ * products ([3072, 576] gate+up, [576, 1536] down, [960, 576] qkv, [576, 576] o), G = 32, best of 15,
+ * multiply-adds per ns over the four: int4 211 (187-223), int8 246 (214-274); gemm_q.c on the same
+ * int4 codes 94, oneDNN's fp32 GEMM 96, gemm_s8.c's per-channel int8 324 (no scale per 32: its
+ * vpdpbusd run whole rows). The epilogue of each block (a conversion, a multiply, an FMA per 8
+ * vpdpbusd; int4's minimums one FMA more per group) is what separates it from gemm_s8. Two threads:
+ * up to 440 (int4, [3072, 576]) on a quiet moment; the machine is shared with other jobs (load ~2.5
+ * on 2 vCPUs), so the two-thread numbers swung from 13 to 450 and are not a measurement.
+ * Repacking a panel costs ~4 integer operations a word of 4 codes (one byte at a time it took 2 ns
+ * a weight: half of a 512-row product); x's quantization 0.19 ms for 512 rows of 1,536 (two AVX-512
+ * vectors a block; one number at a time 1.4 ms).
+ * Profiling switches: -DGQ_PROFILE (with $GQ_PROFILE set: the quantization's and products' times on
+ * stderr), -DGQ_NO_REPACK (each panel repacked once: wrong results for more than one group of rows),
+ * -DGQ_NO_MINS (int4's minimums left out: wrong results), -DMR=.. -DNV=.., -DX_GROUP_BYTES=...
+ */
+#include <math.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef GQ_PROFILE
+#include <stdio.h>
+#include <time.h>
+#endif
+
+#include "kernels.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define Q8_VARIANT "avx512vnni"
+#define LANES 16
+#ifndef MR  /* measured: 4 x 3 and 6 x 2 alike (+-5%, a shared machine), 3 x 4 and 8 x 1 slower */
+#define MR 4
+#define NV 3
+#endif
+typedef __m512i vi;
+static inline vi loadv(const uint8_t *p) { return _mm512_loadu_si512((const void *)p); }
+static inline vi bcast(int32_t x) { return _mm512_set1_epi32(x); }
+static inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__) || defined(__AVX2__)
+#define LANES 8
+#define MR 6
+#define NV 2
+typedef __m256i vi;
+static inline vi loadv(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vi bcast(int32_t x) { return _mm256_set1_epi32(x); }
+#ifdef __AVXVNNI__
+#define Q8_VARIANT "avxvnni"
+static inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+#define Q8_VARIANT "avx2"
+/* vpdpbusd's sums exactly (gemm_s8.c's emulation): even and odd bytes widened to int16, two vpmaddwd */
+static inline vi dot4(vi acc, vi u, vi s) {
+    const vi low = _mm256_set1_epi16(0x00FF);
+    const vi ue = _mm256_and_si256(u, low), uo = _mm256_srli_epi16(u, 8);
+    const vi se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+}
+#endif
+#else
+#define Q8_VARIANT "portable"
+#define LANES 16
+#define MR 4
+#define NV 1
+typedef uint32_t vi __attribute__((vector_size(64)));
+static inline vi loadv(const uint8_t *p) { vi v; memcpy(&v, p, sizeof v); return v; }
+static inline vi bcast(int32_t x) { return (vi){0} + (uint32_t)x; }
+/* each lane's 4 unsigned bytes of u times the 4 signed bytes of s (one word, the same in every lane) */
+static inline vi dot4(vi acc, vi u, vi s) {
+    const int32_t x = (int32_t)s[0];
+    for (int i = 0; i < 4; i++) acc += ((u >> (8 * i)) & 0xFF) * (uint32_t)(int32_t)(int8_t)(x >> (8 * i));
+    return acc;  /* unsigned wrap-around: the int32 sum's bits */
+}
+#endif
+#define PANEL (NV * LANES)  /* output channels a panel */
+#define BLOCK 32            /* activations a scale */
+
+typedef int32_t i32v __attribute__((vector_size(LANES * 4)));
+typedef float f32v __attribute__((vector_size(LANES * 4)));
+typedef float f32v_unaligned __attribute__((vector_size(LANES * 4), aligned(4), may_alias));
+static inline f32v loadf(const float *p) { return *(const f32v_unaligned *)p; }
+
+/* Which loop this build runs (tests and reports): "avx512vnni", "avxvnni", "avx2" or "portable". */
+const char *gemm_q_s8_variant(void) { return Q8_VARIANT; }
+
+typedef struct {
+    Mat m;                      /* first: parallel_rows passes a Mat pointer (m.M, m.n, m.k) */
+    const uint8_t *codes;       /* int8 [n, k] or int4 [n, k / 2] */
+    const uint16_t *scales, *mins;
+    int64_t G, kq, nb, ng;      /* group size; k / 4, k / 32, k / G */
+    int32_t *xc;                /* x's codes packed [M / MR][kq][MR] */
+    float *dx;                  /* [M / MR][nb][MR] */
+    int32_t *corr;              /* int8: -128 sum of a block's codes [M / MR][nb][MR] */
+    float *xsum;                /* int4: x summed over each group [M / MR][ng][MR] */
+    int64_t rows, panels;       /* rows of x a group (a multiple of MR); panels of PANEL channels */
+    uint8_t *work;              /* per thread: a panel of codes, then its scales and minimums */
+    int64_t work_bytes;         /* a thread's part of work */
+} GemmQS8;
+
+/* One block of 32 activations -> its codes q, their sum *s, and its scale amax / 127: amax, inv =
+ * 127 / amax in fp32 (0 for a block of zeros), q = round(x inv) half to even, clamped to 127. With
+ * AVX-512 two vectors (one number at a time, 512 rows of 1,536 took 1.4 ms on the Xeon: half of the
+ * products after it). */
+static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
+#ifdef __AVX512F__
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), lim = _mm512_set1_ps(127.0f);
+    const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512 t0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, inv), rnd), t1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, inv), rnd);
+    t0 = _mm512_max_ps(_mm512_min_ps(t0, lim), -lim), t1 = _mm512_max_ps(_mm512_min_ps(t1, lim), -lim);
+    const __m512i i0 = _mm512_cvtps_epi32(t0), i1 = _mm512_cvtps_epi32(t1);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
+    *s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < BLOCK; j++) {
+        float t = nearbyintf(xb[j] * inv);
+        t = t > 127.0f ? 127.0f : t < -127.0f ? -127.0f : t;
+        q[j] = (int8_t)t;
+        sum += q[j];
+    }
+    *s = sum;
+#endif
+    return amax / 127.0f;
+}
+
+/* Rows MR blk .. of x quantized as int8_act.quantize_activations does (amax, inv = 127 / amax in
+ * fp32, round half to even of x inv, clamped to 127), packed; rows past M: codes 0 (never stored). */
+static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
+    const int64_t k = g->m.k, kq = g->kq, nb = g->nb, ng = g->ng, bpg = g->G / BLOCK;
+    int32_t *xc = g->xc + blk * kq * MR;
+    for (int r = 0; r < MR; r++) {
+        const int64_t row = blk * MR + r;
+        const float *xr = x + row * k;
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t q[BLOCK] = {0};
+            float d = 0.0f;
+            int32_t s = 0;
+            if (row < g->m.M) d = quantize32(xr + b * BLOCK, q, &s);
+            for (int p = 0; p < BLOCK / 4; p++) memcpy(xc + (b * (BLOCK / 4) + p) * MR + r, q + 4 * p, 4);
+            g->dx[(blk * nb + b) * MR + r] = d;
+            if (g->corr) g->corr[(blk * nb + b) * MR + r] = -128 * s;
+        }
+        if (g->xsum)
+            for (int64_t gi = 0; gi < ng; gi++) {
+                float s = 0.0f;
+                if (row < g->m.M)
+                    for (int64_t j = gi * bpg * BLOCK; j < (gi + 1) * bpg * BLOCK; j++) s += xr[j];
+                g->xsum[(blk * ng + gi) * MR + r] = s;
+            }
+    }
+}
+
+/* Channels c0 .. c0 + PANEL of the codes into wp [kq][PANEL][4] unsigned bytes (int4: 0..15; int8:
+ * q + 128), their scales (and minimums) as fp32 into ws [ng][PANEL] (wm); channels past n: zeros.
+ * 4 bytes at a time: int4's word i of a block (bytes 4i..4i+3) holds codes 4i.. in its low nibbles
+ * and 16 + 4i.. in its high ones (one byte at a time, it took 2 ns a weight on the Xeon). */
+static void repack_panel(const GemmQS8 *g, int64_t c0, uint8_t *wp, float *ws, float *wm) {
+    const int64_t k = g->m.k, n = g->m.n, nb = g->nb, ng = g->ng;
+    for (int64_t c = 0; c < PANEL; c++) {
+        const int64_t ch = c0 + c;
+        uint8_t *out = wp + c * 4;
+        if (ch >= n) {
+            for (int64_t p = 0; p < g->kq; p++) memset(out + p * PANEL * 4, 0, 4);
+        } else if (g->mins) {
+            const uint8_t *src = g->codes + ch * (k / 2);
+            for (int64_t b = 0; b < nb; b++)
+                for (int i = 0; i < 4; i++) {
+                    uint32_t d, lo, hi;
+                    memcpy(&d, src + b * 16 + 4 * i, 4);
+                    lo = d & 0x0F0F0F0Fu, hi = (d >> 4) & 0x0F0F0F0Fu;
+                    memcpy(out + (b * 8 + i) * PANEL * 4, &lo, 4);
+                    memcpy(out + (b * 8 + 4 + i) * PANEL * 4, &hi, 4);
+                }
+        } else {
+            const uint8_t *src = g->codes + ch * k;
+            for (int64_t p = 0; p < g->kq; p++) {
+                uint32_t d;
+                memcpy(&d, src + 4 * p, 4);
+                d ^= 0x80808080u;  /* each byte + 128 */
+                memcpy(out + p * PANEL * 4, &d, 4);
+            }
+        }
+        for (int64_t gi = 0; gi < ng; gi++) {
+            ws[gi * PANEL + c] = ch < n ? f16_to_f32(g->scales[ch * ng + gi]) : 0.0f;
+            if (wm) wm[gi * PANEL + c] = ch < n ? f16_to_f32(g->mins[ch * ng + gi]) : 0.0f;
+        }
+    }
+}
+
+/* One tile: MR packed rows (block blk) against the repacked panel -> out [MR][PANEL], over all of k.
+ * int4 (has_mins) or int8 (its blocks' sums start at the corrections) a constant once inlined. */
+static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const uint8_t *wp, const float *ws,
+                                                        const float *wm, int64_t blk, const int has_mins,
+                                                        float out[MR][PANEL]) {
+    const int64_t nb = g->nb, bpg = g->G / BLOCK;
+    const int32_t *xc = g->xc + blk * g->kq * MR;
+    const float *dx = g->dx + blk * nb * MR;
+    const int32_t *corr = has_mins ? NULL : g->corr + blk * nb * MR;
+    const float *xsum = has_mins ? g->xsum + blk * g->ng * MR : NULL;
+    f32v acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = (f32v){0};
+    for (int64_t gi = 0, b = 0; gi < g->ng; gi++)
+    for (int64_t e = b + bpg; b < e; b++) {
+        vi s[MR][NV];
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) s[r][v] = has_mins ? bcast(0) : bcast(corr[b * MR + r]);
+        #pragma GCC unroll 8
+        for (int p = 0; p < BLOCK / 4; p++) {
+            const uint8_t *w = wp + (b * (BLOCK / 4) + p) * PANEL * 4;
+            vi wv[NV];
+            for (int v = 0; v < NV; v++) wv[v] = loadv(w + v * LANES * 4);
+            #pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                const vi u = bcast(xc[(b * (BLOCK / 4) + p) * MR + r]);
+                for (int v = 0; v < NV; v++) s[r][v] = dot4(s[r][v], wv[v], u);
+            }
+        }
+        f32v sc[NV];
+        for (int v = 0; v < NV; v++) sc[v] = loadf(ws + gi * PANEL + v * LANES);
+        #pragma GCC unroll 16
+        for (int r = 0; r < MR; r++) {
+            const float d = dx[b * MR + r];
+            for (int v = 0; v < NV; v++) {
+                i32v si;
+                memcpy(&si, &s[r][v], sizeof si);
+                acc[r][v] += __builtin_convertvector(si, f32v) * (sc[v] * d);
+            }
+        }
+#ifdef GQ_NO_MINS
+        if (0) {
+#else
+        if (has_mins && b + 1 == e) {
+#endif
+            f32v mn[NV];
+            for (int v = 0; v < NV; v++) mn[v] = loadf(wm + gi * PANEL + v * LANES);
+            #pragma GCC unroll 16
+            for (int r = 0; r < MR; r++) {
+                const float xs = xsum[gi * MR + r];
+                for (int v = 0; v < NV; v++) acc[r][v] += mn[v] * xs;
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) memcpy(out[r] + v * LANES, &acc[r][v], sizeof acc[r][v]);
+}
+
+/* Unit i: panel i % panels repacked into this thread's buffer, then every block of rows of group
+ * i / panels against it. */
+static void unit(const Mat *m, float *y, int64_t i) {
+    const GemmQS8 *g = (const GemmQS8 *)m;
+    const int64_t n = m->n, c0 = i % g->panels * PANEL;
+    const int64_t start = i / g->panels * g->rows, end = start + g->rows < m->M ? start + g->rows : m->M;
+#ifdef _OPENMP
+    uint8_t *wp = g->work + (int64_t)omp_get_thread_num() * g->work_bytes;
+#else
+    uint8_t *wp = g->work;
+#endif
+    float *ws = (float *)(wp + g->kq * PANEL * 4), *wm = g->mins ? ws + g->ng * PANEL : NULL;
+#ifdef GQ_NO_REPACK
+    if (i < g->panels) repack_panel(g, c0, wp, ws, wm);  /* profiling only: wrong results */
+#else
+    repack_panel(g, c0, wp, ws, wm);
+#endif
+    const int64_t nl = n - c0 < PANEL ? n - c0 : PANEL;
+    for (int64_t r0 = start; r0 < end; r0 += MR) {
+        float out[MR][PANEL];
+        if (g->mins) tile(g, wp, ws, wm, r0 / MR, 1, out);
+        else tile(g, wp, ws, wm, r0 / MR, 0, out);
+        for (int64_t r = 0; r < MR && r0 + r < end; r++) memcpy(y + (r0 + r) * n + c0, out[r], nl * sizeof(float));
+    }
+}
+
+/* Rows of x a group: packed x (k bytes a row) that every panel of the group sweeps stays in L2. */
+#ifndef X_GROUP_BYTES
+#define X_GROUP_BYTES (1024 * 1024)  /* 512 KB: two groups of k = 1,536, 10-20% slower */
+#endif
+
+static int64_t group_rows(int64_t M, int64_t k) {
+    int64_t most = X_GROUP_BYTES / k / MR * MR;
+    if (most < MR) most = MR;
+    const int64_t groups = (M + most - 1) / most;
+    return ((M + groups - 1) / groups + MR - 1) / MR * MR;
+}
+
+/* y [M, n] = reference_linear(x [M, k], W): int8 codes [n, k] (mins NULL, bits 8) or int4 codes
+ * [n, k / 2] (bits 4) with fp16 scales (and minimums) [n, k / G]; k and G multiples of 32, G divides
+ * k. Returns 0, or -1 without memory for x's codes and a panel a thread (y is then not written). */
+int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, int bits, const float *x, float *y,
+              int64_t M, int64_t n, int64_t k, int64_t G, int threads) {
+    if (M <= 0 || n <= 0) return 0;
+    if ((bits == 4) != (mins != NULL)) return -1;
+    const int64_t blocks = (M + MR - 1) / MR, nt = threads > 1 ? threads : 1, kq = k / 4, nb = k / BLOCK, ng = k / G;
+    const int64_t work_bytes = (kq * PANEL * 4 + 2 * ng * PANEL * 4 + 63) / 64 * 64;
+    int32_t *xc = malloc((size_t)(blocks * kq * MR) * sizeof *xc);
+    float *dx = malloc((size_t)(blocks * nb * MR) * sizeof *dx);
+    int32_t *corr = mins ? NULL : malloc((size_t)(blocks * nb * MR) * sizeof *corr);
+    float *xsum = mins ? malloc((size_t)(blocks * ng * MR) * sizeof *xsum) : NULL;
+    uint8_t *work = aligned_alloc(64, (size_t)(nt * work_bytes));
+    if (!xc || !dx || (mins ? !xsum : !corr) || !work) {
+        free(xc), free(dx), free(corr), free(xsum), free(work);
+        return -1;
+    }
+    GemmQS8 g = {.m = {.M = M, .n = n, .k = k}, .codes = codes, .scales = scales, .mins = mins, .G = G, .kq = kq,
+                 .nb = nb, .ng = ng, .xc = xc, .dx = dx, .corr = corr, .xsum = xsum, .rows = group_rows(M, k),
+                 .panels = (n + PANEL - 1) / PANEL, .work = work, .work_bytes = work_bytes};
+    /* x quantized and packed, its blocks shared out (as gemm_q.c's pack_x: after the products' back-off) */
+    int par = threads > 1 && blocks >= 2 * threads;
+#ifdef _OPENMP
+    par = par && !backing_off();
+#endif
+#ifdef GQ_PROFILE
+    struct timespec t0, t1, t2;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+#endif
+    #pragma omp parallel for num_threads(threads) if(par) schedule(static)
+    for (int64_t b = 0; b < blocks; b++) quantize_block(&g, x, b);
+#ifdef GQ_PROFILE
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+#endif
+    const int64_t units = (M + g.rows - 1) / g.rows * g.panels;
+    parallel_rows(unit, &g.m, y, units, threads, 2);
+#ifdef GQ_PROFILE
+    clock_gettime(CLOCK_MONOTONIC, &t2);
+    if (getenv("GQ_PROFILE")) {
+        double tq = (t1.tv_sec - t0.tv_sec) * 1e3 + (t1.tv_nsec - t0.tv_nsec) * 1e-6;
+        double tp = (t2.tv_sec - t1.tv_sec) * 1e3 + (t2.tv_nsec - t1.tv_nsec) * 1e-6;
+        fprintf(stderr, "M %ld n %ld k %ld: quantize %.3f ms, products %.3f ms\n", (long)M, (long)n, (long)k, tq, tp);
+    }
+#endif
+    free(xc), free(dx), free(corr), free(xsum), free(work);
+    return 0;
+}
