@@ -185,6 +185,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gemv_q4.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
     lib.gemv_q8.restype = None
     lib.gemv_q4.restype = ctypes.c_int  # the same
+    # int8 activations (csrc/rows_s8.c): the same arguments as gemv_q8 / gemv_q4 -> 0, or -1 without memory
+    lib.gemv_q8_s8.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # codes, scales, x, y, n, k, G, threads
+    lib.gemv_q4_s8.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]  # + mins
+    lib.gemv_q8_s8.restype = lib.gemv_q4_s8.restype = ctypes.c_int
+    lib.rows_s8_variant.restype = ctypes.c_char_p  # b"avx512vnni", b"avxvnni", b"avx2" or b"portable"
     lib.gemv_late_regions.restype = i64
     # layers, L, dims, tokens [B], B, x [B, D], pos (steps/fused.py); verify_layers: T for B, positions pos..
     for fn in (lib.decode_layers, lib.verify_layers):

@@ -311,6 +311,38 @@ def _matvec_quantized(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     return _gemv_q(x, w.codes, w.scales, mins, w.group_size)
 
 
+def matvec_s8(x: Tensor, w: QuantizedWeight) -> Tensor | None:
+    """w [n, k] (int8 or int4 codes) @ x [k] with x quantized to int8 in blocks of 32 (numerics/int8_act.py)
+    -> [n] fp32, through csrc/rows_s8.c's integer dot products (gemv_q8_s8 / gemv_q4_s8): the codes of
+    int8_act.quantize_activations bit for bit, fp32 sums of the scaled blocks in another order than
+    int8_act.reference_linear's (~1e-6 relative). x is one row: [k], [1, k] or [1, 1, k]. None where it
+    does not apply: `_takes`' rules (no torch.compile operator: a compiled graph keeps fp32 activations),
+    fp32 x, k and the group size multiples of 32."""
+    n, k = w.shape
+    G = w.group_size
+    if not (x.dtype == torch.float32 and x.numel() == k and x.shape[-1] == k and k % 32 == 0 and G % 32 == 0
+            and k % G == 0 and _takes(x, w.codes)):
+        return None
+    x = x.reshape(k).contiguous()
+    y = torch.empty(n, dtype=torch.float32)
+    lib, threads = build.loaded(), torch.get_num_threads()
+    if w.mins is None:
+        failed = lib.gemv_q8_s8(w.codes.data_ptr(), w.scales.data_ptr(), x.data_ptr(), y.data_ptr(), n, k, G, threads)
+    else:
+        failed = lib.gemv_q4_s8(w.codes.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), x.data_ptr(), y.data_ptr(),
+                                n, k, G, threads)
+    if failed:
+        raise _no_memory(k + 4 * (k // 32 + k // G))  # x's codes, block scales and group sums
+    return y
+
+
+def rows_s8_variant() -> str | None:
+    """The loop csrc/rows_s8.c was built with ("avx512vnni", "avxvnni", "avx2", "portable"), or None
+    where the C kernels are not built."""
+    lib = build.library() if build.is_enabled() else None
+    return None if lib is None else lib.rows_s8_variant().decode()
+
+
 def attend_decode(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor | None:
     """softmax(q k^T / sqrt(Dh) + mask) v for one query per row (a decode step) -> [B, H, 1, Dh], or
     None where the C loop does not apply (then attention.attend uses torch's SDPA).

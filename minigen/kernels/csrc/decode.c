@@ -9,7 +9,9 @@
  * small operations in between on the calling thread, attention over a head per thread once the
  * context is long enough to pay for a parallel region. Llama family only: RMSNorm, RoPE in the
  * rotate-half pairing, SwiGLU, grouped-query attention, optional q/k/v biases (Qwen2); fp32
- * activations and fp32 sums throughout, the cache in fp32 or bf16 (rounded to nearest even, as
+ * activations and fp32 sums throughout (except into the products of Weight kinds 4 and 5, int8 / int4
+ * codes that quantize their input rows to int8 per block of 32: numerics/int8_act.py, rows_s8.c),
+ * the cache in fp32 or bf16 (rounded to nearest even, as
  * torch's .to(torch.bfloat16) rounds). One body (run_layers) runs up to DECODE_MAX_ROWS rows, each
  * at its own position in its own cache row; its two entry points say which: decode_layers, a tensor
  * batch (B rows, one shared position), and verify_layers, a chunk of one sequence (T consecutive
@@ -21,7 +23,8 @@
 #include "kernels.h"
 
 typedef struct {
-    int32_t kind;              /* 0 fp32, 1 bf16, 2 int8 codes, 3 int4 codes */
+    int32_t kind;              /* 0 fp32, 1 bf16, 2 int8 codes, 3 int4 codes (fp32 activations); 4 int8 codes, */
+                               /* 5 int4 codes, with int8 activations (numerics/int8_act.py: rows_s8.c) */
     int32_t pad;
     const void *W;
     const uint16_t *scales, *mins;
@@ -48,8 +51,9 @@ typedef struct {
 } Dims;
 
 /* The description of W x for one row x of the activations, with x prepared as its kind's row loop
- * wants it (bf16: reordered; int4: the sums of x over each group and x reordered) in `work`, which
- * holds WORK_PER_ROW(k) floats; returns that row loop. */
+ * wants it (bf16: reordered; int4: the sums of x over each group and x reordered; kinds 4 and 5: x's
+ * sums over each group, its block scales and its int8 codes, k / G + k / 32 floats and k bytes) in
+ * `work`, which holds WORK_PER_ROW(k) floats; returns that row loop. */
 #define WORK_PER_ROW(k) (2 * (k))
 static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
     *m = (Mat){.W = w->W, .scales = w->scales, .mins = w->mins, .x = x, .k = w->k, .G = w->G, .n = w->n};
@@ -60,6 +64,13 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
         return row_bf16;
     }
     if (w->kind == 2) return q8_rows(m);
+    if (w->kind == 4 || w->kind == 5) {  /* int8 activations: x's codes, made once per product and row */
+        float *dx = work + w->k / w->G;
+        int8_t *qx = (int8_t *)(dx + w->k / 32);
+        prepare_s8(x, w->k, w->G, qx, dx, work);
+        m->xsum = work, m->dx = dx, m->qx = qx;
+        return w->kind == 4 ? row_q8_s8 : row_q4_s8;
+    }
     m->xsum = work;  /* int4: work holds k / G sums and k reordered activations */
     if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m->xperm = work + w->k / w->G;
     return q4_rows(m);
@@ -95,14 +106,15 @@ static void rope(float *x, const float *cos, const float *sin_signed, int64_t Dh
     for (int64_t i = half; i < Dh; i++) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin_signed[i];
 }
 
-/* Row `token` of the embedding -> x [D] in fp32 (a quantized row dequantized as numerics/weight_quant.py does) */
+/* Row `token` of the embedding -> x [D] in fp32 (a quantized row dequantized as numerics/weight_quant.py
+ * does; kinds 4 and 5 are the codes of 2 and 3: a lookup has no activations to quantize) */
 static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) {
     const int64_t D = e->k, row = token * D;
     for (int64_t j = 0; j < D; j++) {
         float v;
         if (e->kind == 0) v = ((const float *)e->W)[row + j];
         else if (e->kind == 1) v = bf16_to_f32(((const uint16_t *)e->W)[row + j]);
-        else if (e->kind == 2) v = (float)((const int8_t *)e->W)[row + j] * f16_to_f32(e->scales[(row + j) / e->G]);
+        else if (e->kind == 2 || e->kind == 4) v = (float)((const int8_t *)e->W)[row + j] * f16_to_f32(e->scales[(row + j) / e->G]);
         else {  /* int4: block of 32, code j in the low nibble of byte j, code j + 16 in the high one */
             uint8_t byte = ((const uint8_t *)e->W)[(row + j) / 32 * 16 + (j % 32) % 16];
             int code = (j % 32) < 16 ? byte & 0xF : byte >> 4;
@@ -116,7 +128,8 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
 /* y [B, n] = x [B, k] @ W^T, the weights streamed from memory once for all B rows: fp32 through the
  * several-row kernel (rows_batch.c); int8 and int4 in groups of 32 through their several-row loops
  * (rows_avx512.c: each row of codes widened once, then every row of x in the one-row loop's order);
- * the rest each row of W through its one-row loop B times (rows_each). Every kind gives each row of
+ * the rest (int8 activations among them: kinds 4, 5) each row of W through its one-row loop B times
+ * (rows_each), each row of x quantized once by describe. Every kind gives each row of
  * x the bits it gets alone. An int8 or int4 row is paced by widening its codes and the multiply-adds,
  * not by memory (an fp32 row is paced by memory), so the several-row loops widen each row of codes
  * once for all B rows: a 5-token verify of SmolLM2 on 2 threads of a Xeon costs about 2.8 decode

@@ -30,6 +30,8 @@
  *                  (quantize_rows_s8, prefill_precision="int8");
  *   gemm_s8.c      int8 codes times int8 codes, exact int32 sums through vpdpbusd (AVX512-VNNI,
  *                  AVX-VNNI) or its exact emulation: a prompt's int8 products (gemm_s8, gemm_s8_variant).
+ *   rows_s8.c      one row of int8 / int4 codes against int8 activations in blocks of 32 (a decode step
+ *                  under numerics/int8_act.py: gemv_q8_s8, gemv_q4_s8, rows_s8_variant).
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
  * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
  * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
@@ -60,6 +62,8 @@ struct Mat {
     const float *xperm;        /* int4 with AVX-512 and G = 32: x reordered for row_q4_perm, or NULL */
     row_fn each;               /* decode.c's several rows of x through a one-row loop: that loop */
     float *work;               /* gemm_q: one panel of widened weights per thread */
+    const int8_t *qx;          /* int8 activations (rows_s8.c): x's codes [k], blocks of 32 */
+    const float *dx;           /* int8 activations: the scale of each block of 32 [k / 32] (xsum as int4's) */
 };  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
 /* rows.c: the portable row loops */
@@ -91,6 +95,12 @@ INTERNAL void rows_q4_perm(const Mat *m, float *y, int64_t p);
 /* rows.c: the several-row loop of m->each (the one-row loop of m, a row of x), or NULL for none; it
  * takes SEVERAL_W rows of W a call */
 INTERNAL row_fn several_rows(const Mat *m);
+
+/* rows_s8.c: int8 / int4 codes against int8 activations (numerics/int8_act.py): x -> its codes qx [k],
+ * block scales dx [k / 32] and group sums xsum [k / G] (quantize_activations' bits), then one row */
+INTERNAL int prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum);
+INTERNAL void row_q8_s8(const Mat *m, float *y, int64_t i);
+INTERNAL void row_q4_s8(const Mat *m, float *y, int64_t i);
 
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);

@@ -1,0 +1,286 @@
+/* One output row of int8 or int4 codes against one row of int8 activations (a decode step under
+ * numerics/int8_act.py's scheme): integer dot products, as llama.cpp's Q8_0 / Q4_1 x Q8 rows.
+ *
+ * What: x is quantized once per product (prepare_s8) in blocks of 32: codes qx [k] int8, a scale dx
+ * per block [k / 32], and, for int4's minimums, the fp32 sums of x over each weight group xsum [k / G]
+ * (quantize_activations' bits: the same fp32 amax, 127 / amax, nearbyintf: round half to even). Each
+ * row then sums, per block of 32, the products of its codes with qx exactly in int32, and scales the
+ * block once in fp32:
+ *     y[i] = sum_b (scale[i, g(b)] * dx[b]) * isum[i, b]  (+ sum_g min[i, g] * xsum[g] for int4)
+ * qx stays in x's order: both weight formats meet it as 32 bytes a block (int4: the low nibbles of
+ * the block's 16 bytes are weights 0..15, its high nibbles 16..31).
+ *
+ * Why: the fp32-activation rows (rows.c, rows_avx512.c) widen every code to fp32 before they multiply,
+ * and on this course's CPUs that widening, not memory, sets their pace. `vpdpbusd` multiplies four
+ * unsigned bytes by four signed ones into an int32 in each lane: a block of 32 is one instruction
+ * after the nibbles are split. One side must be unsigned: int4 codes are (0..15); int8 codes give
+ * their sign to x (|q| times sign(q) qx, `vpsignb`, llama.cpp's trick; |q qx| <= 127 * 127).
+ *
+ * The loops, by what the compiler targets (rows_s8_variant names the one built):
+ *   avx512vnni  two blocks a 512-bit vpdpbusd;
+ *   avxvnni     a block a 256-bit vpdpbusd (Alder Lake, Zen 5 built without AVX-512);
+ *   avx2        vpmaddubsw then vpmaddwd with ones (pairs of products <= 2 * 127 * 127: no saturation);
+ *   portable    scalar int32 sums (GCC vectorizes them where it can).
+ * Each block's int32 sums become fp32 and meet the block's scale in a multiply-add into lanes of fp32
+ * sums; several sums side by side (independent chains). A row is summed by one thread in a fixed
+ * order, so the thread count does not change the bits.
+ *
+ * Measured on this course's Xeon (family 6 model 167: AVX512-VNNI, AVX-VNNI; 2 vCPUs shared with
+ * other jobs, so two threads gained nothing in these runs), weights per ns, G = 32, eight different
+ * matrices in turn so that they come from memory, best of 5, one thread (two threads alike):
+ *                      fp32 activations   int8 activations (avx512vnni / 256-bit block / avxvnni / avx2)
+ *   int4 [1536, 576]        14.8              18.8 / 17.1 / 17.6 / 16.0
+ *   int4 [576, 1536]        23.8              30.0 / 27.8 / 28.0 / 27.0
+ *   int8 [1536, 576]        17.8              22.1 / 22.4 / 22.4 / 16.9
+ *   int8 [576, 1536]        14.5              18.1 / 18.2 / 17.5 / 17.5
+ *   int8 [49152, 576]        8.9              11.3 / 10.9 / 11.0 / 10.6   (SmolLM2's head)
+ * The 512-bit loop (two blocks a vpdpbusd) is kept: ahead for int4, even for int8. Every block's
+ * scale * dx is made once before a row's loop: a division b * 32 / G per block in the loop (~25
+ * cycles) had made these rows 1.7 to 2.5x slower than the fp32-activation ones.
+ */
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define S8_ROWS "avx512vnni"
+#define S8_WIDE 1
+static inline __m256i dot32(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+#elif defined(__AVXVNNI__)
+#define S8_ROWS "avxvnni"
+static inline __m256i dot32(__m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s); }
+#elif defined(__AVX2__)
+#define S8_ROWS "avx2"
+static inline __m256i dot32(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#else
+#define S8_ROWS "portable"
+#endif
+
+/* Which loop this build runs (tests and reports): "avx512vnni", "avxvnni", "avx2" or "portable". */
+const char *rows_s8_variant(void) { return S8_ROWS; }
+
+/* max |x| over a block of 32 (max is exact: any order gives the same number) */
+static inline float block_amax(const float *x) {
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 a = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x)), _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 8)));
+    __m256 b = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + 16)), _mm256_andnot_ps(sign, _mm256_loadu_ps(x + 24)));
+    a = _mm256_max_ps(a, b);
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) { const float a = fabsf(x[j]); amax = a > amax ? a : amax; }
+    return amax;
+#endif
+}
+
+/* x [k] -> qx [k] int8, dx [k / 32] and xsum [k / G] (see the top). k and G multiples of 32. */
+int prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum) {
+    for (int64_t b = 0; b < k / 32; b++) {
+        const float *xb = x + 32 * b;
+        const float amax = block_amax(xb);
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 32; j++) {
+            float c = nearbyintf(xb[j] * inv);
+            qx[32 * b + j] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+        }
+        dx[b] = amax / 127.0f;
+    }
+    for (int64_t g = 0; g < k / G; g++) {  /* prepare_q4's sums, in its order */
+        float s = 0.0f;
+        for (int64_t j = g * G; j < (g + 1) * G; j++) s += x[j];
+        xsum[g] = s;
+    }
+    return 0;
+}
+
+#ifdef ROWS_S8_NARROW  /* -DROWS_S8_NARROW: AVX512-VNNI's block a 256-bit vpdpbusd (for measuring) */
+#undef S8_WIDE
+#endif
+
+#if defined(__AVX2__)
+/* one block of 32 int4 codes (16 bytes) as 32 unsigned bytes, weights 0..31 in order */
+static inline __m256i q4_block(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
+}
+/* one block of int8 codes against qx: |q| and qx with q's sign */
+static inline __m256i q8_dot(const int8_t *q, const int8_t *x) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)q), s = _mm256_loadu_si256((const __m256i *)x);
+    return dot32(_mm256_sign_epi8(w, w), _mm256_sign_epi8(s, w));
+}
+static inline __m256 blk(__m256i isum, float scale, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(scale), acc);
+}
+static inline float sum_f32x8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+#ifdef S8_WIDE
+/* two blocks of int4 codes (32 bytes) as 64 unsigned bytes: block 0's weights 0..31, then block 1's */
+static inline __m512i q4_pair(const uint8_t *p) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p), nib = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, nib), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+    const __m512i order = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);  /* lo0 hi0 lo1 hi1 */
+    return _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+}
+static inline __m512i dot64(__m512i u, __m512i s) { return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s); }
+/* blocks b, b + 1 (half 0) or b + 2, b + 3 (half 1) of four scales, each on its 8 lanes */
+static inline __m512 pair_scale(__m512 four, int half) {
+    const __m512i idx = half ? _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3)
+                             : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, four);
+}
+#endif
+
+/* bs[b] = scale[g(b)] * dx[b] (fp32) for a row's nb blocks, bpg = G / 32 blocks a group: made once per
+ * row before its loop (a division b * 32 / G in the loop, ~25 cycles each, halved the speed) */
+static inline void block_scales(const uint16_t *sc, const float *dx, int64_t nb, int64_t bpg, float *bs) {
+    int64_t b = 0;
+#ifdef __F16C__
+    for (; bpg == 1 && b + 8 <= nb; b += 8)
+        _mm256_storeu_ps(bs + b, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + b))),
+                                               _mm256_loadu_ps(dx + b)));
+#endif
+    for (; b < nb; b++) bs[b] = f16_to_f32(sc[b / bpg]) * dx[b];
+}
+
+/* sum_g min[g] * xsum[g], int4's minimums against the sums of x */
+static inline float from_mins(const uint16_t *mn, const float *xsum, int64_t ng) {
+    int64_t g = 0;
+    float s = 0.0f;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    __m256 a = _mm256_setzero_ps();
+    for (; g + 8 <= ng; g += 8)
+        a = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g))), _mm256_loadu_ps(xsum + g), a);
+    s = sum_f32x8(a);
+#endif
+    for (; g < ng; g++) s += f16_to_f32(mn[g]) * xsum[g];
+    return s;
+}
+
+#define BSCALE(b) bs[b]
+
+void row_q4_s8(const Mat *m, float *y, int64_t i) {
+    const int64_t k = m->k, G = m->G, ng = k / G, nb = k / 32;
+    const uint8_t *q = (const uint8_t *)m->W + i * (k / 2);
+    const uint16_t *sc = m->scales + i * ng, *mn = m->mins + i * ng;
+    const int8_t *qx = m->qx;
+    float s = 0.0f, bs[nb];
+    block_scales(sc, m->dx, nb, G / 32, bs);
+    int64_t b = 0;
+#if defined(S8_WIDE)
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; b + 4 <= nb; b += 4) {
+        const __m512i p0 = dot64(q4_pair(q + 16 * b), _mm512_loadu_si512((const void *)(qx + 32 * b)));
+        const __m512i p1 = dot64(q4_pair(q + 16 * b + 32), _mm512_loadu_si512((const void *)(qx + 32 * b + 64)));
+        const __m512 four = _mm512_castps128_ps512(_mm_loadu_ps(bs + b));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), pair_scale(four, 0), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), pair_scale(four, 1), a1);
+    }
+    __m256 c = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 d = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    for (; b < nb; b++) c = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), c);
+    s = sum_f32x8(_mm256_add_ps(c, d));
+#elif defined(__AVX2__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; b + 4 <= nb; b += 4) {
+        a0 = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), a0);
+        a1 = blk(dot32(q4_block(q + 16 * b + 16), _mm256_loadu_si256((const __m256i *)(qx + 32 * b + 32))), BSCALE(b + 1), a1);
+        a2 = blk(dot32(q4_block(q + 16 * b + 32), _mm256_loadu_si256((const __m256i *)(qx + 32 * b + 64))), BSCALE(b + 2), a2);
+        a3 = blk(dot32(q4_block(q + 16 * b + 48), _mm256_loadu_si256((const __m256i *)(qx + 32 * b + 96))), BSCALE(b + 3), a3);
+    }
+    for (; b < nb; b++) a0 = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), a0);
+    s = sum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    for (; b < nb; b++) {
+        const uint8_t *p = q + 16 * b;
+        const int8_t *xb = qx + 32 * b;
+        int32_t isum = 0;
+        for (int j = 0; j < 16; j++) isum += (int32_t)(p[j] & 0xF) * xb[j] + (int32_t)(p[j] >> 4) * xb[j + 16];
+        s += BSCALE(b) * (float)isum;
+    }
+#endif
+    y[i] = s + from_mins(mn, m->xsum, ng);
+}
+
+void row_q8_s8(const Mat *m, float *y, int64_t i) {
+    const int64_t k = m->k, G = m->G, nb = k / 32;
+    const int8_t *q = (const int8_t *)m->W + i * k;
+    const uint16_t *sc = m->scales + i * (k / G);
+    const int8_t *qx = m->qx;
+    float s = 0.0f, bs[nb];
+    block_scales(sc, m->dx, nb, G / 32, bs);
+    int64_t b = 0;
+#if defined(S8_WIDE)
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; b + 4 <= nb; b += 4) {
+        const __m512i w0 = _mm512_loadu_si512((const void *)(q + 32 * b)), w1 = _mm512_loadu_si512((const void *)(q + 32 * b + 64));
+        const __m512i x0 = _mm512_loadu_si512((const void *)(qx + 32 * b)), x1 = _mm512_loadu_si512((const void *)(qx + 32 * b + 64));
+        /* |w| and x with w's sign: x negated where w < 0, zeroed where w == 0 (w == 0 adds nothing anyway) */
+        const __m512i p0 = dot64(_mm512_abs_epi8(w0), _mm512_mask_sub_epi8(x0, _mm512_movepi8_mask(w0), _mm512_setzero_si512(), x0));
+        const __m512i p1 = dot64(_mm512_abs_epi8(w1), _mm512_mask_sub_epi8(x1, _mm512_movepi8_mask(w1), _mm512_setzero_si512(), x1));
+        const __m512 four = _mm512_castps128_ps512(_mm_loadu_ps(bs + b));
+        a0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), pair_scale(four, 0), a0);
+        a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), pair_scale(four, 1), a1);
+    }
+    __m256 c = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
+    __m256 d = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
+    for (; b < nb; b++) c = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), c);
+    s = sum_f32x8(_mm256_add_ps(c, d));
+#elif defined(__AVX2__)
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; b + 4 <= nb; b += 4) {
+        a0 = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), a0);
+        a1 = blk(q8_dot(q + 32 * b + 32, qx + 32 * b + 32), BSCALE(b + 1), a1);
+        a2 = blk(q8_dot(q + 32 * b + 64, qx + 32 * b + 64), BSCALE(b + 2), a2);
+        a3 = blk(q8_dot(q + 32 * b + 96, qx + 32 * b + 96), BSCALE(b + 3), a3);
+    }
+    for (; b < nb; b++) a0 = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), a0);
+    s = sum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    for (; b < nb; b++) {
+        const int8_t *w = q + 32 * b, *xb = qx + 32 * b;
+        int32_t isum = 0;
+        for (int j = 0; j < 32; j++) isum += (int32_t)w[j] * xb[j];
+        s += BSCALE(b) * (float)isum;
+    }
+#endif
+    y[i] = s;
+}
+
+/* The products' entry points: x prepared once (k + 4 (k / 32 + k / G) bytes), then every row.
+ * Return 0, or -1 without memory for the prepared x (y is then not written). */
+static int gemv_s8(row_fn row, Mat *m, const float *x, float *y, int64_t n, int threads) {
+    const int64_t k = m->k, G = m->G;
+    float *buf = malloc((size_t)(k / 32 + k / G) * sizeof(float) + (size_t)k);
+    if (!buf) return -1;
+    float *dx = buf, *xsum = buf + k / 32;
+    int8_t *qx = (int8_t *)(xsum + k / G);
+    prepare_s8(x, k, G, qx, dx, xsum);
+    m->qx = qx, m->dx = dx, m->xsum = xsum;
+    gemv(row, m, y, n, threads);
+    free(buf);
+    return 0;
+}
+
+/* int8 codes [n, k], fp16 scales [n, k / G]; k and G multiples of 32, G divides k */
+int gemv_q8_s8(const int8_t *codes, const uint16_t *scales, const float *x, float *y, int64_t n, int64_t k,
+               int64_t G, int threads) {
+    Mat m = {.W = codes, .scales = scales, .k = k, .G = G, .n = n};
+    return gemv_s8(row_q8_s8, &m, x, y, n, threads);
+}
+
+/* int4 codes [n, k / 2], fp16 scales and minimums [n, k / G]; the same k and G */
+int gemv_q4_s8(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y,
+               int64_t n, int64_t k, int64_t G, int threads) {
+    Mat m = {.W = codes, .scales = scales, .mins = mins, .k = k, .G = G, .n = n};
+    return gemv_s8(row_q4_s8, &m, x, y, n, threads);
+}
