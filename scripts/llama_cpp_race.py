@@ -11,8 +11,9 @@ every engine once, one after another, so a slow spell of a shared machine falls 
     llama.cpp   llama-bench -m FILE -p 512 -n 128 -t THREADS -o json: pp512 and tg128 (its mean of
                 its own repetitions, 5 by default), each format a row
     minigen     python -m minigen bench --weight-bits {4,8} --no-baseline --prompt-len 512
-                --new-tokens 128 --repeats 1, with OMP_NUM_THREADS=THREADS: decode tok/s (its
-                128-token run minus its 1-token run) and prompt tok/s (512 / its time to the first
+                --new-tokens 128 --repeats 3, with OMP_NUM_THREADS=THREADS: decode tok/s (its
+                median 128-token run minus its 1-token run: one repeat can come out negative on a busy
+                machine) and prompt tok/s (512 / its time to the first
                 token, which includes sampling that token)
 
 The table prints decode tok/s (tg128) and prompt tok/s (pp512) per engine and round, with the CPU
@@ -94,7 +95,7 @@ def minigen_bench(bits: int, threads: int, folder: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     run([sys.executable, "-m", "minigen", "bench", "--weight-bits", str(bits), "--no-baseline",
-         "--prompt-len", str(PROMPT), "--new-tokens", str(DECODE), "--repeats", "1", "--json", str(out)],
+         "--prompt-len", str(PROMPT), "--new-tokens", str(DECODE), "--repeats", "3", "--json", str(out)],
         f"minigen bench --weight-bits {bits}", env)
     result = json.loads(out.read_text())
     row = result["engines"]["minigen"]
