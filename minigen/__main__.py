@@ -147,11 +147,14 @@ def cmd_bench(args) -> None:
     # everything that can be checked without the model, before a run of minutes
     check_bench_args(args.prompt_len, args.new_tokens, args.repeats)
     _check_json_arg(args.json, BenchError)
+    if args.llama_format and "llama.cpp" not in args.engine:
+        raise BenchError("--llama-format chooses llama.cpp's formats: add --engine llama.cpp")
     config = _config(args)
     result = run_bench(args.model, config, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                        repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
                        compute_dtype=args.compute_dtype, weight_bits=args.weight_bits,
-                       llama_cpp="llama.cpp" in args.engine, grounded=args.grounded, draft=args.draft)
+                       llama_cpp="llama.cpp" in args.engine, grounded=args.grounded, draft=args.draft,
+                       llama_formats=args.llama_format)
     print_report(result, explain=args.explain)
     if args.json:  # checked before the run, but a disk can fill up since: BenchError then
         write_json(result, Path(args.json), BenchError)
@@ -281,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantize minigen's weights to int8 or int4 (the run also times minigen unquantized)")
     b.add_argument("--engine", action="append", default=[], choices=["llama.cpp"],
                    help="add an engine: llama.cpp (llama-cpp-python, on the bundled GGUF), when installed")
+    b.add_argument("--llama-format", action="append", type=str.upper, choices=["Q4_1", "Q4_0", "Q8_0"],
+                   help="with --engine llama.cpp, the GGUF format to race, repeatable; default all three: the "
+                        "bundled Q4_1, and Q4_0 and Q8_0 made from it once into the model cache")
     b.add_argument("--grounded", action="store_true",
                    help="ask the model to repeat the prompt's text (an input-grounded task, as prompt lookup likes)")
     b.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "

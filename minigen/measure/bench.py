@@ -36,7 +36,7 @@ from ..numerics.precision import DTYPES, dtype_of
 from ..numerics.weight_quant import check_weight_bits, quantize_weights
 from ..numerics.weight_quant import weight_bytes as packed_weight_bytes
 from . import speculation
-from .llama_cpp import check_llama_cpp, llama_cpp_engine
+from .llama_cpp import check_llama_cpp, llama_cpp_engines
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -160,16 +160,17 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
               new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
               baseline: bool = True, compute_dtype: torch.dtype | str | None = None,
               weight_bits: int | None = None, llama_cpp: bool = False, grounded: bool = False,
-              draft: str | None = None) -> dict:
+              draft: str | None = None, llama_formats=None) -> dict:
     """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict.
 
     compute_dtype: minigen's activations (precision.py; default fp32 on a CPU). transformers runs
     in the weights' dtype. weight_bits (8 or 4) quantizes minigen's weights (weight_quant.py) and
     adds minigen in the unquantized dtype to the same run, for the ratio. llama_cpp adds llama.cpp
-    (llama-cpp-python) on the bundled GGUF. grounded: the prompt asks the model to repeat the text
-    (prompt_ids). A config with speculative_method adds minigen without it to the run ("minigen plain")
-    and, for "draft", the draft alone ("minigen draft"; `draft` is a drafts.parse spec such as
-    "layers:20"), for the speed-up, alpha and the speed model's prediction. Every setting is checked
+    (llama-cpp-python) on the bundled GGUF, one engine per llama_formats (default Q4_1, Q4_0, Q8_0;
+    gguf_formats.py). grounded: the prompt asks the model to repeat the text (prompt_ids). A config
+    with speculative_method adds minigen without it to the run ("minigen plain") and, for "draft",
+    the draft alone ("minigen draft"; `draft` is a drafts.parse spec such as "layers:20"), for the
+    speed-up, alpha and the speed model's prediction. Every setting is checked
     before the weights load: the run sizes, then the model's context."""
     from ..paths import bar
     from ..combinations import Run, check_run
@@ -178,8 +179,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     dtype = check_dtype(dtype)
     if weight_bits is not None:
         check_weight_bits(weight_bits, "--weight-bits")
-    if llama_cpp:
-        check_llama_cpp(model_name)
+    llama_formats = check_llama_cpp(model_name, llama_formats) if llama_cpp else ()
     compute = dtype_of(compute_dtype, "compute_dtype") if compute_dtype is not None else None
     config = config or GenerationConfig()
     if config.do_sample:
@@ -212,7 +212,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     kv_elem = DTYPES[config.kv_dtype].itemsize if config.kv_dtype else dtype.itemsize
     engines, model, compile_s = _build_engines(model, model_config, state, folder, ids, config, dtype=dtype,
                                                compute=compute, weight_bits=weight_bits, baseline=baseline,
-                                               llama_cpp=llama_cpp, new_tokens=new_tokens, kv_elem=kv_elem,
+                                               llama_formats=llama_formats, new_tokens=new_tokens, kv_elem=kv_elem,
                                                draft=draft)
     progress = bar(total=repeats * len(engines), desc="bench", unit="run")
     timed = _time_engines({name: e.run for name, e in engines.items()}, new_tokens, repeats, progress)
@@ -269,7 +269,7 @@ def _transformers_engine(folder: Path, ids: torch.Tensor, dtype: torch.dtype, st
 
 def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Tensor, config: GenerationConfig, *,
                    dtype: torch.dtype, compute: torch.dtype | None, weight_bits: int | None, baseline: bool,
-                   llama_cpp: bool, new_tokens: int, kv_elem: int, draft: str | None = None):
+                   llama_formats: tuple, new_tokens: int, kv_elem: int, draft: str | None = None):
     """-> (the engines to time, in the order they take turns; the model of the engine "minigen";
     the list that minigen's runs add their compile seconds to).
 
@@ -298,9 +298,9 @@ def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Te
     if baseline:
         engines["transformers"] = _transformers_engine(folder, ids, dtype,
                                                        bytes_per_decode_step(floats, context, kv_elem))
-    if llama_cpp:  # the GGUF file's weights, and an fp16 cache
-        run, gguf_bytes = llama_cpp_engine(ids, prompt_len + new_tokens)
-        engines["llama.cpp"] = EngineRun(run, gguf_bytes, gguf_bytes + context * model.config.kv_bytes_per_token(2))
+    for name, (run, gguf_bytes) in llama_cpp_engines(ids, prompt_len + new_tokens, llama_formats).items():
+        # the GGUF file's weights, and an fp16 cache
+        engines[name] = EngineRun(run, gguf_bytes, gguf_bytes + context * model.config.kv_bytes_per_token(2))
     return engines, model, compile_s
 
 
@@ -328,8 +328,9 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
         result["speedup_vs_unquantized"] = speed["minigen"] / speed[f"minigen {_DTYPE_NAMES[dtype]}"]
     elif "minigen float32" in rows:
         result["speedup_vs_float32"] = speed["minigen"] / speed["minigen float32"]
-    if "llama.cpp" in rows:
-        result["speedup_vs_llama_cpp"] = speed["minigen"] / speed["llama.cpp"]
+    if any(name.startswith("llama.cpp") for name in rows):  # one ratio per format
+        result["speedup_vs_llama_cpp"] = {name: speed["minigen"] / s for name, s in speed.items()
+                                          if name.startswith("llama.cpp")}
     if "minigen plain" in rows:
         result["speculation"] = speculation.summarize(result["config"], engines["minigen"].stats, speed)
     if "transformers" in rows:
@@ -392,8 +393,10 @@ def print_report(result: dict, explain: bool = False) -> None:
               f"{result['speedup_vs_unquantized']:.2f}x (same run)")
     if "speedup_vs_float32" in result:
         print(f"minigen {result['dtype']} / minigen float32 decode: {result['speedup_vs_float32']:.2f}x (same run)")
-    if "speedup_vs_llama_cpp" in result:
-        print(f"minigen / llama.cpp decode: {result['speedup_vs_llama_cpp']:.2f}x")
+    if "speedup_vs_llama_cpp" in result:  # a float in a result saved before llama.cpp raced in several formats
+        ratios = result["speedup_vs_llama_cpp"]
+        ratios = ratios if isinstance(ratios, dict) else {"llama.cpp": ratios}
+        print("minigen / " + ", ".join(f"{name}: {r:.2f}x" for name, r in ratios.items()) + " decode")
     if "speculation" in result:
         sp = result["speculation"]
         print(f"speculative ({sp['method']}, k={sp['k']}"
@@ -404,7 +407,8 @@ def print_report(result: dict, explain: bool = False) -> None:
               f"the speed model predicts {sp['predicted_speedup']:.2f}x")
     engines = result["engines"]
     if "minigen" in engines:  # prefill: prompt tokens over TTFT, each engine beside minigen's, same run
-        others = [name for name in ("minigen float32", "minigen plain", "transformers", "llama.cpp") if name in engines]
+        others = [name for name in engines if name in ("minigen float32", "minigen plain", "transformers")
+                  or name.startswith("llama.cpp")]
         if others:
             ratio = {name: engines[name]["ttft_s"] / engines["minigen"]["ttft_s"] for name in others}
             print(f"prefill of {result['prompt_len']} tokens (prompt tokens / TTFT), minigen / "
