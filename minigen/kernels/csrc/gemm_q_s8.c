@@ -2,7 +2,8 @@
  * numerics/int8_act.py): y [M, n] = int8_act.reference_linear(x, W), in one C call.
  *
  *     qx[r, j] = round(x[r, j] 127 / a[r, b]), dx[r, b] = a[r, b] / 127   per block b of 32 activations
- *     y[r, i] = sum_b s[i, g(b)] dx[r, b] isum[r, i, b]  (+ sum_g m[i, g] xsum[r, g] for int4)
+ *     y[r, i] = sum_b s[i, g(b)] dx[r, b] isum[r, i, b]  (+ sum_g m[i, g] xsum[r, g] for int4, xsum the
+ *     quantized x's sums over group g: sum_{b in g} dx[r, b] sum_{j in b} qx[r, j], int8_act.py says why)
  *     isum[r, i, b] = sum_{j in b} q[i, j] qx[r, j]      exact int32
  *
  * Why: gemm_q.c widens the codes to fp32 and multiplies in fp32, 16 multiply-adds an AVX-512 FMA;
@@ -172,14 +173,11 @@ static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
             for (int p = 0; p < BLOCK / 4; p++) memcpy(xc + (b * (BLOCK / 4) + p) * MR + r, q + 4 * p, 4);
             g->dx[(blk * nb + b) * MR + r] = d;
             if (g->corr) g->corr[(blk * nb + b) * MR + r] = -128 * s;
-        }
-        if (g->xsum)
-            for (int64_t gi = 0; gi < ng; gi++) {
-                float s = 0.0f;
-                if (row < g->m.M)
-                    for (int64_t j = gi * bpg * BLOCK; j < (gi + 1) * bpg * BLOCK; j++) s += xr[j];
-                g->xsum[(blk * ng + gi) * MR + r] = s;
+            if (g->xsum) {  /* int4: the sums of the quantized x over each group, dx times each block's code sum */
+                float *xs = g->xsum + (blk * ng + b / bpg) * MR + r;
+                *xs = (b % bpg ? *xs : 0.0f) + d * (float)s;
             }
+        }
     }
 }
 

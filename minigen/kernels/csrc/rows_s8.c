@@ -2,7 +2,8 @@
  * numerics/int8_act.py's scheme): integer dot products, as llama.cpp's Q8_0 / Q4_1 x Q8 rows.
  *
  * What: x is quantized once per product (prepare_s8) in blocks of 32: codes qx [k] int8, a scale dx
- * per block [k / 32], and, for int4's minimums, the fp32 sums of x over each weight group xsum [k / G]
+ * per block [k / 32], and, for int4's minimums, the quantized x's sums over each weight group xsum [k / G]
+ * (dx times each block's code sum: numerics/int8_act.py says why not x's own)
  * (quantize_activations' bits: the same fp32 amax, 127 / amax, nearbyintf: round half to even). Each
  * row then sums, per block of 32, the products of its codes with qx exactly in int32, and scales the
  * block once in fp32:
@@ -90,9 +91,13 @@ int prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, floa
         }
         dx[b] = amax / 127.0f;
     }
-    for (int64_t g = 0; g < k / G; g++) {  /* prepare_q4's sums, in its order */
+    for (int64_t g = 0; g < k / G; g++) {  /* the sums of the quantized x: dx[b] times each block's code sum */
         float s = 0.0f;
-        for (int64_t j = g * G; j < (g + 1) * G; j++) s += x[j];
+        for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); b++) {
+            int32_t q = 0;
+            for (int j = 0; j < 32; j++) q += qx[32 * b + j];
+            s += dx[b] * (float)q;
+        }
         xsum[g] = s;
     }
     return 0;
