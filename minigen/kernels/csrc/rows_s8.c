@@ -79,28 +79,93 @@ static inline float block_amax(const float *x) {
 #endif
 }
 
-/* x [k] -> qx [k] int8, dx [k / 32] and xsum [k / G] (see the top). k and G multiples of 32. */
-int prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum) {
+/* the second largest |x| of a block of 32 (topk's: the largest again where it comes twice), given the
+ * largest amax */
+static inline float block_second(const float *x, float amax) {
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(amax);
+    __m256 rest = _mm256_setzero_ps();
+    int ties = 0;
+    for (int j = 0; j < 32; j += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), eq = _mm256_cmp_ps(a, top, _CMP_EQ_OQ);
+        ties += __builtin_popcount((unsigned)_mm256_movemask_ps(eq));
+        rest = _mm256_max_ps(rest, _mm256_andnot_ps(eq, a));  /* the values below the largest */
+    }
+    if (ties > 1) return amax;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(rest), _mm256_extractf128_ps(rest, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+    float second = 0.0f;
+    int ties = 0;
+    for (int j = 0; j < 32; j++) {
+        const float a = fabsf(x[j]);
+        if (a == amax) ties++;
+        else second = a > second ? a : second;
+    }
+    return ties > 1 ? amax : second;
+#endif
+}
+
+/* a block of 32 -> its codes q (round half to even, from the fp32 product x * (127 / amax)) -> its scale */
+static inline float quantize_block(const float *x, float amax, int8_t *q) {
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        const float c = nearbyintf(x[j] * inv);
+        q[j] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+    }
+    return amax / 127.0f;
+}
+
+/* x [k] -> qx [k] int8, dx [k / 32], xsum [k / G] and res [S8_RESIDUALS(k)] (see the top) -> how many
+ * blocks res holds. k and G multiples of 32. */
+int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum, S8Residual *res) {
+    const int64_t most = S8_RESIDUALS(k);
+    float ratio[S8_RESIDUAL_BLOCKS];  /* the candidates so far, largest ratio first (ties: the lower block) */
+    int64_t chosen[S8_RESIDUAL_BLOCKS], n = 0;
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
-        const float amax = block_amax(xb);
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int j = 0; j < 32; j++) {
-            float c = nearbyintf(xb[j] * inv);
-            qx[32 * b + j] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
-        }
-        dx[b] = amax / 127.0f;
+        const float amax = block_amax(xb), second = block_second(xb, amax);
+        dx[b] = quantize_block(xb, amax, qx + 32 * b);
+        if (!(second > 0.0f && amax > S8_RESIDUAL_RATIO * second)) continue;
+        const float r = amax / second;  /* fp32, as residual_blocks' */
+        int64_t at = n;  /* after every kept ratio >= r: the earlier block wins a tie */
+        while (at > 0 && ratio[at - 1] < r) at--;
+        if (at >= most) continue;
+        for (int64_t e = (n < most ? n : most - 1); e > at; e--) ratio[e] = ratio[e - 1], chosen[e] = chosen[e - 1];
+        ratio[at] = r, chosen[at] = b;
+        n += n < most;
     }
-    for (int64_t g = 0; g < k / G; g++) {  /* the sums of the quantized x: dx[b] times each block's code sum */
+    for (int64_t e = 1; e < n; e++)  /* in block order */
+        for (int64_t f = e; f > 0 && chosen[f - 1] > chosen[f]; f--) {
+            const int64_t t = chosen[f]; chosen[f] = chosen[f - 1], chosen[f - 1] = t;
+        }
+    for (int64_t e = 0; e < n; e++) {  /* the residual x - dx qx, rounded once (the reference's fp64 difference) */
+        const int64_t b = chosen[e];
+        float rest[32], ramax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            rest[j] = fmaf(-(float)qx[32 * b + j], dx[b], x[32 * b + j]);
+            ramax = fabsf(rest[j]) > ramax ? fabsf(rest[j]) : ramax;
+        }
+        res[e].rdx = quantize_block(rest, ramax, res[e].rx);
+        res[e].b = (int32_t)b, res[e].g = (int32_t)(b / (G / 32));
+    }
+    for (int64_t g = 0, e = 0; g < k / G; g++) {  /* the sums of the quantized x: dx[b] times each block's code sum */
         float s = 0.0f;
         for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); b++) {
             int32_t q = 0;
             for (int j = 0; j < 32; j++) q += qx[32 * b + j];
             s += dx[b] * (float)q;
+            if (e < n && res[e].b == b) {  /* then its residual's */
+                q = 0;
+                for (int j = 0; j < 32; j++) q += res[e].rx[j];
+                s += res[e].rdx * (float)q;
+                e++;
+            }
         }
         xsum[g] = s;
     }
-    return 0;
+    return n;
 }
 
 #ifdef ROWS_S8_NARROW  /* -DROWS_S8_NARROW: AVX512-VNNI's block a 256-bit vpdpbusd (for measuring) */
@@ -171,6 +236,38 @@ static inline float from_mins(const uint16_t *mn, const float *xsum, int64_t ng)
     return s;
 }
 
+/* The marked blocks' residuals against row q (int4: 16 bytes a block, else int8: 32), after the main
+ * loop: sum_e scale[g(e)] * rdx[e] * sum_j q[j] rx[e, j], its own fp32 sums (at most 8 blocks, the weights
+ * already in L1) */
+static inline float residuals(const Mat *m, const void *row, const uint16_t *sc, int q4) {
+#if defined(__AVX2__)
+    __m256 r = _mm256_setzero_ps();
+    for (int64_t e = 0; e < m->nres; e++) {
+        const S8Residual *v = m->res + e;
+        const __m256i rx = _mm256_loadu_si256((const __m256i *)v->rx);
+        const __m256i isum = q4 ? dot32(q4_block((const uint8_t *)row + 16 * v->b), rx)
+                                : q8_dot((const int8_t *)row + 32 * v->b, v->rx);
+        r = blk(isum, f16_to_f32(sc[v->g]) * v->rdx, r);
+    }
+    return sum_f32x8(r);
+#else
+    float r = 0.0f;
+    for (int64_t e = 0; e < m->nres; e++) {
+        const S8Residual *v = m->res + e;
+        int32_t isum = 0;
+        if (q4) {
+            const uint8_t *p = (const uint8_t *)row + 16 * v->b;
+            for (int j = 0; j < 16; j++) isum += (int32_t)(p[j] & 0xF) * v->rx[j] + (int32_t)(p[j] >> 4) * v->rx[j + 16];
+        } else {
+            const int8_t *w = (const int8_t *)row + 32 * v->b;
+            for (int j = 0; j < 32; j++) isum += (int32_t)w[j] * v->rx[j];
+        }
+        r += f16_to_f32(sc[v->g]) * v->rdx * (float)isum;
+    }
+    return r;
+#endif
+}
+
 #define BSCALE(b) bs[b]
 
 void row_q4_s8(const Mat *m, float *y, int64_t i) {
@@ -213,6 +310,7 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
         s += BSCALE(b) * (float)isum;
     }
 #endif
+    if (m->nres) s += residuals(m, q, sc, 1);
     y[i] = s + from_mins(mn, m->xsum, ng);
 }
 
@@ -258,19 +356,21 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
         s += BSCALE(b) * (float)isum;
     }
 #endif
+    if (m->nres) s += residuals(m, q, sc, 0);
     y[i] = s;
 }
 
-/* The products' entry points: x prepared once (k + 4 (k / 32 + k / G) bytes), then every row.
+/* The products' entry points: x prepared once (k + 4 (k / 32 + k / G) + 44 min(8, k / 32) bytes), then every row.
  * Return 0, or -1 without memory for the prepared x (y is then not written). */
 static int gemv_s8(row_fn row, Mat *m, const float *x, float *y, int64_t n, int threads) {
     const int64_t k = m->k, G = m->G;
-    float *buf = malloc((size_t)(k / 32 + k / G) * sizeof(float) + (size_t)k);
+    float *buf = malloc((size_t)(k / 32 + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS) * sizeof(float) + (size_t)k);
     if (!buf) return -1;
     float *dx = buf, *xsum = buf + k / 32;
-    int8_t *qx = (int8_t *)(xsum + k / G);
-    prepare_s8(x, k, G, qx, dx, xsum);
-    m->qx = qx, m->dx = dx, m->xsum = xsum;
+    S8Residual *res = (S8Residual *)(xsum + k / G);
+    int8_t *qx = (int8_t *)(xsum + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS);
+    m->nres = prepare_s8(x, k, G, qx, dx, xsum, res);
+    m->qx = qx, m->dx = dx, m->xsum = xsum, m->res = res;
     gemv(row, m, y, n, threads);
     free(buf);
     return 0;
