@@ -237,10 +237,10 @@ static inline float from_mins(const uint16_t *mn, const float *xsum, int64_t ng)
 }
 
 /* The marked blocks' residuals against row q (int4: 16 bytes a block, else int8: 32), after the main
- * loop: sum_e scale[g(e)] * rdx[e] * sum_j q[j] rx[e, j], its own fp32 sums (at most 8 blocks, the weights
- * already in L1) */
-static inline float residuals(const Mat *m, const void *row, const uint16_t *sc, int q4) {
+ * loop: sum_e scale[g(e)] * rdx[e] * sum_j q[j] rx[e, j], in fp32 sums of their own (at most 8 blocks,
+ * the weights already in L1) that the vector loops add to theirs before the one horizontal sum */
 #if defined(__AVX2__)
+static inline __m256 residuals(const Mat *m, const void *row, const uint16_t *sc, int q4) {
     __m256 r = _mm256_setzero_ps();
     for (int64_t e = 0; e < m->nres; e++) {
         const S8Residual *v = m->res + e;
@@ -249,8 +249,10 @@ static inline float residuals(const Mat *m, const void *row, const uint16_t *sc,
                                 : q8_dot((const int8_t *)row + 32 * v->b, v->rx);
         r = blk(isum, f16_to_f32(sc[v->g]) * v->rdx, r);
     }
-    return sum_f32x8(r);
+    return r;
+}
 #else
+static inline float residuals(const Mat *m, const void *row, const uint16_t *sc, int q4) {
     float r = 0.0f;
     for (int64_t e = 0; e < m->nres; e++) {
         const S8Residual *v = m->res + e;
@@ -265,8 +267,8 @@ static inline float residuals(const Mat *m, const void *row, const uint16_t *sc,
         r += f16_to_f32(sc[v->g]) * v->rdx * (float)isum;
     }
     return r;
-#endif
 }
+#endif
 
 #define BSCALE(b) bs[b]
 
@@ -290,6 +292,7 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
     __m256 c = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
     __m256 d = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
     for (; b < nb; b++) c = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), c);
+    if (m->nres) d = _mm256_add_ps(d, residuals(m, q, sc, 1));
     s = sum_f32x8(_mm256_add_ps(c, d));
 #elif defined(__AVX2__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -300,6 +303,7 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
         a3 = blk(dot32(q4_block(q + 16 * b + 48), _mm256_loadu_si256((const __m256i *)(qx + 32 * b + 96))), BSCALE(b + 3), a3);
     }
     for (; b < nb; b++) a0 = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), a0);
+    if (m->nres) a3 = _mm256_add_ps(a3, residuals(m, q, sc, 1));
     s = sum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
     for (; b < nb; b++) {
@@ -309,8 +313,8 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
         for (int j = 0; j < 16; j++) isum += (int32_t)(p[j] & 0xF) * xb[j] + (int32_t)(p[j] >> 4) * xb[j + 16];
         s += BSCALE(b) * (float)isum;
     }
-#endif
     if (m->nres) s += residuals(m, q, sc, 1);
+#endif
     y[i] = s + from_mins(mn, m->xsum, ng);
 }
 
@@ -337,6 +341,7 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
     __m256 c = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
     __m256 d = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
     for (; b < nb; b++) c = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), c);
+    if (m->nres) d = _mm256_add_ps(d, residuals(m, q, sc, 0));
     s = sum_f32x8(_mm256_add_ps(c, d));
 #elif defined(__AVX2__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -347,6 +352,7 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
         a3 = blk(q8_dot(q + 32 * b + 96, qx + 32 * b + 96), BSCALE(b + 3), a3);
     }
     for (; b < nb; b++) a0 = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), a0);
+    if (m->nres) a3 = _mm256_add_ps(a3, residuals(m, q, sc, 0));
     s = sum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
     for (; b < nb; b++) {
@@ -355,8 +361,8 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
         for (int j = 0; j < 32; j++) isum += (int32_t)w[j] * xb[j];
         s += BSCALE(b) * (float)isum;
     }
-#endif
     if (m->nres) s += residuals(m, q, sc, 0);
+#endif
     y[i] = s;
 }
 
