@@ -10,6 +10,11 @@
  *     y[i] = sum_b (scale[i, g(b)] * dx[b]) * isum[i, b]  (+ sum_g min[i, g] * xsum[g] for int4)
  * qx stays in x's order: both weight formats meet it as 32 bytes a block (int4: the low nibbles of
  * the block's 16 bytes are weights 0..15, its high nibbles 16..31).
+ * Residual blocks: a block whose largest |x| is more than twice its second largest (an outlier) is
+ * quantized twice; prepare_s8 marks at most 8 a row, the largest ratios (ties: the lower block), and
+ * keeps each compactly (S8Residual: the codes rx of x - dx qx, rounded once by fmaf, their scale rdx,
+ * the block and its group). After its main loop a row adds, per marked block, the same block of its
+ * codes (still in L1) against rx, one vpdpbusd, times scale[g] * rdx; int4's xsum holds their sums too.
  *
  * Why: the fp32-activation rows (rows.c, rows_avx512.c) widen every code to fp32 before they multiply,
  * and on this course's CPUs that widening, not memory, sets their pace. `vpdpbusd` multiplies four
@@ -35,6 +40,15 @@
  *   int8 [1536, 576]        17.8              22.1 / 22.4 / 22.4 / 16.9
  *   int8 [576, 1536]        14.5              18.1 / 18.2 / 17.5 / 17.5
  *   int8 [49152, 576]        8.9              11.3 / 10.9 / 11.0 / 10.6   (SmolLM2's head)
+ * With the residual blocks (measured the same way, 2 vCPUs shared with another job, runs ~15% apart;
+ * avx512vnni, best of two runs; x randn, and randn with 3 channels 100x: 3 blocks marked):
+ *                      fp32 activations   int8: randn x   3 marked blocks   before (no residuals)
+ *   int4 [1536, 576]        17.1              20.5            17.8              21.9
+ *   int4 [576, 1536]        21.3              24.8            23.5              25.7
+ *   int8 [49152, 576]       16.5              20.5            17.9              17.8
+ * A marked block costs a row about what a main-loop block does (3 of 18 blocks at k = 576: ~13%
+ * slower, 3 of 48 at k = 1536: ~5%): at k = 576 about even with the fp32-activation rows. Their fp32
+ * sums join the main loop's before its one horizontal sum.
  * The 512-bit loop (two blocks a vpdpbusd) is kept: ahead for int4, even for int8. Every block's
  * scale * dx is made once before a row's loop: a division b * 32 / G per block in the loop (~25
  * cycles) had made these rows 1.7 to 2.5x slower than the fp32-activation ones.
