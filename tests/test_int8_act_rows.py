@@ -1,8 +1,10 @@
 """csrc/rows_s8.c through kernels/cpu.matvec_s8: one row of int8 / int4 codes against int8 activations
 (numerics/int8_act.py). The C codes of x are quantize_activations' bit for bit (an identity weight
-shows them); the products are int8_act.reference_linear's up to the order of fp32 sums; they are not
-the fp32-activation product's (a kernel that skipped quantizing x would pass the first check alone);
-the thread count and every variant (AVX512-VNNI, AVX-VNNI, AVX2, portable) keep to the same oracle."""
+shows them, the residual blocks' codes too); the products are int8_act.reference_linear's up to the
+order of fp32 sums; they are not the fp32-activation product's (a kernel that skipped quantizing x would
+pass the first check alone), nor, where blocks have outliers, the product without their residuals (a
+kernel that ignored them); at most 8 blocks a row take a residual, the largest ratios, ties the lower
+block; the thread count and every variant (AVX512-VNNI, AVX-VNNI, AVX2, portable) keep to the same oracle."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch.nn.functional as F
 
 from minigen.kernels import build as kernel_build
 from minigen.kernels import cpu as cpu_kernel
-from minigen.numerics.int8_act import quantize_activations, reference_linear
-from minigen.numerics.weight_quant import QuantizedWeight, pack4, quantize_matrix
+from minigen.numerics.int8_act import BLOCK, quantize_activations, reference_linear, residual_blocks
+from minigen.numerics.weight_quant import QuantizedWeight, pack4, quantize_matrix, unpack4
 
 pytestmark = [pytest.mark.skipif(kernel_build.compiler() is None, reason="no C compiler on this machine"),
               pytest.mark.skipif(not kernel_build.available(), reason="the C kernels are not built here")]
@@ -38,6 +40,57 @@ def cases(seed: int):
                     continue
                 for n in (1, 7, 33, 100):
                     yield bits, quantize_matrix(torch.randn(n, k, generator=g), bits, G), torch.randn(k, generator=g)
+
+
+def identity(bits: int, k: int) -> QuantizedWeight:
+    """code 1 on the diagonal, scale 1, minimum 0: y = dx qx + rdx rx, each product rounded once"""
+    eye = torch.eye(k, dtype=torch.uint8 if bits == 4 else torch.int8)
+    scales = torch.ones(k, k // 32, dtype=torch.float16)
+    if bits == 8:
+        return QuantizedWeight(eye, scales, None, 8, 32, (k, k), torch.float32)
+    return QuantizedWeight(pack4(eye), scales, torch.zeros_like(scales), 4, 32, (k, k), torch.float32)
+
+
+def codes_times_scales(x: torch.Tensor) -> torch.Tensor:
+    """what an identity weight gives: x's codes times their scales, plus the residuals' (0 where unmarked)"""
+    qx, dx, rx, rdx = quantize_activations(x)
+    return qx.float() * dx.repeat_interleave(BLOCK) + rx.float() * rdx.repeat_interleave(BLOCK)
+
+
+def without_residuals(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """reference_linear for one row x [k] with the residual blocks left out (fp64 sums)"""
+    qx, dx, _, _ = quantize_activations(x)
+    q = (unpack4(w.codes) if w.bits == 4 else w.codes).double().unflatten(-1, (-1, BLOCK))  # [n, k / 32, 32]
+    blocks = qx.double().unflatten(-1, (-1, BLOCK))  # [k / 32, 32]
+    scale = w.scales.double().repeat_interleave(w.group_size // BLOCK, dim=1)
+    y = (torch.einsum("bj,nbj->nb", blocks, q) * scale * dx.double()).sum(-1)
+    if w.mins is not None:
+        y += (dx.double() * blocks.sum(-1)).unflatten(-1, (-1, w.group_size // BLOCK)).sum(-1) @ w.mins.double().T
+    return y.float()
+
+
+def activations_with_outliers(k: int, seed: int) -> torch.Tensor:
+    """randn with 3 channels 100 times larger, as a residual stream's few large channels"""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(k, generator=g)
+    x[torch.randperm(k, generator=g)[:3]] *= 100.0
+    return x
+
+
+def many_candidates() -> tuple[torch.Tensor, list[int]]:
+    """x [576] (18 blocks) with 11 blocks wanting a residual, 10 of them at the same ratio, and blocks that
+    must not (ratio exactly 2, second largest 0, the largest twice) -> (x, the 8 blocks marked)"""
+    g = torch.Generator().manual_seed(6)
+    x = (torch.rand(576, generator=g) * 1.8 - 0.9).unflatten(0, (18, BLOCK))  # |x| < 0.9
+    x[:, 5] = 1.0  # every block's second largest |x| is exactly 1: its ratio is its largest
+    ratio = {0: 3.0, 1: 5.0, 2: -5.0, 3: 5.0, 4: 2.5, 5: 5.0, 6: -5.0, 7: 7.0, 8: 5.0, 9: 5.0, 10: 5.0, 11: 5.0,
+             12: 2.0, 14: 5.0}
+    for b, r in ratio.items():
+        x[b, 17] = r
+    x[13] = 0.0
+    x[13, 9] = 4.0    # one nonzero value: its second largest is 0, not a candidate
+    x[15, 3] = x[15, 20] = -6.0  # the largest twice: ratio 1
+    return x.flatten(), [1, 2, 3, 5, 6, 7, 8, 9]  # 7 (ratio 7), then the lowest seven at 5
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -64,17 +117,41 @@ def test_the_codes_of_x_are_quantize_activations(bits, k):
     x[3] = 1e6                                   # an outlier flattens the rest of its block
     x[64:96] = torch.arange(32) - 15.5           # halves: 127 / amax is 1, so x * inv ties
     x[64] = 127.0
-    eye = torch.eye(k, dtype=torch.uint8 if bits == 4 else torch.int8)
-    scales = torch.ones(k, k // 32, dtype=torch.float16)
-    if bits == 8:
-        w = QuantizedWeight(eye, scales, None, 8, 32, (k, k), torch.float32)
-    else:
-        w = QuantizedWeight(pack4(eye), scales, torch.zeros_like(scales), 4, 32, (k, k), torch.float32)
-    qx, dx = quantize_activations(x)
+    w = identity(bits, k)
+    qx, _, _, rdx = quantize_activations(x)
     assert qx[65].item() == -14 and qx[66].item() == -14 and qx[67].item() == -12  # -14.5, -13.5, -12.5: to even
+    assert rdx[0] > 0  # the outlier's block takes a residual
     y = cpu_kernel.matvec_s8(x, w)
-    assert torch.equal(y, qx.float() * dx.repeat_interleave(32))
+    assert torch.equal(y, codes_times_scales(x))
     assert_near_reference(y, x, w)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("k", [576, 1536])
+def test_outlier_blocks_take_their_residuals(bits, k):
+    """Blocks with a channel 100x the rest: the kernel adds their residuals (it is the reference, and not
+    the reference without them, by far more than the tolerance); an identity weight shows their codes."""
+    x = activations_with_outliers(k, seed=7 + k)
+    assert residual_blocks(x).sum().item() >= 3
+    assert torch.equal(cpu_kernel.matvec_s8(x, identity(bits, k)), codes_times_scales(x))
+    g = torch.Generator().manual_seed(8)
+    for G in (32, 64, 192):
+        w = quantize_matrix(torch.randn(100, k, generator=g), bits, G)
+        y = cpu_kernel.matvec_s8(x, w)
+        assert_near_reference(y, x, w)
+        ref = reference_linear(x, w)
+        assert (y - without_residuals(x, w)).abs().max().item() > 100 * (1e-5 * ref.abs().max().item() + 1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_at_most_8_blocks_the_largest_ratios_first(bits):
+    """11 candidates: the 8 of the largest ratio, ties to the lower block; a ratio of exactly 2, a block
+    with one nonzero value, a block whose largest comes twice: none"""
+    x, marked = many_candidates()
+    assert residual_blocks(x).nonzero().flatten().tolist() == marked  # the reference itself
+    assert torch.equal(cpu_kernel.matvec_s8(x, identity(bits, 576)), codes_times_scales(x))
+    w = quantize_matrix(torch.randn(64, 576, generator=torch.Generator().manual_seed(9)), bits, 64)
+    assert_near_reference(cpu_kernel.matvec_s8(x, w), x, w)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -144,3 +221,9 @@ def test_each_variant_keeps_to_the_reference(variant, monkeypatch, tmp_path):
         pytest.skip("-march=native does not build the 512-bit loop here")
     for _, w, x in cases(5):
         assert_near_reference(cpu_kernel.matvec_s8(x, w), x, w)
+    x, _ = many_candidates()
+    for bits in (8, 4):  # the residual blocks: their codes, the cap and the tie order, and the products
+        for v in (x, activations_with_outliers(576, seed=10), activations_with_outliers(1536, seed=11)):
+            assert torch.equal(cpu_kernel.matvec_s8(v, identity(bits, v.numel())), codes_times_scales(v))
+            w = quantize_matrix(torch.randn(40, v.numel(), generator=torch.Generator().manual_seed(12)), bits, 64)
+            assert_near_reference(cpu_kernel.matvec_s8(v, w), v, w)

@@ -332,7 +332,7 @@ def matvec_s8(x: Tensor, w: QuantizedWeight) -> Tensor | None:
         failed = lib.gemv_q4_s8(w.codes.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), x.data_ptr(), y.data_ptr(),
                                 n, k, G, threads)
     if failed:
-        raise _no_memory(k + 4 * (k // 32 + k // G))  # x's codes, block scales and group sums
+        raise _no_memory(k + 4 * (k // 32 + k // G) + 44 * min(8, k // 32))  # x's codes, block scales, group sums, residuals
     return y
 
 

@@ -52,7 +52,8 @@ typedef struct {
 
 /* The description of W x for one row x of the activations, with x prepared as its kind's row loop
  * wants it (bf16: reordered; int4: the sums of x over each group and x reordered; kinds 4 and 5: x's
- * sums over each group, its block scales and its int8 codes, k / G + k / 32 floats and k bytes) in
+ * sums over each group, its block scales, its blocks quantized twice and its int8 codes, k / G + k / 32
+ * + 11 min(8, k / 32) floats and k bytes: at most 21 k / 32 floats) in
  * `work`, which holds WORK_PER_ROW(k) floats; returns that row loop. */
 #define WORK_PER_ROW(k) (2 * (k))
 static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
@@ -66,9 +67,10 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
     if (w->kind == 2) return q8_rows(m);
     if (w->kind == 4 || w->kind == 5) {  /* int8 activations: x's codes, made once per product and row */
         float *dx = work + w->k / w->G;
-        int8_t *qx = (int8_t *)(dx + w->k / 32);
-        prepare_s8(x, w->k, w->G, qx, dx, work);
-        m->xsum = work, m->dx = dx, m->qx = qx;
+        S8Residual *res = (S8Residual *)(dx + w->k / 32);
+        int8_t *qx = (int8_t *)(dx + w->k / 32 + S8_RESIDUALS(w->k) * S8_RESIDUAL_FLOATS);
+        m->nres = prepare_s8(x, w->k, w->G, qx, dx, work, res);
+        m->xsum = work, m->dx = dx, m->qx = qx, m->res = res;
         return w->kind == 4 ? row_q8_s8 : row_q4_s8;
     }
     m->xsum = work;  /* int4: work holds k / G sums and k reordered activations */

@@ -47,6 +47,7 @@
 #define INTERNAL __attribute__((visibility("hidden")))
 
 typedef struct Mat Mat;
+typedef struct S8Residual S8Residual;  /* rows_s8.c's blocks quantized twice (below) */
 /* one output row of a product: y[i] = W[i, :] @ x */
 typedef void (*row_fn)(const Mat *m, float *y, int64_t i);
 
@@ -64,6 +65,8 @@ struct Mat {
     float *work;               /* gemm_q: one panel of widened weights per thread */
     const int8_t *qx;          /* int8 activations (rows_s8.c): x's codes [k], blocks of 32 */
     const float *dx;           /* int8 activations: the scale of each block of 32 [k / 32] (xsum as int4's) */
+    const S8Residual *res;     /* int8 activations: the blocks quantized twice, in block order [nres] */
+    int64_t nres;              /* how many (0 to S8_RESIDUALS) */
 };  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
 /* rows.c: the portable row loops */
@@ -97,8 +100,20 @@ INTERNAL void rows_q4_perm(const Mat *m, float *y, int64_t p);
 INTERNAL row_fn several_rows(const Mat *m);
 
 /* rows_s8.c: int8 / int4 codes against int8 activations (numerics/int8_act.py): x -> its codes qx [k],
- * block scales dx [k / 32] and group sums xsum [k / G] (quantize_activations' bits), then one row */
-INTERNAL int prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum);
+ * block scales dx [k / 32], group sums xsum [k / G] and its blocks quantized twice res [at most
+ * S8_RESIDUALS(k)] (quantize_activations' bits; returns how many blocks res holds), then one row */
+#define S8_RESIDUAL_RATIO 2.0f  /* int8_act.RESIDUAL_RATIO: a block's largest |x| over its second largest */
+#define S8_RESIDUAL_BLOCKS 8    /* int8_act.RESIDUAL_BLOCKS: at most this many blocks a row */
+#define S8_RESIDUALS(k) ((k) / 32 < S8_RESIDUAL_BLOCKS ? (k) / 32 : S8_RESIDUAL_BLOCKS)
+/* one block quantized twice: what its codes miss, x - dx qx, as codes of its own (44 bytes, 4-aligned:
+ * it lives in float buffers) */
+struct S8Residual {
+    int8_t rx[32];   /* the residual's codes */
+    float rdx;       /* their scale */
+    int32_t b, g;    /* the block, and its weight group b / (G / 32): no division in the rows' loops */
+};
+#define S8_RESIDUAL_FLOATS (sizeof(S8Residual) / sizeof(float))
+INTERNAL int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum, S8Residual *res);
 INTERNAL void row_q8_s8(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_s8(const Mat *m, float *y, int64_t i);
 

@@ -10,6 +10,11 @@
  *     y[i] = sum_b (scale[i, g(b)] * dx[b]) * isum[i, b]  (+ sum_g min[i, g] * xsum[g] for int4)
  * qx stays in x's order: both weight formats meet it as 32 bytes a block (int4: the low nibbles of
  * the block's 16 bytes are weights 0..15, its high nibbles 16..31).
+ * Residual blocks: a block whose largest |x| is more than twice its second largest (an outlier) is
+ * quantized twice; prepare_s8 marks at most 8 a row, the largest ratios (ties: the lower block), and
+ * keeps each compactly (S8Residual: the codes rx of x - dx qx, rounded once by fmaf, their scale rdx,
+ * the block and its group). After its main loop a row adds, per marked block, the same block of its
+ * codes (still in L1) against rx, one vpdpbusd, times scale[g] * rdx; int4's xsum holds their sums too.
  *
  * Why: the fp32-activation rows (rows.c, rows_avx512.c) widen every code to fp32 before they multiply,
  * and on this course's CPUs that widening, not memory, sets their pace. `vpdpbusd` multiplies four
@@ -35,6 +40,15 @@
  *   int8 [1536, 576]        17.8              22.1 / 22.4 / 22.4 / 16.9
  *   int8 [576, 1536]        14.5              18.1 / 18.2 / 17.5 / 17.5
  *   int8 [49152, 576]        8.9              11.3 / 10.9 / 11.0 / 10.6   (SmolLM2's head)
+ * With the residual blocks (measured the same way, 2 vCPUs shared with another job, runs ~15% apart;
+ * avx512vnni, best of two runs; x randn, and randn with 3 channels 100x: 3 blocks marked):
+ *                      fp32 activations   int8: randn x   3 marked blocks   before (no residuals)
+ *   int4 [1536, 576]        17.1              20.5            17.8              21.9
+ *   int4 [576, 1536]        21.3              24.8            23.5              25.7
+ *   int8 [49152, 576]       16.5              20.5            17.9              17.8
+ * A marked block costs a row about what a main-loop block does (3 of 18 blocks at k = 576: ~13%
+ * slower, 3 of 48 at k = 1536: ~5%): at k = 576 about even with the fp32-activation rows. Their fp32
+ * sums join the main loop's before its one horizontal sum.
  * The 512-bit loop (two blocks a vpdpbusd) is kept: ahead for int4, even for int8. Every block's
  * scale * dx is made once before a row's loop: a division b * 32 / G per block in the loop (~25
  * cycles) had made these rows 1.7 to 2.5x slower than the fp32-activation ones.
@@ -79,28 +93,93 @@ static inline float block_amax(const float *x) {
 #endif
 }
 
-/* x [k] -> qx [k] int8, dx [k / 32] and xsum [k / G] (see the top). k and G multiples of 32. */
-int prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum) {
+/* the second largest |x| of a block of 32 (topk's: the largest again where it comes twice), given the
+ * largest amax */
+static inline float block_second(const float *x, float amax) {
+#ifdef __AVX2__
+    const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(amax);
+    __m256 rest = _mm256_setzero_ps();
+    int ties = 0;
+    for (int j = 0; j < 32; j += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)), eq = _mm256_cmp_ps(a, top, _CMP_EQ_OQ);
+        ties += __builtin_popcount((unsigned)_mm256_movemask_ps(eq));
+        rest = _mm256_max_ps(rest, _mm256_andnot_ps(eq, a));  /* the values below the largest */
+    }
+    if (ties > 1) return amax;
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(rest), _mm256_extractf128_ps(rest, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+    float second = 0.0f;
+    int ties = 0;
+    for (int j = 0; j < 32; j++) {
+        const float a = fabsf(x[j]);
+        if (a == amax) ties++;
+        else second = a > second ? a : second;
+    }
+    return ties > 1 ? amax : second;
+#endif
+}
+
+/* a block of 32 -> its codes q (round half to even, from the fp32 product x * (127 / amax)) -> its scale */
+static inline float quantize_block(const float *x, float amax, int8_t *q) {
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = 0; j < 32; j++) {
+        const float c = nearbyintf(x[j] * inv);
+        q[j] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+    }
+    return amax / 127.0f;
+}
+
+/* x [k] -> qx [k] int8, dx [k / 32], xsum [k / G] and res [S8_RESIDUALS(k)] (see the top) -> how many
+ * blocks res holds. k and G multiples of 32. */
+int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum, S8Residual *res) {
+    const int64_t most = S8_RESIDUALS(k);
+    float ratio[S8_RESIDUAL_BLOCKS];  /* the candidates so far, largest ratio first (ties: the lower block) */
+    int64_t chosen[S8_RESIDUAL_BLOCKS], n = 0;
     for (int64_t b = 0; b < k / 32; b++) {
         const float *xb = x + 32 * b;
-        const float amax = block_amax(xb);
-        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int j = 0; j < 32; j++) {
-            float c = nearbyintf(xb[j] * inv);
-            qx[32 * b + j] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
-        }
-        dx[b] = amax / 127.0f;
+        const float amax = block_amax(xb), second = block_second(xb, amax);
+        dx[b] = quantize_block(xb, amax, qx + 32 * b);
+        if (!(second > 0.0f && amax > S8_RESIDUAL_RATIO * second)) continue;
+        const float r = amax / second;  /* fp32, as residual_blocks' */
+        int64_t at = n;  /* after every kept ratio >= r: the earlier block wins a tie */
+        while (at > 0 && ratio[at - 1] < r) at--;
+        if (at >= most) continue;
+        for (int64_t e = (n < most ? n : most - 1); e > at; e--) ratio[e] = ratio[e - 1], chosen[e] = chosen[e - 1];
+        ratio[at] = r, chosen[at] = b;
+        n += n < most;
     }
-    for (int64_t g = 0; g < k / G; g++) {  /* the sums of the quantized x: dx[b] times each block's code sum */
+    for (int64_t e = 1; e < n; e++)  /* in block order */
+        for (int64_t f = e; f > 0 && chosen[f - 1] > chosen[f]; f--) {
+            const int64_t t = chosen[f]; chosen[f] = chosen[f - 1], chosen[f - 1] = t;
+        }
+    for (int64_t e = 0; e < n; e++) {  /* the residual x - dx qx, rounded once (the reference's fp64 difference) */
+        const int64_t b = chosen[e];
+        float rest[32], ramax = 0.0f;
+        for (int j = 0; j < 32; j++) {
+            rest[j] = fmaf(-(float)qx[32 * b + j], dx[b], x[32 * b + j]);
+            ramax = fabsf(rest[j]) > ramax ? fabsf(rest[j]) : ramax;
+        }
+        res[e].rdx = quantize_block(rest, ramax, res[e].rx);
+        res[e].b = (int32_t)b, res[e].g = (int32_t)(b / (G / 32));
+    }
+    for (int64_t g = 0, e = 0; g < k / G; g++) {  /* the sums of the quantized x: dx[b] times each block's code sum */
         float s = 0.0f;
         for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); b++) {
             int32_t q = 0;
             for (int j = 0; j < 32; j++) q += qx[32 * b + j];
             s += dx[b] * (float)q;
+            if (e < n && res[e].b == b) {  /* then its residual's */
+                q = 0;
+                for (int j = 0; j < 32; j++) q += res[e].rx[j];
+                s += res[e].rdx * (float)q;
+                e++;
+            }
         }
         xsum[g] = s;
     }
-    return 0;
+    return n;
 }
 
 #ifdef ROWS_S8_NARROW  /* -DROWS_S8_NARROW: AVX512-VNNI's block a 256-bit vpdpbusd (for measuring) */
@@ -171,6 +250,40 @@ static inline float from_mins(const uint16_t *mn, const float *xsum, int64_t ng)
     return s;
 }
 
+/* The marked blocks' residuals against row q (int4: 16 bytes a block, else int8: 32), after the main
+ * loop: sum_e scale[g(e)] * rdx[e] * sum_j q[j] rx[e, j], in fp32 sums of their own (at most 8 blocks,
+ * the weights already in L1) that the vector loops add to theirs before the one horizontal sum */
+#if defined(__AVX2__)
+static inline __m256 residuals(const Mat *m, const void *row, const uint16_t *sc, int q4) {
+    __m256 r = _mm256_setzero_ps();
+    for (int64_t e = 0; e < m->nres; e++) {
+        const S8Residual *v = m->res + e;
+        const __m256i rx = _mm256_loadu_si256((const __m256i *)v->rx);
+        const __m256i isum = q4 ? dot32(q4_block((const uint8_t *)row + 16 * v->b), rx)
+                                : q8_dot((const int8_t *)row + 32 * v->b, v->rx);
+        r = blk(isum, f16_to_f32(sc[v->g]) * v->rdx, r);
+    }
+    return r;
+}
+#else
+static inline float residuals(const Mat *m, const void *row, const uint16_t *sc, int q4) {
+    float r = 0.0f;
+    for (int64_t e = 0; e < m->nres; e++) {
+        const S8Residual *v = m->res + e;
+        int32_t isum = 0;
+        if (q4) {
+            const uint8_t *p = (const uint8_t *)row + 16 * v->b;
+            for (int j = 0; j < 16; j++) isum += (int32_t)(p[j] & 0xF) * v->rx[j] + (int32_t)(p[j] >> 4) * v->rx[j + 16];
+        } else {
+            const int8_t *w = (const int8_t *)row + 32 * v->b;
+            for (int j = 0; j < 32; j++) isum += (int32_t)w[j] * v->rx[j];
+        }
+        r += f16_to_f32(sc[v->g]) * v->rdx * (float)isum;
+    }
+    return r;
+}
+#endif
+
 #define BSCALE(b) bs[b]
 
 void row_q4_s8(const Mat *m, float *y, int64_t i) {
@@ -193,6 +306,7 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
     __m256 c = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
     __m256 d = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
     for (; b < nb; b++) c = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), c);
+    if (m->nres) d = _mm256_add_ps(d, residuals(m, q, sc, 1));
     s = sum_f32x8(_mm256_add_ps(c, d));
 #elif defined(__AVX2__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -203,6 +317,7 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
         a3 = blk(dot32(q4_block(q + 16 * b + 48), _mm256_loadu_si256((const __m256i *)(qx + 32 * b + 96))), BSCALE(b + 3), a3);
     }
     for (; b < nb; b++) a0 = blk(dot32(q4_block(q + 16 * b), _mm256_loadu_si256((const __m256i *)(qx + 32 * b))), BSCALE(b), a0);
+    if (m->nres) a3 = _mm256_add_ps(a3, residuals(m, q, sc, 1));
     s = sum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
     for (; b < nb; b++) {
@@ -212,6 +327,7 @@ void row_q4_s8(const Mat *m, float *y, int64_t i) {
         for (int j = 0; j < 16; j++) isum += (int32_t)(p[j] & 0xF) * xb[j] + (int32_t)(p[j] >> 4) * xb[j + 16];
         s += BSCALE(b) * (float)isum;
     }
+    if (m->nres) s += residuals(m, q, sc, 1);
 #endif
     y[i] = s + from_mins(mn, m->xsum, ng);
 }
@@ -239,6 +355,7 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
     __m256 c = _mm256_add_ps(_mm512_castps512_ps256(a0), _mm512_extractf32x8_ps(a0, 1));
     __m256 d = _mm256_add_ps(_mm512_castps512_ps256(a1), _mm512_extractf32x8_ps(a1, 1));
     for (; b < nb; b++) c = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), c);
+    if (m->nres) d = _mm256_add_ps(d, residuals(m, q, sc, 0));
     s = sum_f32x8(_mm256_add_ps(c, d));
 #elif defined(__AVX2__)
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -249,6 +366,7 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
         a3 = blk(q8_dot(q + 32 * b + 96, qx + 32 * b + 96), BSCALE(b + 3), a3);
     }
     for (; b < nb; b++) a0 = blk(q8_dot(q + 32 * b, qx + 32 * b), BSCALE(b), a0);
+    if (m->nres) a3 = _mm256_add_ps(a3, residuals(m, q, sc, 0));
     s = sum_f32x8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
 #else
     for (; b < nb; b++) {
@@ -257,20 +375,22 @@ void row_q8_s8(const Mat *m, float *y, int64_t i) {
         for (int j = 0; j < 32; j++) isum += (int32_t)w[j] * xb[j];
         s += BSCALE(b) * (float)isum;
     }
+    if (m->nres) s += residuals(m, q, sc, 0);
 #endif
     y[i] = s;
 }
 
-/* The products' entry points: x prepared once (k + 4 (k / 32 + k / G) bytes), then every row.
+/* The products' entry points: x prepared once (k + 4 (k / 32 + k / G) + 44 min(8, k / 32) bytes), then every row.
  * Return 0, or -1 without memory for the prepared x (y is then not written). */
 static int gemv_s8(row_fn row, Mat *m, const float *x, float *y, int64_t n, int threads) {
     const int64_t k = m->k, G = m->G;
-    float *buf = malloc((size_t)(k / 32 + k / G) * sizeof(float) + (size_t)k);
+    float *buf = malloc((size_t)(k / 32 + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS) * sizeof(float) + (size_t)k);
     if (!buf) return -1;
     float *dx = buf, *xsum = buf + k / 32;
-    int8_t *qx = (int8_t *)(xsum + k / G);
-    prepare_s8(x, k, G, qx, dx, xsum);
-    m->qx = qx, m->dx = dx, m->xsum = xsum;
+    S8Residual *res = (S8Residual *)(xsum + k / G);
+    int8_t *qx = (int8_t *)(xsum + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS);
+    m->nres = prepare_s8(x, k, G, qx, dx, xsum, res);
+    m->qx = qx, m->dx = dx, m->xsum = xsum, m->res = res;
     gemv(row, m, y, n, threads);
     free(buf);
     return 0;
