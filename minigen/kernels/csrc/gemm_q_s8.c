@@ -102,6 +102,8 @@ static inline vi dot4(vi acc, vi u, vi s) {
 #endif
 #define PANEL (NV * LANES)  /* output channels a panel */
 #define BLOCK 32            /* activations a scale */
+#define RES_RATIO 2.0f      /* int8_act.RESIDUAL_RATIO: a block whose |x|'s largest is more than 2x its second */
+#define RES_MAX 8           /* int8_act.RESIDUAL_BLOCKS: such blocks a row quantized twice, at most */
 
 typedef int32_t i32v __attribute__((vector_size(LANES * 4)));
 typedef float f32v __attribute__((vector_size(LANES * 4)));
@@ -120,6 +122,9 @@ typedef struct {
     float *dx;                  /* [M / MR][nb][MR] */
     int32_t *corr;              /* int8: -128 sum of a block's codes [M / MR][nb][MR] */
     float *xsum;                /* int4: x summed over each group [M / MR][ng][MR] */
+    int32_t *nres, *ridx;       /* a row's residual blocks: how many [M / MR][MR], which [M / MR][MR][RES_MAX] */
+    int32_t *rcorr, *rxc;       /* their -128 sum of codes [.][MR][RES_MAX], codes [.][MR][RES_MAX][BLOCK / 4] */
+    float *rdx;                 /* their scales [.][MR][RES_MAX] */
     int64_t rows, panels;       /* rows of x a group (a multiple of MR); panels of PANEL channels */
     uint8_t *work;              /* per thread: a panel of codes, then its scales and minimums */
     int64_t work_bytes;         /* a thread's part of work */
@@ -157,15 +162,60 @@ static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
     return amax / 127.0f;
 }
 
+/* A block's largest |x| over its second largest (fp32) where more than RES_RATIO, else 0 (also where
+ * the second is 0): int8_act.residual_blocks' ratio. With AVX-512: the second is the largest of the
+ * 16 pairs' smaller ones and of their larger ones less one lane holding the largest. */
+static inline float ratio32(const float *xb) {
+#ifdef __AVX512F__
+    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+    const __m512 hi = _mm512_max_ps(a0, a1), lo = _mm512_min_ps(a0, a1);
+    const float m1 = _mm512_reduce_max_ps(hi);
+    const __mmask16 at = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(m1), _CMP_EQ_OQ);
+    const float m2 = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(hi, at & -at, _mm512_setzero_ps()), lo));
+#else
+    float m1 = 0.0f, m2 = 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        const float v = fabsf(xb[j]);
+        if (v > m1) m2 = m1, m1 = v;
+        else if (v > m2) m2 = v;
+    }
+#endif
+    return m2 > 0.0f && m1 > RES_RATIO * m2 ? m1 / m2 : 0.0f;
+}
+
+/* A row's blocks quantized twice: at most RES_MAX of the largest ratio (ties: the lower block, as
+ * int8_act.residual_blocks' stable sort), into idx in block order; returns how many. */
+static int residual_blocks(const float *xr, int64_t nb, int32_t idx[RES_MAX]) {
+    float top[RES_MAX];
+    int n = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        const float t = ratio32(xr + b * BLOCK);
+        int i = n;
+        while (i > 0 && top[i - 1] < t) i--;  /* after every ratio >= t: the lower blocks first */
+        if (t == 0.0f || i == RES_MAX) continue;
+        for (int j = n < RES_MAX ? n : RES_MAX - 1; j > i; j--) top[j] = top[j - 1], idx[j] = idx[j - 1];
+        top[i] = t, idx[i] = (int32_t)b, n += n < RES_MAX;
+    }
+    for (int i = 1; i < n; i++)  /* block order */
+        for (int j = i; j > 0 && idx[j - 1] > idx[j]; j--) {
+            const int32_t t = idx[j];
+            idx[j] = idx[j - 1], idx[j - 1] = t;
+        }
+    return n;
+}
+
 /* Rows MR blk .. of x quantized as int8_act.quantize_activations does (amax, inv = 127 / amax in
- * fp32, round half to even of x inv, clamped to 127), packed; rows past M: codes 0 (never stored). */
+ * fp32, round half to even of x inv, clamped to 127), packed; rows past M: codes 0 (never stored).
+ * A marked block's residual x - dx qx (fmaf: one rounding) is quantized the same way. */
 static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
     const int64_t k = g->m.k, kq = g->kq, nb = g->nb, ng = g->ng, bpg = g->G / BLOCK;
     int32_t *xc = g->xc + blk * kq * MR;
     for (int r = 0; r < MR; r++) {
-        const int64_t row = blk * MR + r;
+        const int64_t row = blk * MR + r, rr = row * RES_MAX;
         const float *xr = x + row * k;
-        for (int64_t b = 0; b < nb; b++) {
+        const int32_t *idx = g->ridx + rr;
+        const int nr = g->nres[blk * MR + r] = row < g->m.M ? residual_blocks(xr, nb, g->ridx + rr) : 0;
+        for (int64_t b = 0, m = 0; b < nb; b++) {
             int8_t q[BLOCK] = {0};
             float d = 0.0f;
             int32_t s = 0;
@@ -176,6 +226,17 @@ static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
             if (g->xsum) {  /* int4: the sums of the quantized x over each group, dx times each block's code sum */
                 float *xs = g->xsum + (blk * ng + b / bpg) * MR + r;
                 *xs = (b % bpg ? *xs : 0.0f) + d * (float)s;
+            }
+            if (m < nr && idx[m] == b) {  /* the residual's codes, scale, correction and sum (after the block's) */
+                float rest[BLOCK];
+                int8_t rq[BLOCK];
+                int32_t rs;
+                for (int j = 0; j < BLOCK; j++) rest[j] = fmaf(-(float)q[j], d, xr[b * BLOCK + j]);
+                const float rd = g->rdx[rr + m] = quantize32(rest, rq, &rs);
+                memcpy(g->rxc + (rr + m) * (BLOCK / 4), rq, BLOCK);
+                g->rcorr[rr + m] = -128 * rs;
+                if (g->xsum) g->xsum[(blk * ng + b / bpg) * MR + r] += rd * (float)rs;
+                m++;
             }
         }
     }
@@ -273,6 +334,29 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
             }
         }
     }
+    /* Each row's residual blocks (its own, at most RES_MAX, in block order), after all of k: the panel's
+     * codes of that block (in L1 / L2) against the row's residual codes, times its scale and rdx */
+    const int64_t r0 = blk * MR * RES_MAX;
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+        for (int m = 0; m < g->nres[blk * MR + r]; m++) {
+            const int64_t rm = r0 + r * RES_MAX + m, b = g->ridx[rm];
+            const int32_t *u = g->rxc + rm * (BLOCK / 4);
+            vi s[NV];
+            for (int v = 0; v < NV; v++) s[v] = has_mins ? bcast(0) : bcast(g->rcorr[rm]);
+            #pragma GCC unroll 8
+            for (int p = 0; p < BLOCK / 4; p++) {
+                const uint8_t *w = wp + (b * (BLOCK / 4) + p) * PANEL * 4;
+                const vi ub = bcast(u[p]);
+                for (int v = 0; v < NV; v++) s[v] = dot4(s[v], loadv(w + v * LANES * 4), ub);
+            }
+            const float d = g->rdx[rm];
+            for (int v = 0; v < NV; v++) {
+                i32v si;
+                memcpy(&si, &s[v], sizeof si);
+                acc[r][v] += __builtin_convertvector(si, f32v) * (loadf(ws + b / bpg * PANEL + v * LANES) * d);
+            }
+        }
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) memcpy(out[r] + v * LANES, &acc[r][v], sizeof acc[r][v]);
 }
@@ -329,12 +413,16 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
     int32_t *corr = mins ? NULL : malloc((size_t)(blocks * nb * MR) * sizeof *corr);
     float *xsum = mins ? malloc((size_t)(blocks * ng * MR) * sizeof *xsum) : NULL;
     uint8_t *work = aligned_alloc(64, (size_t)(nt * work_bytes));
-    if (!xc || !dx || (mins ? !xsum : !corr) || !work) {
-        free(xc), free(dx), free(corr), free(xsum), free(work);
+    const int64_t rows = blocks * MR;  /* the residual blocks: per row a count, then RES_MAX of each */
+    int32_t *res = malloc((size_t)(rows * (1 + RES_MAX * (3 + BLOCK / 4))) * sizeof *res);
+    if (!xc || !dx || (mins ? !xsum : !corr) || !work || !res) {
+        free(xc), free(dx), free(corr), free(xsum), free(work), free(res);
         return -1;
     }
     GemmQS8 g = {.m = {.M = M, .n = n, .k = k}, .codes = codes, .scales = scales, .mins = mins, .G = G, .kq = kq,
-                 .nb = nb, .ng = ng, .xc = xc, .dx = dx, .corr = corr, .xsum = xsum, .rows = group_rows(M, k),
+                 .nb = nb, .ng = ng, .xc = xc, .dx = dx, .corr = corr, .xsum = xsum, .nres = res,
+                 .ridx = res + rows, .rcorr = res + rows * (1 + RES_MAX), .rdx = (float *)(res + rows * (1 + 2 * RES_MAX)),
+                 .rxc = res + rows * (1 + 3 * RES_MAX), .rows = group_rows(M, k),
                  .panels = (n + PANEL - 1) / PANEL, .work = work, .work_bytes = work_bytes};
     /* x quantized and packed, its blocks shared out (as gemm_q.c's pack_x: after the products' back-off) */
     int par = threads > 1 && blocks >= 2 * threads;
@@ -360,6 +448,6 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
         fprintf(stderr, "M %ld n %ld k %ld: quantize %.3f ms, products %.3f ms\n", (long)M, (long)n, (long)k, tq, tp);
     }
 #endif
-    free(xc), free(dx), free(corr), free(xsum), free(work);
+    free(xc), free(dx), free(corr), free(xsum), free(work), free(res);
     return 0;
 }
