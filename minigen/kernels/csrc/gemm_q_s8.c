@@ -120,7 +120,7 @@ typedef struct {
     int64_t G, kq, nb, ng;      /* group size; k / 4, k / 32, k / G */
     int32_t *xc;                /* x's codes packed [M / MR][kq][MR] */
     float *dx;                  /* [M / MR][nb][MR] */
-    int32_t *corr;              /* int8: -128 sum of a block's codes [M / MR][nb][MR] */
+    int32_t *corr;              /* -128 sum of a block's codes [M / MR][nb][MR]: int8's correction */
     float *xsum;                /* int4: x summed over each group [M / MR][ng][MR] */
     int32_t *nres, *ridx;       /* a row's residual blocks: how many [M / MR][MR], which [M / MR][MR][RES_MAX] */
     int32_t *rcorr, *rxc;       /* their -128 sum of codes [.][MR][RES_MAX], codes [.][MR][RES_MAX][BLOCK / 4] */
@@ -130,14 +130,26 @@ typedef struct {
     int64_t work_bytes;         /* a thread's part of work */
 } GemmQS8;
 
-/* One block of 32 activations -> its codes q, their sum *s, and its scale amax / 127: amax, inv =
- * 127 / amax in fp32 (0 for a block of zeros), q = round(x inv) half to even, clamped to 127. With
- * AVX-512 two vectors (one number at a time, 512 rows of 1,536 took 1.4 ms on the Xeon: half of the
- * products after it). */
-static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
+/* One block of 32 activations -> its codes q, their sum *s, its scale amax / 127 (amax, inv = 127 / amax
+ * in fp32, 0 for a block of zeros; q = round(x inv) half to even, clamped to 127), and *ratio: amax over
+ * the second largest |x| where more than RES_RATIO and the second > 0, else 0 (int8_act.residual_blocks').
+ * With AVX-512 two vectors (one number at a time, 512 rows of 1,536 took 1.4 ms on the Xeon: half of the
+ * products after it); the second only where one lane alone has 2 |x| >= amax (the test, exact: 2 |x| is). */
+static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s, float *ratio) {
 #ifdef __AVX512F__
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const __m512 top = _mm512_set1_ps(amax);
+    const uint32_t big = _mm512_cmp_ps_mask(_mm512_add_ps(a0, a0), top, _CMP_GE_OQ) |
+                         (uint32_t)_mm512_cmp_ps_mask(_mm512_add_ps(a1, a1), top, _CMP_GE_OQ) << 16;
+    *ratio = 0.0f;
+    if (amax > 0.0f && !(big & (big - 1))) {  /* one lane: the rest < amax / 2; their largest, the second */
+        const __m512 z = _mm512_setzero_ps();
+        const float m2 = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(a0, (__mmask16)big, z),
+                                                            _mm512_mask_mov_ps(a1, (__mmask16)(big >> 16), z)));
+        *ratio = m2 > 0.0f ? amax / m2 : 0.0f;
+    }
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), lim = _mm512_set1_ps(127.0f);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m512 t0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, inv), rnd), t1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, inv), rnd);
@@ -147,8 +159,13 @@ static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
     *s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
 #else
-    float amax = 0.0f;
-    for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    float amax = 0.0f, m2 = 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        const float v = fabsf(xb[j]);
+        if (v > amax) m2 = amax, amax = v;
+        else if (v > m2) m2 = v;
+    }
+    *ratio = m2 > 0.0f && amax > RES_RATIO * m2 ? amax / m2 : 0.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int j = 0; j < BLOCK; j++) {
@@ -162,82 +179,57 @@ static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
     return amax / 127.0f;
 }
 
-/* A block's largest |x| over its second largest (fp32) where more than RES_RATIO, else 0 (also where
- * the second is 0): int8_act.residual_blocks' ratio. With AVX-512: the second is the largest of the
- * 16 pairs' smaller ones and of their larger ones less one lane holding the largest. */
-static inline float ratio32(const float *xb) {
-#ifdef __AVX512F__
-    const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
-    const __m512 hi = _mm512_max_ps(a0, a1), lo = _mm512_min_ps(a0, a1);
-    const float m1 = _mm512_reduce_max_ps(hi);
-    const __mmask16 at = _mm512_cmp_ps_mask(hi, _mm512_set1_ps(m1), _CMP_EQ_OQ);
-    const float m2 = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(hi, at & -at, _mm512_setzero_ps()), lo));
-#else
-    float m1 = 0.0f, m2 = 0.0f;
-    for (int j = 0; j < BLOCK; j++) {
-        const float v = fabsf(xb[j]);
-        if (v > m1) m2 = m1, m1 = v;
-        else if (v > m2) m2 = v;
-    }
-#endif
-    return m2 > 0.0f && m1 > RES_RATIO * m2 ? m1 / m2 : 0.0f;
+/* Block b of ratio t among a row's RES_MAX largest so far (top, idx: the blocks before it), n of them:
+ * after every ratio >= t (ties: the lower block, as int8_act.residual_blocks' stable sort). */
+static inline int keep_block(float top[RES_MAX], int32_t idx[RES_MAX], int n, float t, int64_t b) {
+    int i = n;
+    while (i > 0 && top[i - 1] < t) i--;
+    if (i == RES_MAX) return n;
+    for (int j = n < RES_MAX ? n : RES_MAX - 1; j > i; j--) top[j] = top[j - 1], idx[j] = idx[j - 1];
+    top[i] = t, idx[i] = (int32_t)b;
+    return n + (n < RES_MAX);
 }
 
-/* A row's blocks quantized twice: at most RES_MAX of the largest ratio (ties: the lower block, as
- * int8_act.residual_blocks' stable sort), into idx in block order; returns how many. */
-static int residual_blocks(const float *xr, int64_t nb, int32_t idx[RES_MAX]) {
-    float top[RES_MAX];
-    int n = 0;
-    for (int64_t b = 0; b < nb; b++) {
-        const float t = ratio32(xr + b * BLOCK);
-        int i = n;
-        while (i > 0 && top[i - 1] < t) i--;  /* after every ratio >= t: the lower blocks first */
-        if (t == 0.0f || i == RES_MAX) continue;
-        for (int j = n < RES_MAX ? n : RES_MAX - 1; j > i; j--) top[j] = top[j - 1], idx[j] = idx[j - 1];
-        top[i] = t, idx[i] = (int32_t)b, n += n < RES_MAX;
-    }
-    for (int i = 1; i < n; i++)  /* block order */
-        for (int j = i; j > 0 && idx[j - 1] > idx[j]; j--) {
-            const int32_t t = idx[j];
-            idx[j] = idx[j - 1], idx[j - 1] = t;
-        }
-    return n;
-}
-
-/* Rows MR blk .. of x quantized as int8_act.quantize_activations does (amax, inv = 127 / amax in
- * fp32, round half to even of x inv, clamped to 127), packed; rows past M: codes 0 (never stored).
- * A marked block's residual x - dx qx (fmaf: one rounding) is quantized the same way. */
+/* Rows MR blk .. of x quantized as int8_act.quantize_activations does, packed; rows past M: codes 0
+ * (never stored). Then each row's marked blocks (in block order): the residual x - dx qx (fmaf: one
+ * rounding) quantized the same way; then int4's sums of the quantized x over each group, in block
+ * order, each marked block's rdx sum(rx) after its dx sum(qx). */
 static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
-    const int64_t k = g->m.k, kq = g->kq, nb = g->nb, ng = g->ng, bpg = g->G / BLOCK;
+    const int64_t k = g->m.k, kq = g->kq, nb = g->nb, bpg = g->G / BLOCK;
     int32_t *xc = g->xc + blk * kq * MR;
     for (int r = 0; r < MR; r++) {
         const int64_t row = blk * MR + r, rr = row * RES_MAX;
         const float *xr = x + row * k;
-        const int32_t *idx = g->ridx + rr;
-        const int nr = g->nres[blk * MR + r] = row < g->m.M ? residual_blocks(xr, nb, g->ridx + rr) : 0;
-        for (int64_t b = 0, m = 0; b < nb; b++) {
-            int8_t q[BLOCK] = {0};
-            float d = 0.0f;
-            int32_t s = 0;
-            if (row < g->m.M) d = quantize32(xr + b * BLOCK, q, &s);
+        int32_t *idx = g->ridx + rr, s;
+        int8_t q[BLOCK] = {0};
+        float top[RES_MAX], d = 0.0f, t;
+        int nr = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            if (row < g->m.M) d = quantize32(xr + b * BLOCK, q, &s, &t);
+            else s = 0, t = 0.0f;
             for (int p = 0; p < BLOCK / 4; p++) memcpy(xc + (b * (BLOCK / 4) + p) * MR + r, q + 4 * p, 4);
             g->dx[(blk * nb + b) * MR + r] = d;
-            if (g->corr) g->corr[(blk * nb + b) * MR + r] = -128 * s;
-            if (g->xsum) {  /* int4: the sums of the quantized x over each group, dx times each block's code sum */
-                float *xs = g->xsum + (blk * ng + b / bpg) * MR + r;
-                *xs = (b % bpg ? *xs : 0.0f) + d * (float)s;
-            }
-            if (m < nr && idx[m] == b) {  /* the residual's codes, scale, correction and sum (after the block's) */
-                float rest[BLOCK];
-                int8_t rq[BLOCK];
-                int32_t rs;
-                for (int j = 0; j < BLOCK; j++) rest[j] = fmaf(-(float)q[j], d, xr[b * BLOCK + j]);
-                const float rd = g->rdx[rr + m] = quantize32(rest, rq, &rs);
-                memcpy(g->rxc + (rr + m) * (BLOCK / 4), rq, BLOCK);
-                g->rcorr[rr + m] = -128 * rs;
-                if (g->xsum) g->xsum[(blk * ng + b / bpg) * MR + r] += rd * (float)rs;
-                m++;
-            }
+            g->corr[(blk * nb + b) * MR + r] = -128 * s;  /* int8's correction; int4's code sum */
+            if (t > 0.0f) nr = keep_block(top, idx, nr, t, b);
+        }
+        for (int i = 1; i < nr; i++)  /* block order */
+            for (int j = i; j > 0 && idx[j - 1] > idx[j]; j--) s = idx[j], idx[j] = idx[j - 1], idx[j - 1] = s;
+        g->nres[row] = nr;
+        for (int m = 0; m < nr; m++) {  /* the residual's codes, scale and correction */
+            const float *xb = xr + idx[m] * BLOCK;
+            float rest[BLOCK];
+            d = quantize32(xb, q, &s, &t);
+            for (int j = 0; j < BLOCK; j++) rest[j] = fmaf(-(float)q[j], d, xb[j]);
+            g->rdx[rr + m] = quantize32(rest, (int8_t *)(g->rxc + (rr + m) * (BLOCK / 4)), &s, &t);
+            g->rcorr[rr + m] = -128 * s;
+        }
+        if (!g->xsum) continue;
+        float *xs = g->xsum + blk * g->ng * MR + r;
+        for (int64_t b = 0, m = 0; b < nb; b++) {
+            const int64_t at = (blk * nb + b) * MR + r;
+            float sum = (b % bpg ? xs[b / bpg * MR] : 0.0f) + g->dx[at] * (float)(g->corr[at] / -128);
+            if (m < nr && idx[m] == b) sum += g->rdx[rr + m] * (float)(g->rcorr[rr + m] / -128), m++;
+            xs[b / bpg * MR] = sum;
         }
     }
 }
@@ -410,12 +402,12 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
     const int64_t work_bytes = (kq * PANEL * 4 + 2 * ng * PANEL * 4 + 63) / 64 * 64;
     int32_t *xc = malloc((size_t)(blocks * kq * MR) * sizeof *xc);
     float *dx = malloc((size_t)(blocks * nb * MR) * sizeof *dx);
-    int32_t *corr = mins ? NULL : malloc((size_t)(blocks * nb * MR) * sizeof *corr);
+    int32_t *corr = malloc((size_t)(blocks * nb * MR) * sizeof *corr);
     float *xsum = mins ? malloc((size_t)(blocks * ng * MR) * sizeof *xsum) : NULL;
     uint8_t *work = aligned_alloc(64, (size_t)(nt * work_bytes));
     const int64_t rows = blocks * MR;  /* the residual blocks: per row a count, then RES_MAX of each */
     int32_t *res = malloc((size_t)(rows * (1 + RES_MAX * (3 + BLOCK / 4))) * sizeof *res);
-    if (!xc || !dx || (mins ? !xsum : !corr) || !work || !res) {
+    if (!xc || !dx || !corr || (mins && !xsum) || !work || !res) {
         free(xc), free(dx), free(corr), free(xsum), free(work), free(res);
         return -1;
     }
