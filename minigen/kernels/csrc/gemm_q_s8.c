@@ -122,7 +122,7 @@ typedef struct {
     float *dx;                  /* [M / MR][nb][MR] */
     int32_t *corr;              /* -128 sum of a block's codes [M / MR][nb][MR]: int8's correction */
     float *xsum;                /* int4: x summed over each group [M / MR][ng][MR] */
-    int32_t *nres, *ridx;       /* a row's residual blocks: how many [M / MR][MR], which [M / MR][MR][RES_MAX] */
+    int32_t *nres, *ridx, *rgi; /* a row's residual blocks: how many [M / MR][MR], which (their groups) [.][MR][RES_MAX] */
     int32_t *rcorr, *rxc;       /* their -128 sum of codes [.][MR][RES_MAX], codes [.][MR][RES_MAX][BLOCK / 4] */
     float *rdx;                 /* their scales [.][MR][RES_MAX] */
     int64_t rows, panels;       /* rows of x a group (a multiple of MR); panels of PANEL channels */
@@ -221,7 +221,7 @@ static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
             d = quantize32(xb, q, &s, &t);
             for (int j = 0; j < BLOCK; j++) rest[j] = fmaf(-(float)q[j], d, xb[j]);
             g->rdx[rr + m] = quantize32(rest, (int8_t *)(g->rxc + (rr + m) * (BLOCK / 4)), &s, &t);
-            g->rcorr[rr + m] = -128 * s;
+            g->rcorr[rr + m] = -128 * s, g->rgi[rr + m] = idx[m] / (int32_t)bpg;  /* tile's scales: no division there */
         }
         if (!g->xsum) continue;
         float *xs = g->xsum + blk * g->ng * MR + r;
@@ -332,7 +332,7 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
     #pragma GCC unroll 16
     for (int r = 0; r < MR; r++)
         for (int m = 0; m < g->nres[blk * MR + r]; m++) {
-            const int64_t rm = r0 + r * RES_MAX + m, b = g->ridx[rm];
+            const int64_t rm = r0 + r * RES_MAX + m, b = g->ridx[rm], gi = g->rgi[rm];
             const int32_t *u = g->rxc + rm * (BLOCK / 4);
             vi s[NV];
             for (int v = 0; v < NV; v++) s[v] = has_mins ? bcast(0) : bcast(g->rcorr[rm]);
@@ -346,7 +346,7 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
             for (int v = 0; v < NV; v++) {
                 i32v si;
                 memcpy(&si, &s[v], sizeof si);
-                acc[r][v] += __builtin_convertvector(si, f32v) * (loadf(ws + b / bpg * PANEL + v * LANES) * d);
+                acc[r][v] += __builtin_convertvector(si, f32v) * (loadf(ws + gi * PANEL + v * LANES) * d);
             }
         }
     for (int r = 0; r < MR; r++)
@@ -406,7 +406,7 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
     float *xsum = mins ? malloc((size_t)(blocks * ng * MR) * sizeof *xsum) : NULL;
     uint8_t *work = aligned_alloc(64, (size_t)(nt * work_bytes));
     const int64_t rows = blocks * MR;  /* the residual blocks: per row a count, then RES_MAX of each */
-    int32_t *res = malloc((size_t)(rows * (1 + RES_MAX * (3 + BLOCK / 4))) * sizeof *res);
+    int32_t *res = malloc((size_t)(rows * (1 + RES_MAX * (4 + BLOCK / 4))) * sizeof *res);
     if (!xc || !dx || !corr || (mins && !xsum) || !work || !res) {
         free(xc), free(dx), free(corr), free(xsum), free(work), free(res);
         return -1;
@@ -414,7 +414,7 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
     GemmQS8 g = {.m = {.M = M, .n = n, .k = k}, .codes = codes, .scales = scales, .mins = mins, .G = G, .kq = kq,
                  .nb = nb, .ng = ng, .xc = xc, .dx = dx, .corr = corr, .xsum = xsum, .nres = res,
                  .ridx = res + rows, .rcorr = res + rows * (1 + RES_MAX), .rdx = (float *)(res + rows * (1 + 2 * RES_MAX)),
-                 .rxc = res + rows * (1 + 3 * RES_MAX), .rows = group_rows(M, k),
+                 .rgi = res + rows * (1 + 3 * RES_MAX), .rxc = res + rows * (1 + 4 * RES_MAX), .rows = group_rows(M, k),
                  .panels = (n + PANEL - 1) / PANEL, .work = work, .work_bytes = work_bytes};
     /* x quantized and packed, its blocks shared out (as gemm_q.c's pack_x: after the products' back-off) */
     int par = threads > 1 && blocks >= 2 * threads;
