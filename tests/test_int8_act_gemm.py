@@ -1,5 +1,6 @@
 """kernels/cpu.quantized_linear_s8 (csrc/gemm_q_s8.c): a prompt's products with int4 / int8 group-wise
-codes and int8 activations per block of 32, against numerics/int8_act.reference_linear, the oracle."""
+codes and int8 activations per block of 32, against numerics/int8_act.reference_linear, the oracle: its
+residual blocks (a block with an outlier quantized twice) too, which x's outliers here make run."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from minigen.kernels import build, cpu
-from minigen.numerics.int8_act import reference_linear
+from minigen.numerics import int8_act
+from minigen.numerics.int8_act import BLOCK, quantize_activations, reference_linear, residual_blocks
 from minigen.numerics.weight_quant import quantize_matrix
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
@@ -20,15 +22,50 @@ TOL = 1e-5
 
 
 def _case(bits, G, M, n, k, seed=0):
-    """Rows [M, k] with two channels 30x the rest (as an RMSNorm's output has), a weight [n, k]'s codes."""
+    """Rows [M, k] with two channels 30x the rest (as an RMSNorm's output has) and three 100x at each row's
+    own places (its blocks with one of them alone are quantized twice: each row its own), a weight [n, k]'s
+    codes."""
     g = torch.Generator().manual_seed(seed)
     w, x = torch.randn(n, k, generator=g), torch.randn(M, k, generator=g)
     x[:, [1, min(17, k - 1)]] *= 30
+    x[torch.arange(M)[:, None], torch.randint(k, (M, 3), generator=g)] *= 100
+    return x, quantize_matrix(w, bits, G)
+
+
+def _crowded(bits, G, seed=7):
+    """Rows [3, 576] (18 blocks) of more than 8 candidates for the residual: row 0 twelve blocks alike (blocks
+    0-11, equal ratios: the lower 7 kept) and block 14 of a larger ratio; row 1 eight candidates (blocks 1-8)
+    beside block 0, one value and 31 zeros (its second largest 0: never marked, it would outrank them all
+    at ratio inf), and block 9 all zeros; row 2 every block a candidate, of 18 ratios."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = torch.randn(96, 576, generator=g), torch.randn(3, 576, generator=g)
+    rows = x.view(3, 18, BLOCK)
+    rows /= 3  # candidates of their own: ratios up to ~2.5
+    rows[0, :12] = rows[0, 0]
+    rows[0, :12, 3], rows[0, 14, 7] = 40, 1000
+    rows[1, 0], rows[1, 9] = 0, 0
+    rows[1, 0, 5] = 7
+    rows[1, 1:9, 9] = 20 * torch.arange(1, 9)
+    rows[2] = rows[2, 0]
+    rows[2, :, 11] = 10 + torch.arange(18.0) ** 1.5
     return x, quantize_matrix(w, bits, G)
 
 
 def _close(y, ref):
     return (y - ref).abs().max().item() <= TOL * ref.abs().max().item()
+
+
+def _marking(x, w, marked):
+    """reference_linear with the residual of the blocks `marked` [M, k / 32] in place of residual_blocks'
+    (none: the scheme without it): what a kernel that chose other blocks, or none, would give."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(int8_act, "residual_blocks", lambda _: marked)
+        return reference_linear(x, w)
+
+
+def _apart(y, other):
+    """y measurably off `other`: by far more than the fp32 rounding that _close allows."""
+    return (y - other).abs().max().item() > 100 * TOL * other.abs().max().item()
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -67,17 +104,55 @@ def test_zero_rows_and_an_outlier(bits):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_rows_never_influence_each_other(bits):
-    x, w = _case(bits, 32, 23, 70, 576, seed=3)
+def test_the_residual_blocks_run(bits):
+    """quantize_activations' four tensors: the residual's codes and scales are 0 outside the marked blocks
+    and not all 0 in them; the kernel is the reference and measurably off the scheme without them."""
+    x, w = _case(bits, 32, 40, 96, 576, seed=8)
+    qx, dx, rx, rdx = quantize_activations(x)
+    marked = residual_blocks(x)
+    assert qx.shape == rx.shape == x.shape and dx.shape == rdx.shape == marked.shape == (40, 18)
+    assert marked.sum(-1).min() >= 1 and (rdx[marked] > 0).all()
+    assert not rdx[~marked].any() and not rx.view(40, 18, BLOCK)[~marked].any()
     y = cpu.quantized_linear_s8(x, w)
-    for r in (0, 5, 22):
+    assert _close(y, reference_linear(x, w)) and _apart(y, _marking(x, w, torch.zeros_like(marked)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("G", [32, 64])
+def test_at_most_eight_blocks_a_row(bits, G):
+    """More than 8 candidates: those of the largest ratio, ties to the lower block; a block whose second
+    largest is 0 (or all of it) never. Each other choice is measurably off the kernel."""
+    x, w = _crowded(bits, G)
+    marked = residual_blocks(x)
+    want = torch.zeros(3, 18, dtype=torch.bool)
+    want[0, [*range(7), 14]] = want[1, 1:9] = want[2, 10:] = True
+    assert torch.equal(marked, want)  # the reference's own choice, as this test reads it
+    y = cpu.quantized_linear_s8(x, w)
+    assert _close(y, reference_linear(x, w))
+    for row, blocks in ((0, [*range(8)]), (0, [*range(5, 12), 14]), (1, [*range(8)]), (2, range(8))):
+        other = marked.clone()
+        other[row] = False
+        other[row, list(blocks)] = True
+        assert _apart(y[row], _marking(x, w, other)[row])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_never_influence_each_other(bits):
+    """A row alone, or in a batch of rows with other blocks marked (or as many as 8), at any place of a tile."""
+    x, w = _case(bits, 32, 23, 70, 576, seed=3)
+    x = torch.cat([x, _crowded(bits, 32)[0]])
+    assert len({tuple(row) for row in residual_blocks(x).tolist()}) > 20
+    y = cpu.quantized_linear_s8(x, w)
+    for r in (0, 5, 22, 23, 24, 25):
         assert torch.equal(cpu.quantized_linear_s8(x[r:r + 1], w)[0], y[r])
     assert torch.equal(cpu.quantized_linear_s8(x[4:13], w), y[4:13])
+    assert torch.equal(cpu.quantized_linear_s8(x[21:], w), y[21:])
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_one_and_two_threads_give_the_same_bits(bits):
     x, w = _case(bits, 32, 300, 200, 1536, seed=4)
+    x = torch.cat([x, _crowded(bits, 32)[0].repeat(1, 1536 // 576 + 1)[:, :1536]])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -118,6 +193,7 @@ def test_each_variant_is_the_reference(variant, monkeypatch, tmp_path):
         pytest.skip(f"the CPU has no {needs}")
     cases = [_case(bits, G, M, n, k, seed=6) for bits, G, M, n, k in
              ((4, 32, 40, 70, 576), (8, 64, 17, 33, 1536), (4, 128, 1, 5, 128), (8, 32, 97, 130, 576))]
+    cases += [_crowded(4, 64), _crowded(8, 32)]  # more than 8 candidates a row, a second largest of 0
     monkeypatch.setenv("MINIGEN_CPU_KERNEL_CFLAGS", flags)
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path))
     monkeypatch.setattr(build, "_lib", None)

@@ -232,8 +232,9 @@ def quantized_linear_s8(x: Tensor, w: QuantizedWeight) -> Tensor | None:
     threads = torch.get_num_threads()
     if build.loaded().gemm_q_s8(w.codes.data_ptr(), w.scales.data_ptr(), mins, w.bits, x2.data_ptr(), y.data_ptr(),
                                 M, n, k, G, threads) != 0:
-        # x's codes, scales and sums (~k + 12 k / 32 bytes a row), a panel of 32 channels a thread
-        raise _no_memory(M * (k + 12 * k // 32) + threads * 32 * (k + 8 * k // G))
+        # x's codes, scales and sums (~k + 12 k / 32 bytes a row, 388 more for its residual blocks), a panel
+        # of 32 channels a thread
+        raise _no_memory(M * (k + 12 * k // 32 + 388) + threads * 32 * (k + 8 * k // G))
     return y.view(*x.shape[:-1], n)
 
 

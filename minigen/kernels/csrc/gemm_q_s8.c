@@ -1,45 +1,32 @@
 /* A prompt's products with int4 / int8 group-wise weight codes and int8 activations (chapter 14,
- * numerics/int8_act.py): y [M, n] = int8_act.reference_linear(x, W), in one C call.
- *
- *     qx[r, j] = round(x[r, j] 127 / a[r, b]), dx[r, b] = a[r, b] / 127   per block b of 32 activations
- *     y[r, i] = sum_b s[i, g(b)] dx[r, b] isum[r, i, b]  (+ sum_g m[i, g] xsum[r, g] for int4, xsum the
- *     quantized x's sums over group g: sum_{b in g} dx[r, b] sum_{j in b} qx[r, j], int8_act.py says why)
- *     isum[r, i, b] = sum_{j in b} q[i, j] qx[r, j]      exact int32
- *
- * Why: gemm_q.c widens the codes to fp32 and multiplies in fp32, 16 multiply-adds an AVX-512 FMA;
- * `vpdpbusd` does 64 (4 unsigned bytes times 4 signed bytes into each int32 lane), as llama.cpp's
- * Q4_0 x Q8_0 does. One side must be unsigned: int4 codes are (0..15); int8 codes become q + 128,
- * and each block's int32 sum starts at -128 sum_{j in b} qx[r, j] (made with x's codes), so the
- * block's sum is exact: |(q + 128) qx| <= 255 * 127, 32 of them far inside int32.
- *
- * Layout: x is quantized once a call (its rows shared out among the threads) and packed MR rows at
- * a time: [M / MR][k / 4][MR] int32 (4 codes of a row each, what the micro-kernel broadcasts), with
- * dx, the int8 corrections and int4's group sums of x [.][blocks or groups][MR]. The weights are
- * not copied: each (group of rows, panel) unit repacks PANEL = NV x LANES output channels of codes
- * into its thread's buffer, [k / 4][PANEL][4] unsigned bytes (one vector load: LANES channels' next
- * 4 codes), with the panel's scales (and minimums) as fp32 [k / G][PANEL]; the group's rows (at
- * most X_GROUP_BYTES of packed x, in L2) then run against it from L1 / L2.
- *
- * The micro-kernel holds MR x NV vectors of int32 block sums and MR x NV of fp32 sums. Per block of
- * 32: 8 steps of NV loads, MR broadcasts and MR NV vpdpbusd, then acc += float(isum) * (s * dx)
- * (a conversion, a multiply and an FMA per vector: the cost of a scale per 32), and int4's
- * acc += m * xsum once per group. Each output is summed by one unit, in the order of k: the same
- * bits whatever the thread count, the grouping or the other rows of x (lanes never mix rows).
- * Variants: AVX512-VNNI (16 lanes), AVX-VNNI (8 lanes), AVX2 (vpdpbusd emulated exactly, as
- * gemm_s8.c does), portable C (GCC's vector extensions).
- * Measured on this course's Xeon (family 6 model 167, AVX512-VNNI), one thread, 512 rows of SmolLM2-135M's
- * products ([3072, 576] gate+up, [576, 1536] down, [960, 576] qkv, [576, 576] o), G = 32, best of 15,
- * multiply-adds per ns over the four: int4 211 (187-223), int8 246 (214-274); gemm_q.c on the same
- * int4 codes 94, oneDNN's fp32 GEMM 96, gemm_s8.c's per-channel int8 324 (no scale per 32: its
- * vpdpbusd run whole rows). The epilogue of each block (a conversion, a multiply, an FMA per 8
- * vpdpbusd; int4's minimums one FMA more per group) is what separates it from gemm_s8. Two threads:
- * up to 440 (int4, [3072, 576]) on a quiet moment; the machine is shared with other jobs (load ~2.5
- * on 2 vCPUs), so the two-thread numbers swung from 13 to 450 and are not a measurement.
- * Repacking a panel costs ~4 integer operations a word of 4 codes (one byte at a time it took 2 ns
- * a weight: half of a 512-row product); x's quantization 0.19 ms for 512 rows of 1,536 (two AVX-512
- * vectors a block; one number at a time 1.4 ms).
- * Profiling switches: -DGQ_PROFILE (with $GQ_PROFILE set: the quantization's and products' times on
- * stderr), -DGQ_NO_REPACK (each panel repacked once: wrong results for more than one group of rows),
+ * numerics/int8_act.py, which says why): y [M, n] = int8_act.reference_linear(x, W), in one C call.
+ *     y[r, i] = sum_b s[i, g(b)] (dx[r, b] isum[r, i, b] + rdx[r, b] rsum[r, i, b])  (+ sum_g m[i, g] xsum[r, g]
+ *     for int4: sum_{b in g} dx sum qx + rdx sum rx),  isum = sum_{j in b} q[i, j] qx[r, j] exact int32, rsum
+ *     the same with rx: the residual x - dx qx of a row's marked blocks (<= RES_MAX, int8_act.residual_blocks)
+ * Why: gemm_q.c widens the codes to fp32, 16 multiply-adds an AVX-512 FMA; `vpdpbusd` does 64 (4 unsigned
+ * bytes times 4 signed bytes into each int32 lane), as llama.cpp's Q4_0 x Q8_0. int4 codes are unsigned
+ * (0..15); int8 codes become q + 128, each block's sum starting at -128 sum qx (exact: 255 * 127 * 32).
+ * Layout: x quantized once a call (rows shared out among the threads), packed MR rows at a time: [M / MR]
+ * [k / 4][MR] int32 (4 codes of a row: what the micro-kernel broadcasts), dx, corrections and int4's group
+ * sums [.][blocks or groups][MR]; each row's marked blocks apart. Each (group of rows, panel) unit repacks
+ * PANEL = NV x LANES channels of codes into its thread's buffer [k / 4][PANEL][4] (one load: LANES channels'
+ * next 4 codes), scales (minimums) fp32 [k / G][PANEL]; the group's rows (X_GROUP_BYTES of packed x) run on it.
+ * Micro-kernel: MR x NV int32 and fp32 sums; per block 8 steps of NV loads, MR broadcasts, MR NV vpdpbusd,
+ * then acc += float(isum) * (s * dx) (int4: acc += m * xsum a group); then each row's marked blocks (NV
+ * loads of that block's panel codes, in L1 / L2, one broadcast, NV vpdpbusd a step). One unit sums each
+ * output in a fixed order: the same bits whatever the threads, the grouping or the other rows (lanes never
+ * mix rows; a row's blocks are marked from it alone). Variants: AVX512-VNNI (16 lanes), AVX-VNNI (8), AVX2
+ * (vpdpbusd emulated exactly, as gemm_s8.c), portable C (GCC's vector extensions).
+ * Measured on this course's Xeon (family 6 model 167, AVX512-VNNI), one thread, M = 512, SmolLM2-135M's
+ * [3072, 576], [576, 1536], [960, 576], [576, 576], G = 32, before / after the residual alternately, best
+ * of 11, multiply-adds per ns over the four (after's range): randn x with 3 channels x100 (3 blocks a row
+ * marked): int4 233 / 184 (169-195), int8 245 / 191 (163-205); plain randn (0.1-0.3 marked): int4 242 /
+ * 231 (203-248), int8 235 / 225 (208-237); gemm_q.c on the int4 codes 90. 3 marked blocks of 18 cost 27-31%
+ * more time: their vpdpbusd run at about half the main loop's rate (two chains a block, no idiv: no change).
+ * x's quantization, 512 rows of 576: 0.12 ms before, 0.20 after (a block's second largest |x| only where
+ * one lane alone has 2|x| >= amax). A shared machine (load ~2 on 2 vCPUs): +-10% between runs.
+ * Repacking costs ~4 integer operations a word of 4 codes (byte by byte: 2 ns a weight, half the product).
+ * Profiling switches: -DGQ_PROFILE (with $GQ_PROFILE set: the quantization's and products' times on stderr),
  * -DGQ_NO_MINS (int4's minimums left out: wrong results), -DMR=.. -DNV=.., -DX_GROUP_BYTES=...
  */
 #include <math.h>
@@ -102,6 +89,8 @@ static inline vi dot4(vi acc, vi u, vi s) {
 #endif
 #define PANEL (NV * LANES)  /* output channels a panel */
 #define BLOCK 32            /* activations a scale */
+#define RES_RATIO 2.0f      /* int8_act.RESIDUAL_RATIO: a block whose |x|'s largest is more than 2x its second */
+#define RES_MAX 8           /* int8_act.RESIDUAL_BLOCKS: such blocks a row quantized twice, at most */
 
 typedef int32_t i32v __attribute__((vector_size(LANES * 4)));
 typedef float f32v __attribute__((vector_size(LANES * 4)));
@@ -118,21 +107,33 @@ typedef struct {
     int64_t G, kq, nb, ng;      /* group size; k / 4, k / 32, k / G */
     int32_t *xc;                /* x's codes packed [M / MR][kq][MR] */
     float *dx;                  /* [M / MR][nb][MR] */
-    int32_t *corr;              /* int8: -128 sum of a block's codes [M / MR][nb][MR] */
+    int32_t *corr;              /* -128 sum of a block's codes [M / MR][nb][MR]: int8's correction */
     float *xsum;                /* int4: x summed over each group [M / MR][ng][MR] */
+    int32_t *nres, *ridx, *rgi, *rcorr, *rxc;  /* a row's residual blocks: how many [M / MR][MR], which, their */
+    float *rdx;                 /* groups, -128 sums, scales [.][MR][RES_MAX], codes [.][MR][RES_MAX][BLOCK / 4] */
     int64_t rows, panels;       /* rows of x a group (a multiple of MR); panels of PANEL channels */
     uint8_t *work;              /* per thread: a panel of codes, then its scales and minimums */
     int64_t work_bytes;         /* a thread's part of work */
 } GemmQS8;
 
-/* One block of 32 activations -> its codes q, their sum *s, and its scale amax / 127: amax, inv =
- * 127 / amax in fp32 (0 for a block of zeros), q = round(x inv) half to even, clamped to 127. With
- * AVX-512 two vectors (one number at a time, 512 rows of 1,536 took 1.4 ms on the Xeon: half of the
- * products after it). */
-static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
+/* A block of 32 -> codes q (round half to even of x 127 / amax, fp32, clamped), their sum *s, its scale
+ * amax / 127, *ratio: amax / second largest |x| where > RES_RATIO and second > 0, else 0 (residual_blocks').
+ * AVX-512: the second only where one lane alone has 2|x| >= amax (exact); scalar, 1.4 ms for 512 x 1,536. */
+static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s, float *ratio) {
 #ifdef __AVX512F__
     const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 a0 = _mm512_abs_ps(x0), a1 = _mm512_abs_ps(x1);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const __m512 top = _mm512_set1_ps(amax);
+    const uint32_t big = _mm512_cmp_ps_mask(_mm512_add_ps(a0, a0), top, _CMP_GE_OQ) |
+                         (uint32_t)_mm512_cmp_ps_mask(_mm512_add_ps(a1, a1), top, _CMP_GE_OQ) << 16;
+    *ratio = 0.0f;
+    if (amax > 0.0f && !(big & (big - 1))) {  /* one lane: the rest < amax / 2; their largest, the second */
+        const __m512 z = _mm512_setzero_ps();
+        const float m2 = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(a0, (__mmask16)big, z),
+                                                            _mm512_mask_mov_ps(a1, (__mmask16)(big >> 16), z)));
+        *ratio = m2 > 0.0f ? amax / m2 : 0.0f;
+    }
     const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f), lim = _mm512_set1_ps(127.0f);
     const int rnd = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     __m512 t0 = _mm512_roundscale_ps(_mm512_mul_ps(x0, inv), rnd), t1 = _mm512_roundscale_ps(_mm512_mul_ps(x1, inv), rnd);
@@ -142,8 +143,12 @@ static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(i1));
     *s = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
 #else
-    float amax = 0.0f;
-    for (int j = 0; j < BLOCK; j++) amax = fmaxf(amax, fabsf(xb[j]));
+    float amax = 0.0f, m2 = 0.0f;
+    for (int j = 0; j < BLOCK; j++) {
+        const float v = fabsf(xb[j]);
+        if (v > amax) m2 = amax, amax = v; else if (v > m2) m2 = v;
+    }
+    *ratio = m2 > 0.0f && amax > RES_RATIO * m2 ? amax / m2 : 0.0f;
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum = 0;
     for (int j = 0; j < BLOCK; j++) {
@@ -157,26 +162,54 @@ static inline float quantize32(const float *xb, int8_t q[BLOCK], int32_t *s) {
     return amax / 127.0f;
 }
 
-/* Rows MR blk .. of x quantized as int8_act.quantize_activations does (amax, inv = 127 / amax in
- * fp32, round half to even of x inv, clamped to 127), packed; rows past M: codes 0 (never stored). */
+/* Block b (ratio t) into a row's RES_MAX largest so far, after every ratio >= t (ties: the lower block). */
+static inline int keep_block(float top[RES_MAX], int32_t idx[RES_MAX], int n, float t, int64_t b) {
+    int i = n;
+    while (i > 0 && top[i - 1] < t) i--;
+    if (i == RES_MAX) return n;
+    for (int j = n < RES_MAX ? n : RES_MAX - 1; j > i; j--) top[j] = top[j - 1], idx[j] = idx[j - 1];
+    top[i] = t, idx[i] = (int32_t)b;
+    return n + (n < RES_MAX);
+}
+
+/* Rows MR blk .. of x as int8_act.quantize_activations, packed (rows past M: codes 0); each row's marked
+ * blocks' residual x - dx qx (fmaf: one rounding) too; int4's group sums, rdx sum(rx) after dx sum(qx). */
 static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
-    const int64_t k = g->m.k, kq = g->kq, nb = g->nb, ng = g->ng, bpg = g->G / BLOCK;
+    const int64_t k = g->m.k, kq = g->kq, nb = g->nb, bpg = g->G / BLOCK;
     int32_t *xc = g->xc + blk * kq * MR;
     for (int r = 0; r < MR; r++) {
-        const int64_t row = blk * MR + r;
+        const int64_t row = blk * MR + r, rr = row * RES_MAX;
         const float *xr = x + row * k;
+        int32_t *idx = g->ridx + rr, s;
+        int8_t q[BLOCK] = {0};
+        float top[RES_MAX], d = 0.0f, t;
+        int nr = 0;
         for (int64_t b = 0; b < nb; b++) {
-            int8_t q[BLOCK] = {0};
-            float d = 0.0f;
-            int32_t s = 0;
-            if (row < g->m.M) d = quantize32(xr + b * BLOCK, q, &s);
+            if (row < g->m.M) d = quantize32(xr + b * BLOCK, q, &s, &t);
+            else s = 0, t = 0.0f;
             for (int p = 0; p < BLOCK / 4; p++) memcpy(xc + (b * (BLOCK / 4) + p) * MR + r, q + 4 * p, 4);
             g->dx[(blk * nb + b) * MR + r] = d;
-            if (g->corr) g->corr[(blk * nb + b) * MR + r] = -128 * s;
-            if (g->xsum) {  /* int4: the sums of the quantized x over each group, dx times each block's code sum */
-                float *xs = g->xsum + (blk * ng + b / bpg) * MR + r;
-                *xs = (b % bpg ? *xs : 0.0f) + d * (float)s;
-            }
+            g->corr[(blk * nb + b) * MR + r] = -128 * s;  /* int8's correction; int4's code sum */
+            if (t > 0.0f) nr = keep_block(top, idx, nr, t, b);
+        }
+        for (int i = 1; i < nr; i++)  /* block order */
+            for (int j = i; j > 0 && idx[j - 1] > idx[j]; j--) s = idx[j], idx[j] = idx[j - 1], idx[j - 1] = s;
+        g->nres[row] = nr;
+        for (int m = 0; m < nr; m++) {  /* the residual's codes, scale and correction */
+            const float *xb = xr + idx[m] * BLOCK;
+            float rest[BLOCK];
+            d = quantize32(xb, q, &s, &t);
+            for (int j = 0; j < BLOCK; j++) rest[j] = fmaf(-(float)q[j], d, xb[j]);
+            g->rdx[rr + m] = quantize32(rest, (int8_t *)(g->rxc + (rr + m) * (BLOCK / 4)), &s, &t);
+            g->rcorr[rr + m] = -128 * s, g->rgi[rr + m] = idx[m] / (int32_t)bpg;  /* tile's scales: no division there */
+        }
+        if (!g->xsum) continue;
+        float *xs = g->xsum + blk * g->ng * MR + r;
+        for (int64_t b = 0, m = 0; b < nb; b++) {
+            const int64_t at = (blk * nb + b) * MR + r;
+            float sum = (b % bpg ? xs[b / bpg * MR] : 0.0f) + g->dx[at] * (float)(g->corr[at] / -128);
+            if (m < nr && idx[m] == b) sum += g->rdx[rr + m] * (float)(g->rcorr[rr + m] / -128), m++;
+            xs[b / bpg * MR] = sum;
         }
     }
 }
@@ -273,6 +306,28 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
             }
         }
     }
+    /* Each row's own residual blocks, in block order: the panel's codes of the block against its codes */
+    const int64_t r0 = blk * MR * RES_MAX;
+    #pragma GCC unroll 16
+    for (int r = 0; r < MR; r++)
+        for (int m = 0; m < g->nres[blk * MR + r]; m++) {
+            const int64_t rm = r0 + r * RES_MAX + m, b = g->ridx[rm], gi = g->rgi[rm];
+            const int32_t *u = g->rxc + rm * (BLOCK / 4);
+            vi s[NV];
+            for (int v = 0; v < NV; v++) s[v] = has_mins ? bcast(0) : bcast(g->rcorr[rm]);
+            #pragma GCC unroll 8
+            for (int p = 0; p < BLOCK / 4; p++) {
+                const uint8_t *w = wp + (b * (BLOCK / 4) + p) * PANEL * 4;
+                const vi ub = bcast(u[p]);
+                for (int v = 0; v < NV; v++) s[v] = dot4(s[v], loadv(w + v * LANES * 4), ub);
+            }
+            const float d = g->rdx[rm];
+            for (int v = 0; v < NV; v++) {
+                i32v si;
+                memcpy(&si, &s[v], sizeof si);
+                acc[r][v] += __builtin_convertvector(si, f32v) * (loadf(ws + gi * PANEL + v * LANES) * d);
+            }
+        }
     for (int r = 0; r < MR; r++)
         for (int v = 0; v < NV; v++) memcpy(out[r] + v * LANES, &acc[r][v], sizeof acc[r][v]);
 }
@@ -289,11 +344,7 @@ static void unit(const Mat *m, float *y, int64_t i) {
     uint8_t *wp = g->work;
 #endif
     float *ws = (float *)(wp + g->kq * PANEL * 4), *wm = g->mins ? ws + g->ng * PANEL : NULL;
-#ifdef GQ_NO_REPACK
-    if (i < g->panels) repack_panel(g, c0, wp, ws, wm);  /* profiling only: wrong results */
-#else
     repack_panel(g, c0, wp, ws, wm);
-#endif
     const int64_t nl = n - c0 < PANEL ? n - c0 : PANEL;
     for (int64_t r0 = start; r0 < end; r0 += MR) {
         float out[MR][PANEL];
@@ -326,15 +377,19 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
     const int64_t work_bytes = (kq * PANEL * 4 + 2 * ng * PANEL * 4 + 63) / 64 * 64;
     int32_t *xc = malloc((size_t)(blocks * kq * MR) * sizeof *xc);
     float *dx = malloc((size_t)(blocks * nb * MR) * sizeof *dx);
-    int32_t *corr = mins ? NULL : malloc((size_t)(blocks * nb * MR) * sizeof *corr);
+    int32_t *corr = malloc((size_t)(blocks * nb * MR) * sizeof *corr);
     float *xsum = mins ? malloc((size_t)(blocks * ng * MR) * sizeof *xsum) : NULL;
     uint8_t *work = aligned_alloc(64, (size_t)(nt * work_bytes));
-    if (!xc || !dx || (mins ? !xsum : !corr) || !work) {
-        free(xc), free(dx), free(corr), free(xsum), free(work);
+    const int64_t rows = blocks * MR;  /* the residual blocks: per row a count, then RES_MAX of each */
+    int32_t *res = malloc((size_t)(rows * (1 + RES_MAX * (4 + BLOCK / 4))) * sizeof *res);
+    if (!xc || !dx || !corr || (mins && !xsum) || !work || !res) {
+        free(xc), free(dx), free(corr), free(xsum), free(work), free(res);
         return -1;
     }
     GemmQS8 g = {.m = {.M = M, .n = n, .k = k}, .codes = codes, .scales = scales, .mins = mins, .G = G, .kq = kq,
-                 .nb = nb, .ng = ng, .xc = xc, .dx = dx, .corr = corr, .xsum = xsum, .rows = group_rows(M, k),
+                 .nb = nb, .ng = ng, .xc = xc, .dx = dx, .corr = corr, .xsum = xsum, .nres = res,
+                 .ridx = res + rows, .rcorr = res + rows * (1 + RES_MAX), .rdx = (float *)(res + rows * (1 + 2 * RES_MAX)),
+                 .rgi = res + rows * (1 + 3 * RES_MAX), .rxc = res + rows * (1 + 4 * RES_MAX), .rows = group_rows(M, k),
                  .panels = (n + PANEL - 1) / PANEL, .work = work, .work_bytes = work_bytes};
     /* x quantized and packed, its blocks shared out (as gemm_q.c's pack_x: after the products' back-off) */
     int par = threads > 1 && blocks >= 2 * threads;
@@ -360,6 +415,6 @@ int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, i
         fprintf(stderr, "M %ld n %ld k %ld: quantize %.3f ms, products %.3f ms\n", (long)M, (long)n, (long)k, tq, tp);
     }
 #endif
-    free(xc), free(dx), free(corr), free(xsum), free(work);
+    free(xc), free(dx), free(corr), free(xsum), free(work), free(res);
     return 0;
 }
