@@ -145,12 +145,12 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     draft = (make_plan(draft_model, speculative.draft_config(config), batch, "draft", max_len=max_len)
              if config.speculative_method == "draft" else None)
     generators = make_generators(config, batch, model.device)  # row r: seed + r
-    step = choose_step(model, config, batch, tuple(observers), sample, generators, ragged=ragged,
-                       draft_model=draft_model, draft_plan=draft)
     run = run_of(model, config, batch, tuple(observers))
+    decode_i8, prompt_i8 = int8_activations(model, config, run)  # int4 / int8 codes times int8 activations
+    step = choose_step(model, config, batch, tuple(observers), sample, generators, ragged=ragged,
+                       draft_model=draft_model, draft_plan=draft, int8_act=decode_i8)
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
     # the prompt's ops carry its format; a bf16 prompt's attention in bf16 where that measured no slower here
-    decode_i8, prompt_i8 = int8_activations(model, config, run)  # int4 / int8 codes times int8 activations
     plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, fast,
                 ops_for(model, config, prompt=True, int8_act=prompt_i8),
                 ops_for(model, config, prompt=False, int8_act=decode_i8))

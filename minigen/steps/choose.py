@@ -176,29 +176,30 @@ def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> b
 
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
                 sample: Callable | None = None, generators: Generators = None,
-                ragged: bool = False, draft_model=None, draft_plan=None) -> EagerStep:
+                ragged: bool = False, draft_model=None, draft_plan=None, int8_act: bool | None = None) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generators, one per row: for
     a CUDA graph, which samples inside the graph, and for speculative sampling). Here, once, the config meets the
     model and the machine (combinations.check_run): a setting they cannot run is refused with
     ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py); a draft
-    model runs the draft_plan that run_plan.make_plan built for it; several rows run at their own positions."""
+    model runs the draft_plan that run_plan.make_plan built for it; several rows run at their own positions.
+    int8_act: whether the decode step's products take int8 activations (None: int8_activations() decides)."""
     speculative.check_draft(config, model, draft_model)
     if config.speculative_method is not None:
         if batch > 1 and not ragged:
             check_rows(config, "speculative decoding of several rows (each accepts its own count of tokens, so "
                        "the rows move apart)", RAGGED_REFUSED)
-        target = _choose(model, config, batch, observers, sample, generators, ragged or batch > 1)
+        target = _choose(model, config, batch, observers, sample, generators, ragged or batch > 1, int8_act)
         if config.speculative_method == "ngram":
             proposer = speculative.NgramProposer(config)
         else:  # the draft's own plan (run_plan.make_plan, where="draft"): its fastest step and its cache
             proposer = speculative.DraftProposer(draft_model, draft_plan.config, draft_plan.step, batch,
                                                  draft_plan.make_cache(draft_model))
         return speculative.SpeculativeStep(target, proposer, config, generators, ragged or batch > 1)
-    return _choose(model, config, batch, observers, sample, generators, ragged)
+    return _choose(model, config, batch, observers, sample, generators, ragged, int8_act)
 
 
 def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sample: Callable | None,
-            generators: Generators, ragged: bool) -> EagerStep:
+            generators: Generators, ragged: bool, int8_act: bool | None = None) -> EagerStep:
     """choose_step's plain steps (and a speculative step's target)."""
     if ragged:
         check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
@@ -214,7 +215,7 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
     elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)
                                          and measured_fast(model, "fused_step")):
         step = fused.FusedStep(verify_in_c=measured_fast(model, "fused_verify"),  # ragged: refused True above
-                               int8_act=int8_activations(model, config, run)[0])
+                               int8_act=int8_activations(model, config, run)[0] if int8_act is None else int8_act)
         if config.fused_decode is True:
             fastpaths.demanded(measurements(model).get("fused_step"), "fused_decode=True")
     else:
