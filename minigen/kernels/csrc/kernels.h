@@ -31,7 +31,9 @@
  *   gemm_s8.c      int8 codes times int8 codes, exact int32 sums through vpdpbusd (AVX512-VNNI,
  *                  AVX-VNNI) or its exact emulation: a prompt's int8 products (gemm_s8, gemm_s8_variant).
  *   rows_s8.c      one row of int8 / int4 codes against int8 activations in blocks of 32 (a decode step
- *                  under numerics/int8_act.py: gemv_q8_s8, gemv_q4_s8, rows_s8_variant).
+ *                  under numerics/int8_act.py: gemv_q8_s8, gemv_q4_s8, rows_s8_variant);
+ *   gemm_q_s8.c    a prompt's products with int8 / int4 codes and int8 activations, a panel of codes
+ *                  repacked in each thread's cache at a time (gemm_q_s8, gemm_q_s8_variant).
  * The entry points named above and gemv_late_regions are the library's interface: kernels/build.py
  * binds them by name through ctypes, kernels/cpu.py and steps/fused.py call them. Everything the
  * files share besides them is declared below as INTERNAL (hidden: not exported from the library,
