@@ -24,6 +24,7 @@ model and the threads. The binary's path: --llama-bench or $LLAMA_BENCH.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -163,7 +164,8 @@ def main(argv=None) -> int:
     cpu = machine()
     print(table(speeds, cpu, args.threads))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu, "threads": args.threads, "prompt": PROMPT,
+        Path(args.json).write_text(json.dumps({"date": datetime.date.today().isoformat(), "cpu": cpu,
+                                               "threads": args.threads, "prompt": PROMPT,
                                                "decode": DECODE, "speeds": speeds}, indent=1))
         print(f"wrote {args.json}")
     return 0
