@@ -213,6 +213,10 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
      "set cache_chunk_size (e.g. 16), or attention_backend='torch'"),
     ("attention_backend", "quant_bits", lambda c: c.attention_backend == "triton" and c.quant_bits == 2,
      "the kernel unpacks 8- and 4-bit codes only", "use quant_bits=8 or 4, or attention_backend='torch'"),
+    *(("int8_activations", step, lambda c, step=step: c.int8_activations is True and getattr(c, step),
+       "int8 activations run in minigen's C kernels, which a compiled or captured step does not call",
+       f"int8_activations=False (or \"auto\", which leaves them out there), or {step}=False")
+      for step in ("compile", "cuda_graphs")),
 ]
 
 
@@ -347,8 +351,6 @@ RUN_RULES: tuple[RunRule, ...] = (
      f"minigen's C kernels on a CPU, and the model is on {r.device}. Fix: int8_activations=False"),
     ("int8_activations", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
      f"int8_activations=True needs minigen's C kernel, which is {r.c_kernel}. Fix: int8_activations=False"),
-    ("int8_activations", (), lambda c, r: c.compile or c.cuda_graphs, lambda c, r: "int8_activations=True runs in "
-     "minigen's C kernels, which a compiled or captured step does not call. Fix: int8_activations=False"),
     # values (and keys per token) are grouped over the channels of one head
     ("quant_bits", ("head_dim",), lambda c, r: r.head_dim % c.quant_group_size, lambda c, r:
      f"quant_group_size={c.quant_group_size} does not divide this model's head dim {r.head_dim}: values (and "

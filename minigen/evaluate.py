@@ -77,7 +77,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
     with torch.inference_mode():
-        ops = plan.prompt_ops
+        ops = plan.decode_ops if C == 1 else plan.prompt_ops  # one token a forward is a decode step's work
         if not config.use_cache:  # naive: one pass over everything (identical to chunking a full cache)
             policy = plan.make_policy(None)
             logits.append(model(ids, torch.arange(T, device=ids.device), policy=policy, ops=ops)[0])
