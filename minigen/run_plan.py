@@ -230,11 +230,14 @@ def _prompt_words(plan: Plan, model) -> str:
         return f"int8 weights and activations, int32 sums ({product}){pieces}{short}"
     if not cpu:
         return f"{DTYPE_WORDS.get(model.precision.compute)} products through torch's GEMM{pieces}"
+    # the fused step runs a prompt (or piece) of 16 tokens or fewer in its own C call, as it decodes
+    fused = "; a prompt of 16 tokens or fewer runs in the fused step's C call, as a decode step" \
+        if plan.step.name == "fused" else ""
     if plan.run.quantized and plan.prompt_ops.int8_act:
         return (f"int8 activations (a scale per 32) times the weights' codes, int32 sums, C's GEMM"
-                f"{_ratio(plan, _s8(model, 'gemm'), 'fp32 activations')}{pieces}")
+                f"{_ratio(plan, _s8(model, 'gemm'), 'fp32 activations')}{pieces}{fused}")
     if plan.run.quantized:
-        return f"fp32 activations times the weights' codes, widened in C's panels (gemm_q){pieces}"
+        return f"fp32 activations times the weights' codes, widened in C's panels (gemm_q){pieces}{fused}"
     gemm = ("oneDNN's fp32 GEMM" if plan.fast_paths is None or plan.fast_paths.allowed("onednn_fp32")
             else "torch's fp32 GEMM (oneDNN's measured slower here)")
     return f"fp32 through {gemm}{pieces}{short}"
