@@ -1,4 +1,4 @@
-"""Command line: `python -m minigen generate | bench | serve-bench | profile | plan | ledger | prepare`; --help for details."""
+"""Command line: `python -m minigen generate | bench | serve | serve-bench | profile | plan | ledger | prepare`; --help for details."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ EPILOG = """examples:
   python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
   python -m minigen ledger --json claims.json
   python -m minigen serve-bench --requests 16 --rate 2 --seed 0   # one workload, engines side by side
+  python -m minigen serve --port 8000 --api-key secret   # OpenAI's API: http://127.0.0.1:8000/v1
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
 
@@ -139,6 +140,17 @@ def cmd_generate(args) -> None:
           f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
           f"{stats.step} step | {torch.get_num_threads()} threads]",
           file=sys.stderr)
+
+
+def cmd_serve(args) -> None:
+    from .serving.server import serve
+    if args.model_name is not None and args.model != "smollm2-135m" and args.model_name != args.model:
+        from .errors import ConfigError
+        raise ConfigError(f"serve {args.model_name} --model {args.model}: name the model once, as MODEL or --model")
+    serve(args.model_name or args.model, _config(args), host=args.host, port=args.port, api_key=args.api_key,
+          max_batch_size=args.max_batch_size, num_blocks=args.num_blocks, max_waiting=args.max_waiting,
+          max_num_batched_tokens=args.max_num_batched_tokens, weight_bits=args.weight_bits, grace_s=args.grace_s,
+          dtype=args.dtype, compute_dtype=args.compute_dtype)
 
 
 def cmd_bench(args) -> None:
@@ -267,6 +279,23 @@ def build_parser() -> argparse.ArgumentParser:
                                    "layers:N, int4:G, int8:G or unrelated (drafts.py)")
     _add_config_args(g)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the continuous-batching engine",
+                        description="Serve MODEL over OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models, "
+                                    "/health, /metrics) until SIGTERM or Ctrl-C, which let requests finish for --grace-s.")
+    sv.add_argument("model_name", nargs="?", metavar="MODEL", help="the model to serve (the same as --model)")
+    sv.add_argument("--host", default="127.0.0.1", help="the address to bind (default %(default)s: this machine only)")
+    sv.add_argument("--port", type=int_at_least(0, 65536), default=8000, help="the port (default %(default)s)")
+    sv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health")
+    sv.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
+    sv.add_argument("--max-batch-size", type=positive_int, default=8, help="sequences the engine runs at once")
+    sv.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool (default: sized from memory)")
+    sv.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (chunked prefill)")
+    sv.add_argument("--max-waiting", type=int_at_least(0), default=256, help="queued requests before 429")
+    sv.add_argument("--grace-s", type=positive_float, default=30.0, help="seconds in-flight requests get to finish "
+                    "on SIGTERM before they are cancelled (default %(default)s)")
+    _add_config_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="minigen vs transformers, side by side, with the roofline",
                        description="Run minigen (with the given config) and transformers generate on the same "
