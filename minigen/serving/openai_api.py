@@ -204,15 +204,21 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     """FastAPI's validation errors (pydantic's) -> (one message naming the field and its range, param)."""
+    def field_path(e: dict) -> list[str]:
+        return [str(x) for x in e.get("loc", ()) if x != "body"]
     first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = field_path(first)
+    # a union field (stop, prompt) fails once per member: a range error says more than a type mismatch
+    same = [e for e in errors if field_path(e)[:1] == loc[:1]]
+    first = next((e for e in same if not e.get("type", "").endswith("_type")), first)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"the request body is not valid JSON ({detail}): send a JSON object", None
+    loc = field_path(first)
     if not loc:
         return f"the request body is invalid: {first.get('msg', '')}; send a JSON object of the API's fields", None
     # a union's member names ('str', 'list[int]') sit in the location: keep the field's own path
-    path = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool")]
+    path = [p for p in loc if (p.isidentifier() or p.isdigit()) and p not in ("str", "int", "float", "bool")]
     name = ".".join(path) or loc[0]
     got = repr(first["input"]) if "input" in first and first.get("type") != "missing" else None
     if got is not None and len(got) > 60:
