@@ -27,6 +27,10 @@ from minigen import GenerationConfig, drafts, errors, loading
 from minigen.measure import bench, machine
 from minigen.__main__ import build_parser
 from minigen.serving.batching import RequestQueue, group_by_length, pad_batch
+from minigen.serving.async_engine import AsyncEngine
+from minigen.serving.engine import Engine
+from minigen.serving.server import make_app
+from fastapi.testclient import TestClient
 from minigen.caches.contiguous import KVCache
 from minigen.caches.blocks import BlockAllocator
 from minigen.caches.quantized import QuantizedKVCache
@@ -1174,3 +1178,75 @@ def _(tiny_model):
 @case("plan-not-a-plan")
 def _(tiny_model):
     minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), plan="fused")
+
+
+# ---------------------------------------------------------------- the server
+def serve_tiny(model, folder, **kw) -> tuple[TestClient, Engine]:
+    """The app over the tiny model named 'tiny', its engine thread not started: these requests are
+    refused before the engine would step."""
+    engine = Engine(model, max_batch_size=2, num_blocks=16)
+    app = make_app(AsyncEngine(engine, max_waiting=kw.pop("max_waiting", 8)), loading.load_tokenizer(folder), "tiny",
+                   max_context=128, **kw)
+    return TestClient(app), engine
+
+
+def openai_error(r, status: int, *fragments: str, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and "Traceback" not in r.text
+    assert err["param"] == param
+    for fragment in fragments:
+        assert fragment in err["message"], (fragment, err["message"])
+    return err
+
+
+@case("serve-bad-field")
+def _(tiny_model, tiny_folder):
+    http, _ = serve_tiny(tiny_model, tiny_folder)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "temperature": 3})
+    openai_error(r, 400, "invalid 'temperature': Input should be less than or equal to 2", param="temperature")
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": "ten"})
+    openai_error(r, 400, "invalid 'max_tokens'", "valid integer", param="max_tokens")
+
+
+@case("serve-context-overflow")
+def _(tiny_model, tiny_folder):
+    http, _ = serve_tiny(tiny_model, tiny_folder)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 120, "max_tokens": 20})
+    openai_error(r, 400, "this request has 120 prompt tokens + max_tokens=20 = 140 tokens, and the model's context "
+                 "is 128 tokens", "lower max_tokens to at most 8", param="max_tokens")
+
+
+@case("serve-unknown-model")
+def _(tiny_model, tiny_folder):
+    http, _ = serve_tiny(tiny_model, tiny_folder)
+    err = openai_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "w1"}), 404,
+                       "the model 'gpt-4' does not exist: this server serves 'tiny'", param="model")
+    assert err["code"] == "model_not_found"
+
+
+@case("serve-missing-key")
+def _(tiny_model, tiny_folder):
+    http, _ = serve_tiny(tiny_model, tiny_folder, api_key="sesame")
+    for path in ("/v1/models", "/metrics"):
+        openai_error(http.get(path), 401, "a missing or wrong API key")
+        openai_error(http.get(path, headers={"Authorization": "Bearer nope"}), 401, "a missing or wrong API key")
+    assert http.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+    assert http.get("/health").status_code == 200
+
+
+@case("serve-queue-full")
+def _(tiny_model, tiny_folder):
+    http, engine = serve_tiny(tiny_model, tiny_folder, max_waiting=1)
+    engine.add_request([1, 2, 3], max_new_tokens=2)  # waits: the engine's thread is not started
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 2})
+    openai_error(r, 429, "the server is busy", "max_waiting=1")
+    assert r.headers["retry-after"] == "1"
+    assert len(engine.waiting) == 1
+
+
+@case("serve-bad-json")
+def _(tiny_model, tiny_folder):
+    http, _ = serve_tiny(tiny_model, tiny_folder)
+    r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    openai_error(r, 400, "the request body is not valid JSON")
