@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-batch-size", type=positive_int, default=8, help="sequences the engine runs at once")
     sv.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool (default: sized from memory)")
     sv.add_argument("--max-num-batched-tokens", type=positive_int, help="tokens per step (chunked prefill)")
-    sv.add_argument("--max-waiting", type=int_at_least(0), default=256, help="queued requests before 429")
+    sv.add_argument("--max-waiting", type=positive_int, default=256, help="queued requests before 429")
     sv.add_argument("--grace-s", type=positive_float, default=30.0, help="seconds in-flight requests get to finish "
                     "on SIGTERM before they are cancelled (default %(default)s)")
     _add_config_args(sv)

@@ -1181,12 +1181,11 @@ def _(tiny_model):
 
 
 # ---------------------------------------------------------------- the server
-def serve_tiny(model, folder, **kw) -> tuple[TestClient, Engine]:
-    """The app over the tiny model named 'tiny', its engine thread not started: these requests are
-    refused before the engine would step."""
-    engine = Engine(model, max_batch_size=2, num_blocks=16)
-    app = make_app(AsyncEngine(engine, max_waiting=kw.pop("max_waiting", 8)), loading.load_tokenizer(folder), "tiny",
-                   max_context=128, **kw)
+def serve_tiny(model, folder, **kw) -> tuple[TestClient, AsyncEngine]:
+    """The app over the tiny model named 'tiny', called in-process (no lifespan: these requests are
+    refused before the engine would step)."""
+    engine = AsyncEngine(Engine(model, max_batch_size=2, num_blocks=16), max_waiting=kw.pop("max_waiting", 8))
+    app = make_app(engine, loading.load_tokenizer(folder), "tiny", max_context=128, **kw)
     return TestClient(app), engine
 
 
@@ -1238,11 +1237,14 @@ def _(tiny_model, tiny_folder):
 @case("serve-queue-full")
 def _(tiny_model, tiny_folder):
     http, engine = serve_tiny(tiny_model, tiny_folder, max_waiting=1)
-    engine.add_request([1, 2, 3], max_new_tokens=2)  # waits: the engine's thread is not started
-    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 2})
-    openai_error(r, 429, "the server is busy", "max_waiting=1")
-    assert r.headers["retry-after"] == "1"
-    assert len(engine.waiting) == 1
+    engine.engine.add_request([1, 2, 3], max_new_tokens=2, arrival_s=3600.0)  # waits an hour to be admitted
+    try:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "w1 w2", "max_tokens": 2})
+        openai_error(r, 429, "the server is busy", "max_waiting=1")
+        assert r.headers["retry-after"] == "1"
+        assert len(engine.engine.waiting) == 1  # nothing was queued
+    finally:
+        engine.close()
 
 
 @case("serve-bad-json")

@@ -133,6 +133,11 @@ def client(server, **kw) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
 
 
+def text_of(tokenizer, ids: list[int]) -> str:
+    """What the Detokenizer's pieces add up to (detokenize.py: no space cleanup)."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 def chat_ids(tokenizer, text: str) -> list[int]:
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
@@ -146,7 +151,7 @@ def test_completion_greedy_equals_generate_streamed_or_not(server, model, tokeni
     want = minigen.generate(model, torch.tensor([ids]), max_new_tokens=12, stop_token_ids=[]).tokens[0, len(ids):]
     plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                  extra_body={"ignore_eos": True})
-    assert plain.choices[0].text == tokenizer.decode(want.tolist(), skip_special_tokens=True)
+    assert plain.choices[0].text == text_of(tokenizer, want.tolist())
     assert plain.choices[0].finish_reason == "length"
     assert (plain.usage.prompt_tokens, plain.usage.completion_tokens, plain.usage.total_tokens) == (
         len(ids), 12, len(ids) + 12)
@@ -172,7 +177,7 @@ def test_chat_sampled_n_choices_stream_equals_plain_and_solo(server, model, toke
     ids = chat_ids(tokenizer, "Tell me a story")
     for i in range(2):
         new = solo(model, ids, max_new_tokens=10, do_sample=True, temperature=0.8, top_p=0.9, seed=7 + i)
-        assert plain.choices[i].message.content == tokenizer.decode(new, skip_special_tokens=True) == streamed[i]
+        assert plain.choices[i].message.content == text_of(tokenizer, new) == streamed[i]
     assert plain.choices[0].message.content != plain.choices[1].message.content  # seeds 7 and 8 differ
     assert plain.usage.prompt_tokens == len(ids) and plain.usage.completion_tokens == 20
 
@@ -240,7 +245,7 @@ def test_concurrent_requests_equal_their_solo_runs(server, model, tokenizer):
     for i, (p, r) in enumerate(zip(prompts, results)):
         kw = dict(do_sample=True, temperature=1.0, seed=i) if i % 2 == 0 else {}
         new = solo(model, tokenizer(p).input_ids, max_new_tokens=8, stop_token_ids=[], **kw)
-        assert r.choices[0].text == tokenizer.decode(new, skip_special_tokens=True), p
+        assert r.choices[0].text == text_of(tokenizer, new), p
 
 
 # ---------------------------------------------------------------- errors, raw HTTP
