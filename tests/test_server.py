@@ -272,7 +272,7 @@ BAD_FIELDS = [  # (route, body changes, param, fragments of the message)
     ("completions", {"max_tokens": True}, "max_tokens", ["max_tokens", "valid integer"]),
     ("completions", {"prompt": 3.5}, "prompt", ["prompt", "a string or a list of token ids"]),
     ("completions", {"prompt": ""}, "prompt", ["the prompt is empty"]),
-    ("completions", {"prompt": [10**9]}, "prompt", ["token ids must lie in"]),
+    ("completions", {"prompt": [10**9]}, "prompt", ["is outside this model's vocabulary"]),
     ("chat", {"messages": []}, "messages", ["messages", "at least 1"]),
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages", ["messages.0.role", "'robot'"]),
     ("chat", {"top_logprobs": 3}, "top_logprobs", ["top_logprobs=3 needs logprobs=true"]),
@@ -324,11 +324,12 @@ def stream_in_thread(url: str, body: dict, seen: list, started: threading.Event)
     def run():
         try:
             with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: "):
                         seen.append(line)
                         started.set()
-        except httpx.HTTPError as e:
+        except Exception as e:  # a cut stream (httpx.RemoteProtocolError) or a refusal, for the test to see
             seen.append(e)
         started.set()
     t = threading.Thread(target=run, daemon=True)
@@ -410,7 +411,9 @@ def test_schemathesis_finds_no_server_error(guarded):
     operations = [op.ok() for op in schema.get_all_operations()]
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/v1/models"}
     for op in operations:
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        # a route without a body or parameters has no invalid request to make: only valid ones
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if op.method.upper() == "POST" else [])
+        for mode in modes:
             @given(case=op.as_strategy(generation_mode=mode))
             @settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.generate],
                       suppress_health_check=list(HealthCheck), database=None)
@@ -468,9 +471,9 @@ def test_multibyte_text_comes_whole_in_streams(cli):
 def test_sigterm_lets_the_request_finish_within_grace_and_exits_0(cli):
     url = cli.ensure()
     seen, started = [], threading.Event()
-    reader = stream_in_thread(url, {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 2000,
+    reader = stream_in_thread(url, {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 900,
                                     "temperature": 0, "ignore_eos": True}, seen, started)
-    assert started.wait(60)
+    assert started.wait(60) and isinstance(seen[0], str), seen
     cli.proc.send_signal(signal.SIGTERM)
     sent, at_signal = time.monotonic(), len(seen)
     assert cli.proc.wait(30) == 0, cli.proc.stdout.read().decode()

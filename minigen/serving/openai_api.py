@@ -116,10 +116,9 @@ def engine_overrides(req: SamplingRequest, max_new_tokens: int) -> list[dict]:
     base: dict = {"max_new_tokens": max_new_tokens}
     if req.ignore_eos:
         base["stop_token_ids"] = []  # no stop token at all: max_new_tokens ends it
-    if req.temperature == 0:
-        base["do_sample"] = False
-    else:
-        base.update(do_sample=True, temperature=req.temperature, top_p=req.top_p if req.top_p < 1 else None)
+    if req.temperature == 0:  # greedy draws nothing: the seed has no effect, and the config refuses one
+        return [{**base, "do_sample": False} for _ in range(req.n)]
+    base.update(do_sample=True, temperature=req.temperature, top_p=req.top_p if req.top_p < 1 else None)
     return [{**base, "seed": None if req.seed is None else req.seed + i} for i in range(req.n)]
 
 
