@@ -9,7 +9,6 @@ multi-byte characters, and the graceful stop on SIGTERM.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket

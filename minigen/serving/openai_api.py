@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field
 
 SEED_MAX = 2**63 - 1  # OpenAI's seed is a signed 64-bit integer
@@ -85,7 +86,26 @@ class ApiError(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-# ---------------------------------------------------------------- requests -> engine overrides
+# ---------------------------------------------------------------- requests -> prompts and engine overrides
+def completion_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+    ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise ApiError(400, "the prompt is empty: give some text or at least one token id", "prompt")
+    return ids
+
+
+def chat_prompt(tokenizer, req: ChatRequest) -> list[int]:
+    """The messages through the tokenizer's chat template, with the assistant's turn opened."""
+    if tokenizer.chat_template is None:
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as e:  # a template that refuses an order of roles raises its own message
+        raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def new_tokens(req: SamplingRequest, prompt_len: int, max_context: int) -> int:
     """The request's max_new_tokens, checked against the context: ApiError naming both lengths."""
     name = "max_tokens"

@@ -34,7 +34,6 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
-import jinja2
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,9 +47,9 @@ from ..loading import load
 from .async_engine import AsyncEngine, RequestStream
 from .detokenize import Detokenizer, StopStrings
 from .engine import Engine
-from .openai_api import (FINISH, ApiError, ChatRequest, Choice, CompletionRequest, SamplingRequest, choice_body,
-                         engine_overrides, envelope, error_body, logprobs_k, new_tokens, now_s, request_id, usage,
-                         validation_message)
+from .openai_api import (FINISH, ApiError, ChatRequest, Choice, CompletionRequest, SamplingRequest, chat_prompt,
+                         choice_body, completion_prompt, engine_overrides, envelope, error_body, logprobs_k, new_tokens,
+                         now_s, request_id, usage, validation_message)
 
 log = logging.getLogger("minigen.serve")
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
@@ -261,26 +260,6 @@ async def events(s: Served, kind: str, rid: str, created: int, deltas: AsyncIter
             if st.finish_reason is None:
                 st.cancel()
     yield "data: [DONE]\n\n"
-
-
-# ---------------------------------------------------------------- prompts
-def completion_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
-    ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise ApiError(400, "the prompt is empty: give some text or at least one token id", "prompt")
-    return ids
-
-
-def chat_prompt(tokenizer, req: ChatRequest) -> list[int]:
-    """The messages through the tokenizer's chat template, with the assistant's turn opened."""
-    if tokenizer.chat_template is None:
-        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as e:  # a template that refuses an order of roles raises its own message
-        raise ApiError(400, f"the model's chat template refused these messages: {e}", "messages") from None
-    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 # ---------------------------------------------------------------- the app
