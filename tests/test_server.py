@@ -318,6 +318,21 @@ def test_api_key_guards_every_route_but_health(guarded):
     assert r.usage.completion_tokens >= 1
 
 
+def test_a_draining_server_answers_503(guarded):
+    """Between SIGTERM and the listener's close, new requests get 503 (retry elsewhere), and so
+    does /health, so a load balancer stops routing here."""
+    served, auth = guarded.app.state.served, {"Authorization": "Bearer sesame"}
+    served.draining = True
+    try:
+        r = httpx.post(guarded.url + "/v1/completions", headers=auth, json={"model": MODEL, "prompt": "hi"})
+        check_error(r, 503, "shutting down")
+        assert r.headers["retry-after"] == "1"
+        check_error(httpx.get(guarded.url + "/health"), 503, "shutting down")
+    finally:
+        served.draining = False
+    assert httpx.get(guarded.url + "/health").status_code == 200
+
+
 def stream_in_thread(url: str, body: dict, seen: list, started: threading.Event):
     """Stream a completion in a thread, appending each event; `started` once the first one came."""
     def run():
