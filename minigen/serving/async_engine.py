@@ -50,8 +50,8 @@ class _End:
 class RequestStream:
     """One request's tokens, as an async iterator of TokenEvent; ends when the request finishes.
 
-    Made on the event loop by `AsyncEngine.submit`, fed by the engine thread through
-    `loop.call_soon_threadsafe`, so its queue and attributes are only ever touched on the loop.
+    Made on the event loop by `AsyncEngine.submit` and fed by the engine thread through `send`
+    (`loop.call_soon_threadsafe`), so its queue, finish_reason and first_token_s change on the loop only.
     """
 
     def __init__(self, owner: AsyncEngine, loop: asyncio.AbstractEventLoop):
@@ -63,7 +63,7 @@ class RequestStream:
         self._owner, self._loop = owner, loop
         self._queue: asyncio.Queue = asyncio.Queue()  # TokenEvent items, then one _End
         self._ended = False
-        self._sent = 0  # output tokens handed to the loop so far (read and written by the engine thread)
+        self.sent = 0  # output tokens handed to the loop so far (read and written by the engine thread only)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -84,7 +84,12 @@ class RequestStream:
             self.cancel_requested = True  # set before queuing: submit's worker re-queues a stream it sees set
             self._owner.request_cancel(self)
 
-    def deliver(self, events: list[TokenEvent], first_token_s: float | None, reason: str | None) -> None:
+    def send(self, events: list[TokenEvent], first_token_s: float | None, reason: str | None) -> None:
+        """From the engine thread: hand `events` to the stream's loop, and end the stream when `reason` is
+        set. RuntimeError when that loop is closed (no one can read the stream any more)."""
+        self._loop.call_soon_threadsafe(self._receive, events, first_token_s, reason)
+
+    def _receive(self, events: list[TokenEvent], first_token_s: float | None, reason: str | None) -> None:
         """On the loop: queue the events the engine thread sampled, and end the stream when `reason` is set."""
         if self.first_token_s is None:
             self.first_token_s = first_token_s
@@ -251,19 +256,19 @@ class AsyncEngine:
         for rid, stream in list(self._streams.items()):
             req = self.engine.requests[rid]
             done = req.status == "finished"
-            if len(req.output) > stream._sent or done:
+            if len(req.output) > stream.sent or done:
                 self._send(stream, req, now, req.finish_reason if done else None)
 
     def _send(self, stream: RequestStream, req, now: float, reason: str | None) -> None:
-        new = range(stream._sent, len(req.output))
+        new = range(stream.sent, len(req.output))
         lps = req.logprobs if req.num_logprobs is not None else None
         events = [TokenEvent(req.output[i], lps[i][0] if lps else None, lps[i][1] if lps else None) for i in new]
-        stream._sent = len(req.output)
+        stream.sent = len(req.output)
         if reason is not None:
             del self._streams[req.id]
             self.engine.forget(req.id)
         try:
-            stream._loop.call_soon_threadsafe(stream.deliver, events, now if events else None, reason)
+            stream.send(events, now if events else None, reason)
         except RuntimeError:  # its event loop is closed: no one reads it any more, so stop computing it
             if reason is None:
                 self.engine.cancel(req.id)
@@ -285,6 +290,6 @@ class AsyncEngine:
             except Exception:  # the engine may be broken (a failed step): the stream must end all the same
                 self._streams.pop(rid, None)
                 try:
-                    stream._loop.call_soon_threadsafe(stream.deliver, [], None, reason)
+                    stream.send([], None, reason)
                 except RuntimeError:
                     pass
