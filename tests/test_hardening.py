@@ -162,7 +162,7 @@ def _engine_serving(model) -> minigen.Engine:
 
 
 def _engine_state(engine) -> tuple:
-    return ([(r.id, r.status, list(r.tokens)) for r in engine.requests], [r.id for r in engine.waiting],
+    return ([(r.id, r.status, list(r.tokens)) for r in engine.requests.values()], [r.id for r in engine.waiting],
             [r.id for r in engine.running], list(engine.alloc.free), len(engine.steps))
 
 
@@ -890,7 +890,7 @@ class _EngineMachine(RuleBasedStateMachine):
         self.yielded: dict[int, list[int]] = {}  # per id: the tokens step/stream gave, in order
 
     def _unfinished(self) -> list[int]:
-        return [r.id for r in self.engine.requests if r.status != "finished"]
+        return [r.id for r in self.engine.requests.values() if r.status != "finished"]
 
     def _refused(self, call) -> None:
         before = _engine_state(self.engine)
@@ -922,7 +922,7 @@ class _EngineMachine(RuleBasedStateMachine):
     def step(self) -> None:
         for rid, tokens in self.engine.step().items():
             self.yielded[rid] += tokens
-        assert all(self.yielded[r.id] == r.output for r in self.engine.requests)  # a step yields every new token
+        assert all(self.yielded[r.id] == r.output for r in self.engine.requests.values())  # a step yields every new token
 
     @rule(k=st.integers(1, 10))
     def stream_some(self, k: int) -> None:
@@ -931,7 +931,7 @@ class _EngineMachine(RuleBasedStateMachine):
         for rid, token in itertools.islice(tokens, k):
             self.yielded[rid].append(token)
         tokens.close()
-        for r in self.engine.requests:
+        for r in self.engine.requests.values():
             assert r.output[:len(self.yielded[r.id])] == self.yielded[r.id], "stream yielded a token out of order"
             self.yielded[r.id] = list(r.output)
 
@@ -944,7 +944,7 @@ class _EngineMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def cancel_invalid(self, data) -> None:
-        finished = [r.id for r in self.engine.requests if r.status == "finished"]
+        finished = [r.id for r in self.engine.requests.values() if r.status == "finished"]
         bad = data.draw(st.one_of(st.sampled_from([True, False]),  # Python's 1 and 0: often live ids
                                   st.sampled_from(_ENGINE_BAD_IDS + finished + [len(self.added)])))
         self._refused(lambda: self.engine.cancel(bad))
@@ -954,8 +954,8 @@ class _EngineMachine(RuleBasedStateMachine):
         e = self.engine
         queued = [r.id for r in e.waiting] + [r.id for r in e.running]
         assert len(set(queued)) == len(queued), f"a request is queued twice: {queued}"
-        assert [r.id for r in e.requests] == list(range(len(self.added)))
-        for r in e.requests:
+        assert [r.id for r in e.requests.values()] == list(range(len(self.added)))
+        for r in e.requests.values():
             assert (r.status == "finished") == (r.id not in queued), f"request {r.id}: {r.status}, queued {queued}"
             assert e.finishes[r.id] == (r.status == "finished"), f"request {r.id} finished {e.finishes[r.id]} times"
             assert (r.finish_reason == "cancelled") == (r.id in self.cancelled)

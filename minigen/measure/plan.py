@@ -162,7 +162,7 @@ def engine_bytes(cfg: ModelConfig, config: GenerationConfig, max_batch_size: int
     blocks, up to `context`). Activations: the largest forward a step runs. The engine runs its rows
     at their own positions, so every forward builds a mask [B, 1, T, S]. Without a budget, a step
     prefills every admitted prompt in one forward, left-padded to the longest: up to max_batch_size
-    whole prompts. With a budget, each forward's padded rows stay within it (Engine._groups): at most
+    whole prompts. With a budget, each forward's padded rows stay within it (scheduler.forward_groups): at most
     max_num_batched_tokens rows. The decode forward runs max_batch_size rows of one token.
 
     A model with sliding layers (and no window_size of the config's) keeps them in a second, fixed

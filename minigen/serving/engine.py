@@ -8,6 +8,7 @@ Shapes: B sequences in a step, T tokens per row of a prefill, V vocabulary; a bl
     for request_id, token in engine.stream(): ...   # each new token as it is sampled
     tokens = engine.run()                            # {request_id: prompt + new tokens, 1-D}
     engine.metrics()                                 # TTFT, TPOT, KV usage, hit rate, ... (scheduler.py)
+    engine.forget(rid)                               # a finished request's record goes (a server's memory)
 
 Every `step()` (iteration-level scheduling, as in Orca and vLLM) owns the blocks: the paged cache
 and the step that runs the model only read the block tables and write into the blocks they are given.
@@ -24,7 +25,7 @@ and the step that runs the model only read the block tables and write into the b
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
      space left, a prompt spread over as many steps as it takes (chapter 16); the chunks then run
-     in as many forwards as keep each forward's padded rows within the budget (`_groups`), so the
+     in as many forwards as keep each forward's padded rows within the budget (`forward_groups`), so the
      budget bounds a step's activations too (measure/plan.py: engine_bytes);
   4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
 A model with sliding layers (Mistral, Qwen2, Gemma: ModelConfig.layer_types) keeps them in a second
@@ -55,8 +56,8 @@ from ..numerics.precision import DTYPES
 from ..sampling import make_generator, sample
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
-from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for,
-                        can_admit, engine_metrics, prompt_tokens)
+from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for, can_admit,
+                        engine_metrics, forward_groups, logprobs_count, prompt_tokens, token_logprobs)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
@@ -144,7 +145,8 @@ class Engine:
                                       allocator=self.alloc)
         self.policy = self.plan.make_policy(self.cache)
         self.num_blocks, self.block_size = num_blocks, bs
-        self.requests: list[Request] = []
+        self.requests: dict[int, Request] = {}  # id -> request, until forget(id); ids increase from 0
+        self._next_id = 0
         self.waiting: list[Request] = []  # arrival order; preempted requests go back to the front
         self.running: list[Request] = []  # admission order: the newest is preempted first
         self.steps: list[dict] = []
@@ -156,14 +158,17 @@ class Engine:
         return time.perf_counter() - self._t0
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, prompt_ids, *, arrival_s: float | None = None, **overrides) -> int:
+    def add_request(self, prompt_ids, *, arrival_s: float | None = None, logprobs: int | None = None,
+                    **overrides) -> int:
         """Queue a prompt (1-D token ids) -> its request id (0, 1, ... in add order).
 
         A prompt is a list or tuple of ints (not bools, not floats) or a 1-D integer tensor ([T] or
         [1, T]), each id in [0, vocab_size). `overrides` are GenerationConfig fields for this request
         only: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop_token_ids. `arrival_s`
         (seconds since t=0, finite and >= 0; default now) replays a workload: the request is not
-        admitted before it. A refused request raises before anything is queued: no id is used.
+        admitted before it. `logprobs=k` (0..20) records in `requests[id].logprobs`, per sampled token,
+        (its logprob, the top k (id, logprob)) of the model's raw fp32 logits (scheduler.token_logprobs);
+        None records nothing. A refused request raises before anything is queued: no id is used.
         """
         config = self.config.replace(**overrides)  # unknown keys: ConfigError with the closest name
         cache_keys = sorted(k for k in overrides if k not in REQUEST_KEYS)
@@ -173,16 +178,18 @@ class Engine:
                               f"{', '.join(REQUEST_KEYS)}")
         tokens = prompt_tokens(prompt_ids, self.model.config.vocab_size)
         arrival = arrival_seconds(arrival_s, self.now())
+        num_logprobs = logprobs_count(logprobs)
         check_prompt(self.model, torch.tensor([tokens]), config.max_new_tokens, config)  # context, stop ids
-        rid = len(self.requests)
+        rid = self._next_id
         stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids
-        req = Request(rid, tokens, config, frozenset(stop), arrival, make_generator(config, self.model.device))
+        req = Request(rid, tokens, config, frozenset(stop), arrival, make_generator(config, self.model.device),
+                      num_logprobs=num_logprobs)
         need = blocks_for(req.max_positions, self.block_size)
         if need > self.num_blocks:
             raise PromptError(f"request of {len(req.prompt)} prompt tokens + max_new_tokens={config.max_new_tokens} "
                               f"needs {need} blocks of {self.block_size} tokens, and the pool holds {self.num_blocks}: "
                               f"raise num_blocks to at least {need}, or lower max_new_tokens or the prompt")
-        self.requests.append(req)
+        self.requests[rid], self._next_id = req, rid + 1
         req.enter("queued", req.arrival_s)
         if config.max_new_tokens == 0:
             self._finish(req, "length")
@@ -194,11 +201,13 @@ class Engine:
     def _request(self, request_id) -> Request:
         """The request of an id add_request returned; RequestError for any other value (a bool is no id:
         Python would take True for 1)."""
-        if (not isinstance(request_id, int) or isinstance(request_id, bool)
-                or not 0 <= request_id < len(self.requests)):
-            ids = f"ids 0..{len(self.requests) - 1}" if self.requests else "no requests yet"
-            raise RequestError(f"unknown request id {reprlib.repr(request_id)} ({type(request_id).__name__}): this "
-                               f"engine has {ids}; use an int (not a bool) that add_request returned")
+        is_id = isinstance(request_id, int) and not isinstance(request_id, bool)
+        if not is_id or request_id not in self.requests:
+            ids = f"ids 0..{self._next_id - 1}" if self._next_id else "no requests yet"
+            gone = " (finished and forgotten)" if is_id and 0 <= request_id < self._next_id else ""
+            raise RequestError(f"unknown request id {reprlib.repr(request_id)} ({type(request_id).__name__}){gone}: this "
+                               f"engine has {ids}, {len(self.requests)} remembered; use an int (not a bool) that "
+                               "add_request returned and forget() did not drop")
         return self.requests[request_id]
 
     def cancel(self, request_id: int) -> None:
@@ -209,6 +218,15 @@ class Engine:
                                f" ({req.finish_reason}): there is nothing left to cancel")
         (self.waiting if req.status == "waiting" else self.running).remove(req)
         self._finish(req, "cancelled")
+
+    def forget(self, request_id: int) -> None:
+        """Drop a finished (or cancelled) request's record, so that a long-running server's memory stays
+        bounded: run() and metrics() leave it out, and its id is never given again."""
+        req = self._request(request_id)
+        if req.status != "finished":
+            raise RequestError(f"request {request_id} is still {req.status}: only a finished or cancelled request "
+                               "can be forgotten; cancel it first, or let it finish")
+        del self.requests[request_id]
 
     def _free(self, req: Request) -> None:
         """Give back a request's blocks: the engine's pool and, for sliding layers, their window's pool."""
@@ -271,7 +289,7 @@ class Engine:
             return new
         with self.forward_step.grad_mode():
             # 3. ragged prefills of the prompt chunks, each from its first uncached position
-            for group in self._groups(chunks):
+            for group in forward_groups(chunks, self.max_num_batched_tokens):
                 self._forward([r for r, _ in group], [c for _, c in group], new)
             if decoding:  # and one decode step of every running sequence
                 self._forward(decoding, [r.tokens[-1:] for r in decoding], new, prompt=False)
@@ -284,22 +302,6 @@ class Engine:
                            "batch_size": len(chunks) + len(decoding), "kv_usage": self.alloc.n_used / self.num_blocks,
                            "prefill_tokens": sum(len(c) for _, c in chunks), "decode_tokens": len(decoding)})
         return new
-
-    def _groups(self, chunks: list[tuple[Request, list[int]]]) -> list[list[tuple[Request, list[int]]]]:
-        """The forwards that run this step's prompt chunks. A forward left-pads its chunks to the longest,
-        so with max_num_batched_tokens every forward keeps its padded rows (chunks x longest) within the
-        budget: a long chunk and a short one run apart, never as two long rows. Without a budget every
-        chunk runs in one forward."""
-        if self.max_num_batched_tokens is None:
-            return [chunks] if chunks else []
-        groups: list[list[tuple[Request, list[int]]]] = []
-        for chunk in sorted(chunks, key=lambda rc: -len(rc[1])):  # the longest first: it sets its group's width
-            group = groups[-1] if groups else None
-            if group is not None and (len(group) + 1) * len(group[0][1]) <= self.max_num_batched_tokens:
-                group.append(chunk)
-            else:
-                groups.append([chunk])
-        return groups
 
     def _chunk(self, req: Request, budget: int | None) -> list[int]:
         """The tokens of `req`'s prompt (and output, after a preemption) this step computes: the rest, or
@@ -357,6 +359,8 @@ class Engine:
             if req.computed == len(req.tokens):  # the last chunk: the logits of its last token are the next's
                 token = greedy[b] if not req.config.do_sample else int(sample(logits[b:b + 1], req.config, req.generator))
                 req.output.append(token)
+                if req.num_logprobs is not None:  # only rows that asked pay for the softmax
+                    req.logprobs.append(token_logprobs(logits[b], token, req.num_logprobs))
                 req.prefilled = True
                 new.setdefault(req.id, []).append(token)
                 if req.first_token_s is None:
@@ -388,10 +392,10 @@ class Engine:
 
     def run(self) -> dict[int, Tensor]:
         """Step until every request has finished -> {request_id: prompt + new tokens, 1-D}, every request
-        added so far (a cancelled one with the tokens it had)."""
+        added so far and not forgotten (a cancelled one with the tokens it had)."""
         for _ in self.stream():
             pass
-        return {r.id: torch.tensor(r.tokens, dtype=torch.long) for r in self.requests}
+        return {r.id: torch.tensor(r.tokens, dtype=torch.long) for r in self.requests.values()}
 
     def metrics(self) -> dict:
         """Serving metrics (times in seconds since t=0, the engine's creation), over finished requests:
@@ -403,7 +407,7 @@ class Engine:
         per request its counts, times, finish_reason and phases [phase, start_s, end_s];
         "num_blocks", "block_size", "max_batch_size", "max_num_batched_tokens"; "sliding_blocks": the pool
         of a model's sliding layers (0: none; such a model serves no prefix hits, so its hit rate is 0)."""
-        out = engine_metrics(self.requests, self.steps, self.now(), self.preemptions, self.hit_tokens,
+        out = engine_metrics(list(self.requests.values()), self.steps, self.now(), self.preemptions, self.hit_tokens,
                               self.admitted_tokens)
         return {**out, "num_blocks": self.num_blocks, "block_size": self.block_size,
                 "max_batch_size": self.max_batch_size, "max_num_batched_tokens": self.max_num_batched_tokens,

@@ -37,6 +37,7 @@ from .metrics import latency_stats
 # blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
 # What the engine cannot run at all is places.WHERE_REFUSED["engine"].
 REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+MAX_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's API allows 0..20)
 PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
 
 
@@ -80,6 +81,25 @@ def arrival_seconds(arrival_s, now: float) -> float:
     return float(arrival_s)
 
 
+def logprobs_count(logprobs) -> int | None:
+    """`add_request`'s logprobs -> the alternatives to record per token (None: record nothing);
+    ConfigError unless None or an int in 0..MAX_LOGPROBS."""
+    if logprobs is not None and (not isinstance(logprobs, numbers.Integral) or isinstance(logprobs, bool)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise ConfigError(f"logprobs={reprlib.repr(logprobs)} is invalid: use an integer in 0..{MAX_LOGPROBS} (the "
+                          "most likely tokens to record beside each sampled one), or None to record none")
+    return None if logprobs is None else int(logprobs)
+
+
+def token_logprobs(logits: Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """One row's raw logits [V] -> (the log-probability of `token`, the top k (id, log-probability) in
+    descending order). The distribution is the model's own, in fp32, before temperature, top-k or top-p
+    reshape it (vLLM's default), so a logprob does not depend on how the token was sampled."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+    top = torch.topk(logp, k)  # sorted: the most likely first
+    return float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist()))
+
+
 def can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int, max_batch_size: int) -> bool:
     """The admission rule: a waiting request joins the batch when a batch slot is free and the blocks
     its prompt needs fit in the free blocks left after those reserved for the running sequences'
@@ -90,6 +110,24 @@ def can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, runnin
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks that hold `tokens` positions."""
     return math.ceil(tokens / block_size)
+
+
+def forward_groups(chunks: list[tuple[Request, list[int]]], max_num_batched_tokens: int | None
+                   ) -> list[list[tuple[Request, list[int]]]]:
+    """The forwards that run a step's prompt chunks. A forward left-pads its chunks to the longest,
+    so with max_num_batched_tokens every forward keeps its padded rows (chunks x longest) within the
+    budget: a long chunk and a short one run apart, never as two long rows. Without a budget every
+    chunk runs in one forward."""
+    if max_num_batched_tokens is None:
+        return [chunks] if chunks else []
+    groups: list[list[tuple[Request, list[int]]]] = []
+    for chunk in sorted(chunks, key=lambda rc: -len(rc[1])):  # the longest first: it sets its group's width
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * len(group[0][1]) <= max_num_batched_tokens:
+            group.append(chunk)
+        else:
+            groups.append([chunk])
+    return groups
 
 
 def block_hashes(tokens: list[int], block_size: int, start: int = 0, prev: int | None = None) -> list[int]:
@@ -174,6 +212,8 @@ class Request:
     cached_tokens: int = 0  # prompt positions served from cached blocks (every admission)
     cached: int = 0  # of those, at its latest admission
     preemptions: int = 0
+    num_logprobs: int | None = None  # logprobs=k: record each sampled token's logprob and the top k (None: none)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # one per output token
     phases: list[list] = field(default_factory=list)  # [phase, start_s, end_s or None while open]
 
     @property
