@@ -333,6 +333,30 @@ def test_a_draining_server_answers_503(guarded):
     assert httpx.get(guarded.url + "/health").status_code == 200
 
 
+def test_a_failed_step_is_a_generic_500_never_a_traceback(model, tokenizer):
+    broken = start(model, tokenizer)
+    steps, step = [], broken.engine.step
+
+    def fails_third():  # a prefill and a decode, then the step raises
+        steps.append(1)
+        if len(steps) >= 3:
+            raise RuntimeError("secret internals of the step")
+        return step()
+    broken.engine.step = fails_third
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", broken.url + "/v1/completions", json={**body, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"  # the status line had gone: the error is an event
+        assert "the server failed while generating this response" in lines[-2]
+        assert "secret internals" not in "".join(lines) and "Traceback" not in "".join(lines)
+        r = httpx.post(broken.url + "/v1/completions", json=body)  # the engine thread has stopped
+        check_error(r, 500, "the server failed on this request; it has been logged")
+        assert "secret internals" not in r.text
+    finally:
+        broken.stop()
+
+
 def stream_in_thread(url: str, body: dict, seen: list, started: threading.Event):
     """Stream a completion in a thread, appending each event; `started` once the first one came."""
     def run():

@@ -140,6 +140,9 @@ async def choice_deltas(s: Served, index: int, stream: RequestStream, prompt_ids
                 break
             yield Choice(index, text, 1, entries)
         else:
+            if stream.finish_reason == "error":  # a step failed (AsyncEngine.error): a 500, logged, never sent
+                raise RuntimeError(f"engine request {stream.request_id} ended with a failed step: "
+                                   f"{s.engine.error!r}")
             text, matched = cut.push(detok.flush())
             text += "" if matched else cut.flush()
             reason = "stop" if matched else FINISH.get(stream.finish_reason, "abort")
