@@ -15,7 +15,8 @@ a plain response joins them, so both give the same text for the same seed.
 Errors are OpenAI's error object: 400 a bad field (named, with its range) or a prompt past the
 context (both lengths), 401 a missing or wrong API key, 404 an unknown model or route, 429 a full
 queue (with Retry-After), 503 while shutting down, 500 a generic message (the traceback is logged
-here, never sent). A client that leaves mid-stream cancels its requests.
+here, never sent). A client that leaves mid-stream cancels its requests at the next token (a plain,
+not streamed, request runs to its end: its handler learns of no disconnect).
 
 Shutdown (SIGTERM or Ctrl-C): the server stops admitting at once (503 on new requests, /health
 503 so a load balancer stops routing here), lets in-flight requests finish for up to `grace_s`
