@@ -46,12 +46,17 @@ from ..errors import BenchError
 from ..serving.metrics import latency_stats
 from ..serving.workload import LengthDist, Workload, make_workload, system_prompt_ids
 from .bench import prompt_ids
+from .machine import hardware_info
+from ..loading import load_tokenizer, resolve_folder
 
 # The shared system message (the default text of workload.system_prompt_ids, written out so that a
 # chat request can send it as a message of its own)
 SYSTEM_TEXT = ("You are a helpful assistant. Answer briefly and precisely, in plain English, and say so when you "
                "do not know.")
 OUTCOMES = ("completed", "cancelled", "rate_limited", "http_error", "timeout", "connection", "stream_error")
+# run_async's options that `serve-bench --url` passes on from its flags of the same names
+CLIENT_OPTIONS = ("served_model", "api_key", "arrivals", "concurrency", "chat", "prompt_as", "disconnect_fraction",
+                  "timeout_s", "slo_ttft_s", "slo_tpot_s")
 PROBE_STATUSES = (400, 422)  # what a server answers a field or a prompt form it does not take
 
 
@@ -179,7 +184,7 @@ async def create(client: openai.AsyncOpenAI, form: Form, kw: dict):
     return await (client.chat.completions.create(**kw) if form.chat else client.completions.create(**kw))
 
 
-async def served_model(client: openai.AsyncOpenAI) -> str:
+async def first_model(client: openai.AsyncOpenAI) -> str:
     """The first model the server lists at /v1/models."""
     try:
         models = [m.id async for m in client.models.list()]
@@ -252,7 +257,7 @@ async def one_request(client, form: Form, kw: dict, rec: RequestRecord, t0: floa
     rec.finish_s = now()
 
 
-async def run_async(url: str, workload: Workload, tokenizer, *, served: str | None = None, api_key: str | None = None,
+async def run_async(url: str, workload: Workload, tokenizer, *, served_model: str | None = None, api_key: str | None = None,
                     arrivals: str = "poisson", concurrency: int | None = None, chat: bool = False,
                     prompt_as: str = "auto", disconnect_fraction: float = 0.0, seed: int = 0,
                     timeout_s: float = 600.0, slo_ttft_s: float | None = None,
@@ -268,7 +273,7 @@ async def run_async(url: str, workload: Workload, tokenizer, *, served: str | No
     # max_retries=0: a 429 or a dropped connection is counted, never silently sent again
     client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=timeout_s)
     async with client:
-        form = await probe(client, served or await served_model(client), chat, prompt_as, workload, tokenizer)
+        form = await probe(client, served_model or await first_model(client), chat, prompt_as, workload, tokenizer)
         gate = asyncio.Semaphore(concurrency) if concurrency else None
         records = [RequestRecord(i, len(r.prompt_ids), r.max_new_tokens, at)
                    for i, (r, at) in enumerate(zip(workload.requests, schedule))]
@@ -316,3 +321,24 @@ def format_client(runs: dict[str, dict]) -> str:
                      f"{p['p50'] * 1e3:>10.1f}/{p['p90'] * 1e3:.1f}/{p['p99'] * 1e3:.1f}"
                      f"{i['p50'] * 1e3:>9.1f}/{i['p99'] * 1e3:.1f}  {outcomes}")
     return "\n".join(lines)
+
+
+def serve_bench_url(model_name: str, url: str, n_requests: int, rate_per_s: float, *, seed: int = 0,
+                    prompt_median: float = 32, output_median: float = 24, engines=None, **options) -> dict:
+    """`serve-bench --url`: the in-process serve-bench's workload (on `model_name`'s tokenizer), sent to
+    the server at `url` -> {"workload", "hardware", "runs": {url: run_client's result}}."""
+    if engines:
+        raise BenchError("--engine names in-process engines; with --url the server is the engine: drop --engine")
+    tokenizer = load_tokenizer(resolve_folder(model_name))
+    workload = build_workload(tokenizer, n_requests, rate_per_s, seed=seed, prompt_median=prompt_median,
+                              output_median=output_median)
+    run = run_client(url, workload, tokenizer, seed=seed, **options)
+    return {"workload": workload.description, "hardware": f"{hardware_info()['cpu']} (the client's)", "runs": {url: run}}
+
+
+def format_url_run(result: dict) -> str:
+    """serve_bench_url's result as serve-bench prints it: the workload, how it was sent, the table."""
+    (url, run), = result["runs"].items()
+    how = (f"server: {url} (model {run['model']}; {run['arrivals']} arrivals; /v1/{run['endpoint']}, prompts as {run['prompt_as']}, ignore_eos "
+           f"{'sent' if run['ignore_eos'] else 'refused by the server: replies may end early'})")
+    return "\n".join([f"workload: {result['workload']}", how, format_client(result["runs"])])
