@@ -39,6 +39,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+import httpx
 import numpy as np
 import openai
 
@@ -270,8 +271,12 @@ async def run_async(url: str, workload: Workload, tokenizer, *, served_model: st
     schedule = arrival_schedule(workload, arrivals)
     hang_ups = disconnect_plan(len(workload.requests), disconnect_fraction, seed,
                                [r.max_new_tokens for r in workload.requests])
-    # max_retries=0: a 429 or a dropped connection is counted, never silently sent again
-    client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=timeout_s)
+    # max_retries=0: a 429 or a dropped connection is counted, never silently sent again. No keep-alive:
+    # each request opens its own connection, since a server may close one after a stream (llama-server
+    # did), and a request sent on that pooled connection would fail as a "connection" error of ours
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+    client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=timeout_s,
+                                http_client=http)
     async with client:
         form = await probe(client, served_model or await first_model(client), chat, prompt_as, workload, tokenizer)
         gate = asyncio.Semaphore(concurrency) if concurrency else None
