@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+from .cli_args import fraction, int_at_least, positive_float, positive_int, seed  # checked flag types
 from .errors import MinigenError
 
 EPILOG = """examples:
@@ -21,46 +22,9 @@ EPILOG = """examples:
   python -m minigen ledger --json claims.json
   python -m minigen serve-bench --requests 16 --rate 2 --seed 0   # one workload, engines side by side
   python -m minigen serve --port 8000 --api-key secret   # OpenAI's API: http://127.0.0.1:8000/v1
+  python -m minigen serve-bench --url http://127.0.0.1:8000/v1 --requests 32 --rate 4   # against a server
   python -m minigen prepare            # convert the bundled SmolLM2 once (done automatically on first use)
 """
-
-
-# ---------------------------------------------------------------- checked flag types
-# A flag's number is checked as it is parsed, because an unchecked one fails far from its cause: a
-# negative `profile --prompt-len` would slice the text [:, :-5] and profile nearly all of it, and a
-# negative `serve-bench --seed` would end in numpy's traceback. argparse prints the usage and
-# "argument --flag: <message>", and exits 2. Flags that are GenerationConfig
-# fields (generate's --max-new-tokens, --temperature, --top-k, --top-p, --seed) are checked by the
-# config, and bench's sizes by bench.check_bench_args, each before the model loads.
-def int_at_least(low: int, below: int | None = None):
-    """An argparse type: an integer >= low (and < below, when given)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low or (below is not None and value >= below):
-            bound = f">= {low}"
-            if below is not None:  # 2**64 reads better than 18,446,744,073,709,551,616
-                bound += f" and < 2**{below.bit_length() - 1}" if below & (below - 1) == 0 else f" and < {below:,}"
-            raise argparse.ArgumentTypeError(f"{value} is out of range: use an integer {bound}")
-        return value
-    return parse
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0 (float('nan') and 'inf' parse, and are refused)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{value} is out of range: use a finite number > 0")
-    return value
-
-
-positive_int = int_at_least(1)
-seed = int_at_least(0, 2**64)  # numpy's and torch's generators take any seed in [0, 2**64)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -235,15 +199,24 @@ def write_json(data: dict | list, path: Path, error) -> None:
 
 def cmd_serve_bench(args) -> None:
     from .errors import BenchError
-    from .measure.serve_bench import DEFAULT_ENGINES, ENGINES, format_serve_bench, serve_bench_cli
     _check_json_arg(args.json, BenchError)
-    engines = args.engine or DEFAULT_ENGINES
-    if any(e not in ENGINES for e in engines) or len(set(engines)) < 2:
-        raise BenchError(f"--engine {engines}: name at least two different engines among {list(ENGINES)}")
-    result = serve_bench_cli(args.model, engines, n_requests=args.requests, rate_per_s=args.rate, seed=args.seed,
-                             max_batch_size=args.max_batch_size, prompt_median=args.prompt_median,
-                             output_median=args.output_median)
-    print(format_serve_bench(result))
+    if args.url:  # the same workload, sent to a running OpenAI-compatible server (serve_client.py)
+        from .measure.serve_client import CLIENT_OPTIONS, format_url_run, serve_bench_url
+        result = serve_bench_url(args.model, args.url, args.requests, args.rate, seed=args.seed,
+                                 prompt_median=args.prompt_median, output_median=args.output_median,
+                                 engines=args.engine, **{k: getattr(args, k) for k in CLIENT_OPTIONS})
+        print(format_url_run(result))
+    else:
+        from .measure.serve_bench import DEFAULT_ENGINES, ENGINES, format_serve_bench, serve_bench_cli
+        engines = args.engine or DEFAULT_ENGINES
+        if any(e not in ENGINES for e in engines) or len(set(engines)) < 2:
+            raise BenchError(f"--engine {engines}: name at least two different engines among {list(ENGINES)}")
+        if math.isinf(args.rate):
+            raise BenchError("--rate inf sends every request at once to a server (--url): give a finite rate")
+        result = serve_bench_cli(args.model, engines, n_requests=args.requests, rate_per_s=args.rate, seed=args.seed,
+                                 max_batch_size=args.max_batch_size, prompt_median=args.prompt_median,
+                                 output_median=args.output_median)
+        print(format_serve_bench(result))
     if args.json:
         write_json(result, Path(args.json), BenchError)
         print(f"wrote {args.json}")
@@ -330,7 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--engine", action="append", help="an engine to run, in order; default: the first two of "
                     "serve_bench.ENGINES (repeat the flag for more)")
     sb.add_argument("--requests", type=positive_int, default=16, help="requests in the workload")
-    sb.add_argument("--rate", type=positive_float, default=2.0, help="arrivals per second (Poisson)")
+    sb.add_argument("--rate", type=lambda s: math.inf if s.strip().lower() in ("inf", "infinity") else positive_float(s),
+                    default=2.0, help="arrivals per second; 'inf' with --url: every request at once")
     sb.add_argument("--seed", type=seed, default=0, help="the workload's seed (same seed, same workload)")
     sb.add_argument("--max-batch-size", type=positive_int, default=8, help="sequences an engine runs at once")
     sb.add_argument("--prompt-median", type=positive_float, default=32, help="median user prompt tokens (lognormal)")
@@ -338,6 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
                     help="median new tokens per request (lognormal)")
     sb.add_argument("--model", default="smollm2-135m", help="'smollm2-135m' (bundled) or a local folder")
     sb.add_argument("--json", help="write every run's metrics to this JSON file")
+    sb.add_argument("--url", help="send the workload, streamed, to this OpenAI-compatible server's /v1 base instead "
+                    "(serve_client.py); --model then names the tokenizer. The flags below apply with --url")
+    sb.add_argument("--served-model", help="the model name to request (default: the first the server lists)")
+    sb.add_argument("--api-key", help="the server's API key")
+    sb.add_argument("--arrivals", choices=["poisson", "fixed"], default="poisson", help="or one every 1/rate s")
+    sb.add_argument("--concurrency", type=positive_int, help="at most this many requests in flight")
+    sb.add_argument("--slo-ttft-s", type=positive_float, help="goodput counts requests with TTFT <= this ...")
+    sb.add_argument("--slo-tpot-s", type=positive_float, help="... and TPOT <= this")
+    sb.add_argument("--chat", action="store_true", help="/v1/chat/completions (system + user message)")
+    sb.add_argument("--prompt-as", choices=["auto", "tokens", "text"], default="auto", help="auto: ids if taken")
+    sb.add_argument("--disconnect-fraction", type=fraction, default=0.0, help="this fraction hangs up mid-stream")
+    sb.add_argument("--timeout-s", type=positive_float, default=600.0, help="one request's time limit")
     sb.set_defaults(func=cmd_serve_bench)
 
     pr = sub.add_parser("profile", help="where a decode step's time goes, by category (torch.profiler)",
