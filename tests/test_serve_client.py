@@ -5,14 +5,24 @@ written by hand, the request forms, and the command line's checks."""
 from __future__ import annotations
 
 import math
+import socket
+import threading
+import time
 
 import pytest
+import uvicorn
 
+import minigen
+from conftest import tiny_hf
 from minigen.__main__ import main
-from minigen.errors import BenchError
-from minigen.measure.serve_client import (Form, RequestRecord, arrival_schedule, disconnect_plan, request_kwargs,
-                                          summarize_client)
-from minigen.serving.workload import make_workload
+from minigen.errors import BenchError, MinigenError
+from minigen.loading import DEFAULT_MODEL, load_tokenizer, resolve_folder
+from minigen.measure.serve_client import (SYSTEM_TEXT, Form, RequestRecord, arrival_schedule, disconnect_plan,
+                                          request_kwargs, run_client, summarize_client)
+from minigen.serving.async_engine import AsyncEngine
+from minigen.serving.engine import Engine
+from minigen.serving.server import make_app
+from minigen.serving.workload import LengthDist, make_workload, system_prompt_ids
 
 
 # ---------------------------------------------------------------- arrival schedules
@@ -130,3 +140,67 @@ def test_rate_inf_is_for_a_server_only(capsys):
     assert main(["serve-bench", "--rate", "-1"]) == 2  # argparse: out of range
     assert main(["serve-bench", "--url", "http://127.0.0.1:9/v1", "--engine", "minigen"]) == 2
     assert "drop --engine" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- against minigen serve
+@pytest.fixture(scope="module")
+def served():
+    """minigen serve's app (make_app) over a tiny Llama with SmolLM2's vocabulary, behind uvicorn in a
+    thread on 127.0.0.1 at a free port -> (its /v1 URL, the AsyncEngine, the tokenizer)."""
+    try:
+        tokenizer = load_tokenizer(resolve_folder(DEFAULT_MODEL))
+    except MinigenError as e:
+        pytest.skip(f"SmolLM2's tokenizer is not available: {e}")
+    model = minigen.from_hf(tiny_hf("llama", vocab_size=len(tokenizer), max_position_embeddings=256))
+    async_engine = AsyncEngine(Engine(model, max_batch_size=4, num_blocks=64), max_waiting=64)
+    app = make_app(async_engine, tokenizer, "tiny", max_context=256)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}/v1", async_engine, tokenizer
+    server.should_exit = True
+    thread.join(20)
+
+
+def in_flight_at_most(records: list[dict]) -> int:
+    """The most requests that were in flight at once, from their send and finish times."""
+    events = sorted([(r["sent_s"], 1) for r in records] + [(r["finish_s"], -1) for r in records])
+    level = most = 0
+    for _, step in events:
+        level += step
+        most = max(most, level)
+    return most
+
+
+def test_a_workload_against_minigen_serve(served):
+    """12 streamed requests, a quarter of them hanging up mid-stream, at most 3 in flight: every
+    request is accounted for, each completed one has exactly its max_tokens (ignore_eos taken, the
+    prompt sent as ids), and once the run ends the engine runs and queues nothing."""
+    url, async_engine, tokenizer = served
+    workload = make_workload(12, 40.0, seed=1, system_prompt=system_prompt_ids(tokenizer, SYSTEM_TEXT),
+                             prompt_tokens=LengthDist(8, 0.5, 2, 16), output_tokens=LengthDist(8, 0.5, 3, 16))
+    run = run_client(url, workload, tokenizer, seed=1, disconnect_fraction=0.25, concurrency=3,
+                     slo_ttft_s=30.0, slo_tpot_s=30.0, timeout_s=60.0)
+    assert (run["prompt_as"], run["ignore_eos"], run["model"]) == ("tokens", True, "tiny")
+    c = run["counts"]
+    assert (c["sent"], c["completed"], c["cancelled"], c["lost"]) == (12, 9, 3, 0), c
+    plan = disconnect_plan(12, 0.25, 1, [r.max_new_tokens for r in workload.requests])
+    for r in run["requests"]:
+        if r["index"] in plan:
+            assert r["outcome"] == "cancelled" and len(r["chunk_s"]) == plan[r["index"]]
+        else:
+            assert r["outcome"] == "completed" and r["usage"] and r["output_tokens"] == r["max_tokens"]
+    assert in_flight_at_most(run["requests"]) <= 3
+    assert run["goodput"] == pytest.approx(run["request_throughput"])  # an SLO of 30 s: every completed one
+    assert run["output_tokens"] == sum(r.max_new_tokens for i, r in enumerate(workload.requests) if i not in plan)
+    deadline = time.monotonic() + 10  # the hung-up streams' requests are cancelled at the engine's next step
+    while (snap := async_engine.snapshot())["running"] + snap["waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert snap["running"] == 0 and snap["waiting"] == 0, snap
