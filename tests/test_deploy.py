@@ -16,6 +16,10 @@ import pytest
 import yaml
 
 import minigen
+from minigen.__main__ import build_parser
+from minigen.serving.async_engine import AsyncEngine
+from minigen.serving.engine import Engine
+from minigen.serving.server import ServerMetrics, make_app
 from minigen.production import deploy, engines as production
 from minigen.config import GenerationConfig
 from minigen.errors import ConfigError, DeployError
@@ -25,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 REPOSITORY = DEPLOY / "triton" / "model_repository"
 MANIFESTS = sorted((DEPLOY / "k8s").glob("*.yaml"))
+SERVE_MANIFESTS = sorted((DEPLOY / "minigen").glob("*.yaml"))  # minigen serve's own pod, Service and HPA
 
 
 # ---------------------------------------------------------------- Triton: the schema and the layout
@@ -86,7 +91,8 @@ def test_model_json_is_the_minigen_config_as_vllm_engine_args():
 
 
 # ---------------------------------------------------------------- Kubernetes: every key checked
-@pytest.mark.parametrize("path", MANIFESTS + [DEPLOY / "article" / "hpa.yaml"], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", MANIFESTS + SERVE_MANIFESTS + [DEPLOY / "article" / "hpa.yaml"],
+                         ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_every_manifest_matches_the_kubernetes_api_models(path):
     objects = deploy.load_manifests(path)
     assert objects and all(type(o).__name__ in deploy.KINDS.values() for o in objects)
@@ -273,3 +279,30 @@ def test_no_deploy_file_reads_vllms_deprecated_cache_gauge():
     for path in DEPLOY.rglob("*"):
         if path.is_file() and path.suffix in {".yaml", ".pbtxt", ".json"}:
             assert "gpu_cache_usage_perc" not in path.read_text(), path
+
+
+def test_minigen_serves_manifests_point_at_what_the_server_has(tiny_llama):
+    """deploy/minigen runs `python -m minigen serve` in a pod: its arguments parse with minigen's own
+    command line (binding 0.0.0.0, since a pod is reached on its IP), every probe's path is a route of
+    the app, the Service selects the pod, and each series the HPA scales on (through the adapter's
+    rules) is a metric the server registers. Chapter 11 checks the same against a running server."""
+    deployment, = deploy.load_manifests(DEPLOY / "minigen" / "deployment.yaml")
+    service, = deploy.load_manifests(DEPLOY / "minigen" / "service.yaml")
+    hpa, = deploy.load_manifests(DEPLOY / "minigen" / "hpa.yaml")
+    container = deployment.spec.template.spec.containers[0]
+    assert container.args[:4] == ["python", "-m", "minigen", "serve"]
+    args = build_parser().parse_args(container.args[3:])
+    assert args.func.__name__ == "cmd_serve" and args.host == "0.0.0.0"
+    assert {p.container_port for p in container.ports} == {args.port}
+    assert deployment.spec.template.spec.termination_grace_period_seconds > args.grace_s  # SIGTERM's drain fits
+    engine = AsyncEngine(Engine(tiny_llama[1], max_batch_size=2, num_blocks=16))
+    app = make_app(engine, None, "tiny", max_context=128)
+    routes = {r.path for r in app.routes}
+    for kind in ("readiness", "liveness", "startup"):
+        assert getattr(container, f"{kind}_probe").http_get.path in routes
+    assert service.spec.selector == deployment.spec.template.metadata.labels
+    assert hpa.spec.scale_target_ref.name == deployment.metadata.name and deploy.review_hpa(hpa) == []
+    adapter = yaml.safe_load(deploy.load_manifests(DEPLOY / "k8s" / "prometheus-adapter.yaml")[0].data["config.yaml"])
+    series_of = {r["name"]["as"]: r["seriesQuery"].split("{")[0].strip("'") for r in adapter["rules"]}
+    registered = {m.name for m in ServerMetrics(engine, "tiny").registry.collect()}
+    assert {series_of[m.pods.metric.name] for m in hpa.spec.metrics} <= registered
