@@ -43,6 +43,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from minigen.errors import MinigenError  # noqa: E402
@@ -223,6 +225,8 @@ def race(args) -> int:
         finally:
             server.stop()
     if not args.no_in_process:
+        # the baseline gets the servers' thread count: OMP_NUM_THREADS does not reach this process's torch
+        torch.set_num_threads(args.threads)
         models = Models(args.model)
         for s, w in workloads.items():
             result["scenarios"][s]["in_process"] = in_process(w, args.max_batch_size, models)

@@ -199,6 +199,22 @@ def _(tiny_model):
     engine.cancel(0)
 
 
+@case("engine-logprobs-out-of-range")
+def _(tiny_model):
+    engine = minigen.Engine(tiny_model, num_blocks=4)
+    try:
+        engine.add_request([1, 2], max_new_tokens=2, logprobs=21)
+    finally:
+        assert not engine.requests and not engine.waiting  # nothing queued
+
+
+@case("engine-forget-running")
+def _(tiny_model):
+    engine = minigen.Engine(tiny_model, num_blocks=4)
+    engine.add_request([1, 2], max_new_tokens=2)
+    engine.forget(0)
+
+
 # ---------------------------------------------------------------- config
 @case("config-quant-bits-float")
 def _():
