@@ -453,7 +453,6 @@ def _(capsys):
     for command, flag, bad, fragment in [
             ("serve-bench", "--requests", "0", "use an integer >= 1"),
             ("serve-bench", "--rate", "nan", "use a finite number > 0"),
-            ("serve-bench", "--rate", "inf", "use a finite number > 0"),
             ("serve-bench", "--max-batch-size", "-3", "use an integer >= 1"),
             ("serve-bench", "--prompt-median", "0", "use a finite number > 0"),
             ("serve-bench", "--output-median", "-1", "use a finite number > 0"),
@@ -466,6 +465,10 @@ def _(capsys):
         extra = ["--budget-bytes", "1000"] if command == "plan" and flag != "--budget-bytes" else []
         message = _cli_refused(capsys, command, flag, bad, *extra)
         assert f"argument {flag}: " in message and fragment in message, message
+    # --rate inf parses (with --url it sends every request at once); in-process it is refused before
+    # the model loads, with the reason
+    assert main(["serve-bench", "--rate", "inf"]) == 2
+    assert "--rate inf sends every request at once to a server (--url): give a finite rate" in capsys.readouterr().err
 
 
 @case("load-device-missing")
