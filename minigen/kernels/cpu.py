@@ -171,6 +171,24 @@ def linear(x: Tensor, w: Tensor) -> Tensor | None:
         return None
 
 
+# Entries each of oneDNN's per-shape caches keeps in a long-running process (`minigen serve`). oneDNN's
+# primitive cache and ideep's (the layer torch calls it through) each keep up to 1024 primitives by
+# default, one per (rows, weight shape) that `linear` has met, and a server's prompts give it a new row
+# count with nearly every batch: measured with SmolLM2-135M, 1.5-3 MiB of RSS per new row count, ~500 MiB
+# once both caches are full (issue: minigen serve's RSS grew round after round in the soak). One forward
+# meets 4-5 weight shapes at one row count, so 64 entries still hit for every layer after the first.
+ONEDNN_CACHE_CAPACITY = 64
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Cap oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's (LRU_CACHE_CAPACITY) at
+    `capacity` entries, unless the environment sets them already. Each library reads its variable once,
+    at its first primitive: call this before the process's first oneDNN call (serve() does, first thing)."""
+    import os
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
+
+
 def bf16_dot_products() -> bool | None:
     """Whether this CPU multiplies bf16 numbers natively (x86's avx512_bf16 or amx_bf16, ARM's bf16),
     read from /proc/cpuinfo; None where it cannot tell (not Linux). Without them oneDNN's bf16 GEMM

@@ -44,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import GenerationConfig
 from ..errors import ConfigError, MinigenError, PromptError, QueueFullError, RequestError
+from ..kernels.cpu import bound_onednn_caches
 from ..loading import load
 from .async_engine import AsyncEngine, RequestStream
 from .detokenize import Detokenizer, StopStrings
@@ -383,6 +384,7 @@ def serve(model_name: str, config: GenerationConfig, *, host: str = "127.0.0.1",
           max_num_batched_tokens: int | None = None, max_waiting: int = 256, weight_bits: int | None = None,
           grace_s: float = 30.0, dtype: str = "float32", compute_dtype: str | None = None) -> None:
     """Load the model, build the Engine and its AsyncEngine, and serve until SIGTERM or Ctrl-C."""
+    bound_onednn_caches()  # before any oneDNN call: a prompt's new row count must not grow RSS for good
     model, tokenizer = load(model_name, dtype=dtype, weight_bits=weight_bits)
     if compute_dtype is not None:
         model.precision = model.precision.replace(compute=compute_dtype)
