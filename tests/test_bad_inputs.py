@@ -1268,3 +1268,13 @@ def _(tiny_model, tiny_folder):
     http, _ = serve_tiny(tiny_model, tiny_folder)
     r = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
     openai_error(r, 400, "the request body is not valid JSON")
+
+
+@case("serve-unsupported-field")
+def _(tiny_model, tiny_folder):
+    http, _ = serve_tiny(tiny_model, tiny_folder)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "presence_penalty": 0.5})
+    openai_error(r, 400, "'presence_penalty' is one of OpenAI's fields that minigen serve does not implement",
+                 "so it would be ignored: drop it", param="presence_penalty")
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "presence_penalty": 0})
+    assert ok.status_code == 200  # its no-op value asks for nothing

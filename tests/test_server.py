@@ -300,8 +300,16 @@ def test_errors_are_openai_error_objects(server):
     check_error(httpx.get(url), 405, "no route GET /v1/completions")
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [MODEL]
-    # unknown fields are accepted and ignored, as OpenAI and vLLM do
-    r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "presence_penalty": 0.5, "user": "u"})
+    # a field the server would have to ignore is refused, named; its no-op value (or null) and `user` are taken
+    check_error(httpx.post(url, json={"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}), 400,
+                "'presence_penalty' is one of OpenAI's fields that minigen serve does not implement", param="presence_penalty")
+    check_error(httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_token": 2}), 400,
+                "'max_token' is not a field of this route", param="max_token")
+    check_error(httpx.post(server.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+        400, "'response_format' is one of OpenAI's fields", param="response_format")
+    r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "presence_penalty": 0, "logit_bias": {},
+                              "suffix": None, "user": "u"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 
 

@@ -4,9 +4,11 @@ error object. server.py routes HTTP to these; nothing here touches the network.
 
 The request models are strict (a bool is no number, "5" no integer) and check every range when a
 body is parsed, so a bad field is refused with its name and its range before any work starts.
-Unknown fields are accepted and ignored, as OpenAI and vLLM do: clients send fields we lack
-(presence_penalty, logit_bias, ...), and refusing them would break those clients. `user` is accepted
-and ignored too.
+A field the server does not implement is refused too (`unsupported`), as OpenAI refuses an
+unrecognized argument, rather than silently ignored: a client that asks for presence_penalty=0.5 or
+a response_format would otherwise get a reply made without it. The no-op value of such a field
+(null, presence_penalty=0, logit_bias={}, echo=false, ...) is accepted, since some clients send
+those defaults. `user` is accepted and ignored: it only labels the request for the caller's logs.
 """
 
 from __future__ import annotations
@@ -28,14 +30,21 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "abort"}  # engine ->
 StopString = Annotated[str, Field(min_length=1)]  # "" would match everywhere
 
 
+# OpenAI fields minigen serve does not implement, with the value that asks for nothing
+NO_OP_VALUES = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1,
+                "suffix": "", "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+                "parallel_tool_calls": True, "store": False, "service_tier": "auto", "modalities": ["text"],
+                "metadata": {}}
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False  # a last chunk with `choices: []` and the usage of the whole request
 
 
 class SamplingRequest(BaseModel):
-    """The fields both routes share."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    """The fields both routes share; any other top-level field is kept in model_extra for `unsupported`."""
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str
     max_tokens: int | None = Field(None, ge=1)  # new tokens; None: 16 (completions), the context left (chat)
     temperature: float = Field(1.0, ge=0, le=2)  # 0: greedy (argmax)
@@ -87,6 +96,18 @@ class ApiError(Exception):
 
 
 # ---------------------------------------------------------------- requests -> prompts and engine overrides
+def unsupported(req: SamplingRequest) -> None:
+    """ApiError (400) naming the first field of the body that minigen serve would have to ignore: one
+    it does not know, or one of OpenAI's it does not implement set to anything but its no-op value."""
+    for name, value in (req.model_extra or {}).items():
+        if value is None or (name in NO_OP_VALUES and value == NO_OP_VALUES[name]):
+            continue
+        what = "is one of OpenAI's fields that minigen serve does not implement" if name in NO_OP_VALUES else \
+            "is not a field of this route"
+        raise ApiError(400, f"'{name}' {what}, so it would be ignored: drop it (the fields each route takes are "
+                       "in GET /openapi.json)", name)
+
+
 def completion_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     ids = tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
     if not ids:

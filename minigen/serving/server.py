@@ -51,7 +51,7 @@ from .detokenize import Detokenizer, StopStrings
 from .engine import Engine
 from .openai_api import (FINISH, ApiError, ChatRequest, Choice, CompletionRequest, SamplingRequest, chat_prompt,
                          choice_body, completion_prompt, engine_overrides, envelope, error_body, logprobs_k, new_tokens,
-                         now_s, request_id, usage, validation_message)
+                         now_s, request_id, unsupported, usage, validation_message)
 
 log = logging.getLogger("minigen.serve")
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
@@ -343,10 +343,12 @@ def make_app(async_engine: AsyncEngine, tokenizer, model_name: str, *, api_key: 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
+        unsupported(body)
         return await respond(s, "completion", body, completion_prompt(tokenizer, body.prompt))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest) -> Response:
+        unsupported(body)
         return await respond(s, "chat", body, chat_prompt(tokenizer, body))
 
     @app.get("/v1/models")
