@@ -9,6 +9,8 @@ graph. The C source is csrc/; build.py compiles and loads it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -184,7 +186,6 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     """Cap oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's (LRU_CACHE_CAPACITY) at
     `capacity` entries, unless the environment sets them already. Each library reads its variable once,
     at its first primitive: call this before the process's first oneDNN call (serve() does, first thing)."""
-    import os
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))
 
