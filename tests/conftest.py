@@ -7,11 +7,15 @@ shares one copy. Tests must not modify the model's weights.
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import uvicorn
 
 import minigen
 from minigen.errors import ModelLoadError
@@ -176,3 +180,32 @@ def skip_where_aside(path: str, model=None) -> None:
     if m is not None and m.stands_aside:
         pytest.skip(f"{m.fast} stands aside on this machine: {m.ratio:.2f}x its reference ({m.reference}), "
                     f"measured by minigen's kernels/fastpaths.py ({m.path})")
+
+
+# ---------------------------------------------------------------- a server for the serving tests
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """An ASGI app (minigen serve's make_app) served by uvicorn in a daemon thread on 127.0.0.1 at a
+    free port, started before the constructor returns (30 s at most); `stop()` ends it."""
+
+    def __init__(self, app, engine=None, async_engine=None):
+        self.app, self.engine, self.async_engine = app, engine, async_engine
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)

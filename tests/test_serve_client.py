@@ -5,15 +5,12 @@ written by hand, the request forms, and the command line's checks."""
 from __future__ import annotations
 
 import math
-import socket
-import threading
 import time
 
 import pytest
-import uvicorn
 
 import minigen
-from conftest import tiny_hf
+from conftest import Running, tiny_hf
 from minigen.__main__ import main
 from minigen.errors import BenchError, MinigenError
 from minigen.loading import DEFAULT_MODEL, load_tokenizer, resolve_folder
@@ -154,19 +151,9 @@ def served():
     model = minigen.from_hf(tiny_hf("llama", vocab_size=len(tokenizer), max_position_embeddings=256))
     async_engine = AsyncEngine(Engine(model, max_batch_size=4, num_blocks=64), max_waiting=64)
     app = make_app(async_engine, tokenizer, "tiny", max_context=256)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1", async_engine, tokenizer
-    server.should_exit = True
-    thread.join(20)
+    running = Running(app)
+    yield f"{running.url}/v1", async_engine, tokenizer
+    running.stop()
 
 
 def in_flight_at_most(records: list[dict]) -> int:

@@ -6,15 +6,11 @@ Python's heap standing in for RSS (see the test)."""
 from __future__ import annotations
 
 import os
-import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 
 import minigen
-from conftest import tiny_hf
+from conftest import Running, tiny_hf
 from minigen.errors import MinigenError
 from minigen.loading import DEFAULT_MODEL, load_tokenizer, resolve_folder
 from minigen.measure.serve_client import SYSTEM_TEXT
@@ -62,19 +58,9 @@ def served():
     model = minigen.from_hf(tiny_hf("llama", vocab_size=len(tokenizer), max_position_embeddings=256))
     app = make_app(AsyncEngine(Engine(model, max_batch_size=4, num_blocks=128), max_waiting=8), tokenizer, "tiny",
                    max_context=256)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}/v1", tokenizer
-    server.should_exit = True
-    thread.join(20)
+    running = Running(app)
+    yield f"{running.url}/v1", tokenizer
+    running.stop()
 
 
 def test_a_soak_of_two_short_rounds(served):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +21,6 @@ import httpx
 import openai
 import pytest
 import torch
-import uvicorn
 from hypothesis import HealthCheck, Phase, given, settings
 from prometheus_client.parser import text_string_to_metric_families
 from schemathesis.checks import not_a_server_error
@@ -30,7 +28,7 @@ from schemathesis import GenerationMode
 import schemathesis
 
 import minigen
-from conftest import tiny_hf
+from conftest import Running, free_port, tiny_hf
 from minigen.loading import DEFAULT_MODEL, load_tokenizer, resolve_folder
 from minigen.serving.async_engine import AsyncEngine
 from minigen.serving.engine import Engine
@@ -41,32 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = 256
 MODEL = "tiny"
 EOS_PROMPT = "The end is near"  # the tiny model's eos is its 3rd greedy token after this prompt
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Running:
-    """An app served by uvicorn in a background thread, on 127.0.0.1 at a free port."""
-
-    def __init__(self, app, engine: Engine, async_engine: AsyncEngine):
-        self.app, self.engine, self.async_engine = app, engine, async_engine
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
 
 
 def start(model, tokenizer, *, max_batch_size=4, max_waiting=64, max_context=CONTEXT, api_key=None, step_s=0.0):
