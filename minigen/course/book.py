@@ -11,6 +11,7 @@ This module is course tooling: the core (model, cache, generate) never imports i
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +43,16 @@ class Chapter:
 
     @property
     def number(self) -> str:
-        """The two digits that start the notebook's name ("04" for notebooks/04_kv_quantization.ipynb),
-        as the claims ledger cites chapters; "" for a notebook not named that way."""
-        digits = Path(self.notebook).name[:2]
-        return digits if digits.isdigit() else ""
+        """The two digits that start the notebook's name, and the letter of a chapter placed between two
+        ("04" for notebooks/04_kv_quantization.ipynb, "02b" for notebooks/02b_decoding.ipynb), as the
+        claims ledger cites chapters; "" for a notebook not named that way."""
+        match = re.match(r"(\d\d[a-z]?)_", Path(self.notebook).name)
+        return match.group(1) if match else ""
+
+    @property
+    def label(self) -> str:
+        """The chapter's number as the README and prose say it: "4" for "04", "2b" for "02b"."""
+        return self.number.lstrip("0") or ("0" if self.number else "")
 
     @property
     def doc(self) -> str:
@@ -156,16 +163,16 @@ def load_book(path: str | Path | None = None) -> Book:
 
 
 def readme_chapter_list(book: Book) -> str:
-    """The README's chapter list as Markdown: a numbered list (from 0, as the notebooks are)."""
+    """The README's chapter list as Markdown: one item per chapter, led by the number of its notebook
+    (a bullet list, since a chapter placed between two, "2b", would break a numbered one)."""
     lines = []
-    for i, c in enumerate(book.chapters):
+    for c in book.chapters:
         cost = f"about {c.minutes:g} min on a two-core CPU"
         if c.gpu:
             cost += "; some sections need a CUDA GPU"
-        number = f"{i}. "
+        number = f"- **{c.label}.** " if c.number else "- "
         lines.append(f"{number}[{c.title}]({c.notebook}) ({cost})")
-        # nested items are indented to the text of their number, or Markdown ends the list
-        lines += [" " * len(number) + f"- {item}" for item in c.learn]
+        lines += [f"  - {item}" for item in c.learn]  # nested under the chapter's item
     return "\n".join(lines) + "\n"
 
 
