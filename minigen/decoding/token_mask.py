@@ -2,9 +2,9 @@
 
 A token may follow the text exactly when the DFA (automaton.py), fed the token's bytes after the
 text, does not die: the DFA keeps only states that can still reach acceptance, so "not dead" means
-"some valid continuation exists". Walking every token separately would cost the whole vocabulary's
-bytes per state; a trie of the vocabulary shares their prefixes, and a branch is cut the moment the
-DFA dies (after '"' in a JSON number, every token that starts with a letter goes in one step).
+"some valid continuation exists". Walking every token separately (allowed_reference) costs the whole
+vocabulary's bytes per state; a trie of the vocabulary shares their prefixes, so each distinct prefix
+is read once, and all the prefixes of one length are read in one array step.
 The masks depend only on the DFA state, so each state's mask is computed once, the first time a row
 reaches it, and every later step is a dictionary lookup.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from minigen.decoding.automaton import Dfa
@@ -78,41 +79,40 @@ def token_bytes(tokenizer) -> list[bytes | None]:
 
 
 class VocabularyTrie:
-    """The vocabulary's byte strings as a trie: node 0 is the empty prefix; `children[n]` maps a byte
-    to the next node; `ends[n]` lists the token ids whose bytes end at node n."""
+    """The vocabulary's byte strings as a trie stored in arrays, its nodes in order of depth.
+
+    Node 0 is the empty prefix; every other node is one byte (`byte[n]`) after its `parent[n]`, and
+    `levels[d]` is the slice of nodes d + 1 bytes deep. `end_node[t]`: the node where token t's bytes
+    end (0 for a token that writes nothing or never may appear)."""
 
     def __init__(self, vocabulary: list[bytes | None]):
         self.vocabulary = vocabulary  # id -> bytes (None: never allowed)
-        self.children: list[dict[int, int]] = [{}]
-        self.ends: list[list[int]] = [[]]
-        for token, data in enumerate(vocabulary):
-            if not data:  # None, or an empty token that writes nothing
-                continue
-            node = 0
-            for byte in data:
-                nxt = self.children[node].get(byte)
-                if nxt is None:
-                    nxt = len(self.children)
-                    self.children[node][byte] = nxt
-                    self.children.append({})
-                    self.ends.append([])
-                node = nxt
-            self.ends[node].append(token)
+        prefixes = sorted({data[:n] for data in vocabulary if data for n in range(1, len(data) + 1)},
+                          key=lambda p: (len(p), p))
+        node = {b"": 0} | {p: i + 1 for i, p in enumerate(prefixes)}
+        self.parent = np.array([0] + [node[p[:-1]] for p in prefixes], dtype=np.int64)  # [N]
+        self.byte = np.array([0] + [p[-1] for p in prefixes], dtype=np.int64)  # [N]
+        depth_ends = np.cumsum(np.bincount([len(p) for p in prefixes])) + 1  # node 0 is depth 0
+        self.levels = [slice(a, b) for a, b in zip(depth_ends[:-1], depth_ends[1:]) if b > a]
+        self.end_node = np.array([node[data] if data else 0 for data in vocabulary], dtype=np.int64)  # [len]
 
-    def allowed_ids(self, dfa: Dfa, state: int) -> list[int]:
-        """Every token whose bytes the DFA can read from `state` without dying (depth-first walk)."""
-        ids: list[int] = []
-        table, children, ends = dfa.table, self.children, self.ends
-        stack = [(0, state)]
-        while stack:
-            node, s = stack.pop()
-            row = table[s]
-            for byte, child in children[node].items():
-                t = row[byte]
-                if t >= 0:  # automaton.DEAD is -1
-                    ids.extend(ends[child])
-                    stack.append((child, t))
-        return ids
+    def allowed(self, table: np.ndarray, state: int) -> np.ndarray:
+        """bool [len(vocabulary)]: the tokens whose bytes the DFA reads from `state` without dying.
+
+        `table`: int [S + 1, 256], the DFA's table with DEAD written as S, whose own row is all S (a
+        sink). All nodes of one depth step at once, from their parents' states: a breadth-first
+        walk of the whole trie in one gather per depth, where a Python walk would visit node by node."""
+        sink = table.shape[0] - 1
+        states = np.empty(len(self.parent), dtype=np.int64)  # [N]: the DFA state after each node's bytes
+        states[0] = state
+        for level in self.levels:
+            states[level] = table[states[self.parent[level]], self.byte[level]]
+        return (states[self.end_node] != sink) & (self.end_node != 0)
+
+
+def allowed_reference(dfa: Dfa, state: int, vocabulary: list[bytes | None]) -> list[bool]:
+    """The plain definition the trie computes: walk every token's bytes from `state` on their own."""
+    return [bool(data) and dfa.walk(state, data) is not None for data in vocabulary]
 
 
 @lru_cache(maxsize=4)
@@ -143,6 +143,9 @@ class OwnGuide:
         pattern, setting = spec_regex(spec)
         self.dfa = Dfa.from_regex(pattern, setting)
         self.trie = vocabulary_trie(tokenizer)
+        sink = len(self.dfa.table)  # the table as an array, DEAD -> a sink row that stays in the sink
+        self.table = np.array(self.dfa.table + [[sink] * 256], dtype=np.int64)  # [S + 1, 256]
+        self.table[self.table < 0] = sink
         self.vocab_size = vocab_size  # V: the mask's length
         self.stop_ids = [int(i) for i in stop_ids if 0 <= int(i) < min(vocab_size, len(self.trie.vocabulary))]
         self.masks: dict[int, torch.Tensor] = {}  # DFA state -> bool [V]
@@ -155,10 +158,13 @@ class OwnGuide:
         """bool [V]: the tokens allowed in `state`, plus the stop ids when `state` accepts. Cached."""
         if state not in self.masks:
             start = time.perf_counter()
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            ids = [i for i in self.trie.allowed_ids(self.dfa, state) if i < self.vocab_size]
-            mask[torch.tensor(ids, dtype=torch.long)] = True
+            # numpy, then one zero-copy torch view: a small torch op can wait milliseconds on its thread pool
+            mask = np.zeros(self.vocab_size, dtype=bool)
+            found = self.trie.allowed(self.table, state)  # bool [len(tokenizer)]
+            n = min(len(found), self.vocab_size)
+            mask[:n] = found[:n]
             mask[self.stop_ids] = self.dfa.accepting(state)  # a stop token is allowed only after a whole match
+            mask = torch.from_numpy(mask)
             self.masks[state] = mask
             self.first_visit_s += time.perf_counter() - start
         return self.masks[state]
