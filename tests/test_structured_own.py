@@ -370,3 +370,12 @@ def test_schema_regex_layout():
     assert dfa.matches('{"b": -10, "a": [true, false]}') and dfa.matches('{"a": [], "c": null}')
     for bad in ('{"a": [true,false]}', '{"a":[]}', '{"a": [], "b": 1}', '{ "a": []}', '{"b": 01, "a": []}', '{}'):
         assert not dfa.matches(bad), bad
+
+
+def test_string_layout_is_llguidances():
+    """A \\u escape only for a control or DEL, no \\/, no raw control or DEL (llguidance 1.9's JSON strings)."""
+    dfa = Dfa.from_regex(schema_to_regex({"type": "string"}))
+    for good in ('"é😀 \\" \\\\"', '"\\u001f\\u001F\\u007f\\n\\b"', '""'):
+        assert dfa.matches(good), good
+    for bad in ('"\\u00e9"', '"\\/"', '"\x7f"', '"\t"', '"\\u0020"', '"a'):
+        assert not dfa.matches(bad), bad

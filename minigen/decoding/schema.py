@@ -7,8 +7,8 @@ JSON text (the one llguidance writes with {"whitespace_flexible": false, "key_se
 - no whitespace, except exactly ": " after a key and ", " between items and properties;
 - an object's properties in the order of "properties", the required ones always, an optional one
   present or absent, no other property (as if "additionalProperties": false);
-- a string as JSON writes it: any character but " \\ and the controls U+0000..U+001F, or an escape
-  (\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX); minLength / maxLength count characters (an escape is one);
+- a string: any character but " \\, the controls U+0000..U+001F and DEL, or an escape (\\" \\\\ \\b
+  \\f \\n \\r \\t, \\u00XX for a control or DEL); minLength / maxLength count characters (an escape is one);
 - a number -?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?, an integer -?(0|[1-9][0-9]*);
 - true, false, null; enum and const of any JSON value (written with the separators above);
 - an array of "items" with minItems / maxItems.
@@ -36,8 +36,10 @@ METACHARACTERS = set("\\.^$|?*+()[]{}")
 
 INTEGER = r"-?(0|[1-9][0-9]*)"
 NUMBER = INTEGER + r"(\.[0-9]+)?([eE][+-]?[0-9]+)?"
-# One character of a JSON string: unescaped (not ", \ or a control) or an escape sequence (RFC 8259 §7).
-STRING_CHAR = r'([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+# One character of a JSON string (RFC 8259 §7), as llguidance writes one: unescaped (not ", \, a
+# control U+0000..U+001F or DEL), or an escape of a character that needs one (\u only for the controls
+# and DEL). Valid JSON either way; one layout per character leaves the model no choice that means nothing.
+STRING_CHAR = r'([^"\\\x00-\x1f\x7f]|\\["\\bfnrt]|\\u00[01][0-9a-fA-F]|\\u007[fF])'
 SCALARS = {"number": NUMBER, "integer": INTEGER, "boolean": "(true|false)", "null": "null"}
 
 
