@@ -37,6 +37,7 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
                                "set speculative_method='ngram' or 'draft'"),
     **{key: ("speculative_method='ngram'", lambda c: c.speculative_method == "ngram",
              "set speculative_method='ngram' (prompt lookup)") for key in ("prompt_lookup_min", "prompt_lookup_max")},
+    "length_penalty": ("num_beams > 1", lambda c: c.num_beams > 1, "set num_beams (e.g. 4)"),
 }
 
 
@@ -68,13 +69,15 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "prefill_chunk_size": (lambda c: c.prefill_chunk_size is not None,
                            "a prompt run this many tokens per forward, each piece reading the pieces before it "
                            "from the cache: activations scale with the piece, not the prompt (chapter 16)"),
+    "num_beams": (lambda c: c.num_beams > 1, "k beams a prompt (beam.py), the cache's rows reordered in place each "
+                  "step"),
 }
 
 def switch_off(feature: str) -> str:
     """How to turn a feature of FEATURES off, as a fix names it."""
     return {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
             "fused_decode": "fused_decode=False", "attention_backend": "attention_backend='torch'",
-            "sparse": "sparse_top_k=None and sparsity_threshold=None",
+            "sparse": "sparse_top_k=None and sparsity_threshold=None", "num_beams": "num_beams=1",
             "prefill_precision": "prefill_precision='float32'"}.get(feature, f"{feature}=None")
 
 
@@ -134,6 +137,11 @@ _REFUSED_BESIDE: dict[str, dict[str, str]] = {
         "compile": "the compiled step has one shape, one token; verification runs k + 1",
         "cuda_graphs": "no captured verify step exists: the captured step decodes one token",
     },
+    "num_beams": {**dict.fromkeys(("use_cache=False", "cache_chunk_size", "prefetch_depth", "quant_bits", "kv_budget",
+                                   "attention_backend", "compile"), "beam search reorders rows in place between eager "
+                                  "steps, in a contiguous cache or a ring only (their reorder_rows)"),
+                  "cuda_graphs": "the captured step samples one token per row inside its graph",
+                  "speculative_method": "each row accepts its own count of tokens, while beams move in lockstep"},
     # The Triton kernels read paged blocks (full precision or 8/4-bit codes) through the block
     # tables, one query token per row (decode) or a prompt's tokens (FlashAttention), with the
     # window and sinks as masks from positions.
@@ -217,6 +225,8 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
        "int8 activations run in minigen's C kernels, which a compiled or captured step does not call",
        f"int8_activations=False (or \"auto\", which leaves them out there), or {step}=False")
       for step in ("compile", "cuda_graphs")),
+    ("num_beams", "do_sample", lambda c: c.num_beams > 1 and c.do_sample, "beam sampling (transformers' num_beams with "
+     "do_sample) is not implemented: minigen's beam search is deterministic", "do_sample=False, or num_beams=1 to sample"),
 ]
 
 

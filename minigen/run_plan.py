@@ -160,8 +160,11 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
 
 # ---------------------------------------------------------------- the plan in words
 def describe(plan: Plan, model) -> dict[str, str]:
-    """{part: words}: the decode step, the prompt's products, attention, the cache and the kernels."""
-    return {"decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
+    """{part: words}: beam search, the decode step, the prompt's products, attention, the cache and the kernels."""
+    k = plan.config.num_beams
+    beams = {"beams": f"beam search (beam.py): {k} beams a prompt, {plan.batch} rows, the cache's rows reordered "
+                      "every step"} if k > 1 else {}
+    return {**beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
             "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
             "kernels": _kernel_words(plan)}
 
