@@ -195,8 +195,8 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
         or resolve_config(config, overrides)
     if config.num_beams > 1:
         raise ConfigError(f"stream with num_beams={config.num_beams}: a beam search knows its tokens only when it ends "
-                          "(a later step may drop the beam a token was on). Fix: generate(model, ids, num_beams=...), "
-                          "or num_beams=1 to stream")
+                          "(a later step may drop the beam a token was on). Fix: generate(model, ids, num_beams=...) "
+                          "in Python (`minigen generate` streams), or num_beams=1 to stream")
     # Check here: a generator function would only raise at the first next(), far from the call.
     plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
     return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats())
