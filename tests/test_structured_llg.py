@@ -127,7 +127,7 @@ def test_many_random_walks_parse_and_validate(path, tok, closing):
 
 REGEXES = [r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)", r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)",
            r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,3})?", r"[A-Z][a-z]{0,6}( [A-Z][a-z]{0,6}){0,2}",
-           r"\([0-9]{1,2}, [0-9]{1,2}\)"]
+           r"\([0-9]{1,2}, [0-9]{1,2}\)", r"[0-9]{2}/[0-9]{2}"]  # a slash: Lark writes regexes in /.../
 
 
 @pytest.mark.parametrize("regex", REGEXES)
@@ -205,6 +205,30 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
 def test_json_layout_order_and_additional_properties(text, valid, tok):
     """What the module docstring says llguidance does with a JSON schema."""
     assert accepts(compile_schema(PERSON, tok), tok, text) == valid
+
+
+def test_enum_strings_take_any_escape_spelling(tok):
+    """Unlike minigen's own backend (json.dumps' one spelling): the module docstring says so."""
+    guide = compile_schema({"enum": ["foo\nbar"]}, tok)
+    assert accepts(guide, tok, '"foo\\nbar"') and accepts(guide, tok, '"foo\\u000abar"')
+
+
+def test_forced_text_allows_every_tokenization(tok):
+    """Where the schema forces `{"name": "`, every token that spells a piece of it is allowed ('{'
+    as well as '{"'), not only the tokenizer's own tokenization (llguidance's default, which
+    guidance.NO_FORCING turns off): the mask is exactly the tokens that keep a valid prefix."""
+    forced = '{"name": "'
+    allowed = compile_schema(PERSON, tok).matcher().allowed()
+    pieces = tok.batch_decode([[i] for i in range(V)])
+    prefixes = {i for i, piece in enumerate(pieces) if piece and forced.startswith(piece)}
+    assert len(prefixes) >= 2 and all(allowed[i] for i in prefixes)  # "{" and "{\"" in SmolLM2
+    assert all(forced.startswith(pieces[i]) or pieces[i].startswith(forced) for i in allowed.nonzero().flatten().tolist())
+
+
+def test_a_grammar_cannot_turn_forcing_back_on(tok):
+    grammar = '%llguidance {"no_forcing": false}\nstart: "April"'
+    allowed = LlgGuide(GuideSpec("grammar", grammar), tok, V, (EOS,)).matcher().allowed()
+    assert {tok.decode([i]) for i in allowed.nonzero().flatten().tolist()} >= {"A", "Ap", "April"}
 
 
 def test_additional_properties_false_refuses_others(tok):

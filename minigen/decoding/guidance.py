@@ -19,6 +19,10 @@ What llguidance 1.9 does with a JSON schema (checked in tests/test_structured_ll
   \\f \\n \\r \\t, and \\u00XX only for those control characters (not "\\u00e9", not "\\/": JSON
   allows both, llguidance 1.9 cannot be told to; its json_allow_general_unicode_escapes option
   adds every \\u escape but a lone surrogate, never "\\/");
+- enum and const strings: any spelling its strings allow ("foo\\u000abar" as well as "foo\\nbar"),
+  where minigen's own backend writes json.dumps' one spelling (the only mask difference found on the
+  subset schemas of tests/data/schemas);
+- forced text: with NO_FORCING, every tokenization of it (below);
 - keywords it does not implement (not, if/then/else, uniqueItems, dependentRequired) are an error,
   which LlgGuide turns into a ConfigError naming the setting, with llguidance's message.
 
@@ -35,6 +39,7 @@ ends the text, so that a text nothing may extend still has an allowed token.
 from __future__ import annotations
 
 import json
+import re
 import time
 import weakref
 
@@ -57,11 +62,18 @@ SYNTAX = {"json_schema": f"a JSON schema of the keywords llguidance implements (
           "regex": "a regex in Rust's regex syntax (docs.rs/regex/latest/regex/#syntax)",
           "grammar": "a Lark grammar (github.com/guidance-ai/llguidance/blob/main/docs/syntax.md)"}
 
+# Appended to every grammar. Where the grammar forces the next bytes (`{"name": "` at the start of
+# the schema's object), llguidance by default allows only the first token of the tokenizer's own
+# tokenization of them ('{"', not '{'); no_forcing makes the mask every token that keeps the text a
+# valid prefix: the model's distribution restricted to valid texts, and the mask minigen's own
+# backend computes. A grammar's own `%llguidance {"no_forcing": false}` comes first and loses.
+NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
+
 # No free whitespace: exactly ": " after a key and ", " between items (OpenAI's and json.dumps'
-# separators). Passed as overrides, so a schema's own "x-guidance" cannot change the language.
+# separators), set as the schema's "x-guidance" over any it has: a schema cannot change the language.
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
-# One LLTokenizer per tokenizer object (~0.3 s to build for SmolLM2's 49152 tokens); weak keys, so a
+# One LLTokenizer per tokenizer object (0.3 to 1 s to build for SmolLM2's 49152 tokens); weak keys, so a
 # tokenizer that is dropped takes its LLTokenizer with it.
 LL_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -81,18 +93,32 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
 
 
 def grammar_text(spec: GuideSpec) -> str:
-    """The spec as llguidance's grammar definition (not yet checked: LLMatcher checks it)."""
+    """The spec as a Lark grammar for llguidance (not yet checked: LLMatcher checks it), with
+    forcing off (NO_FORCING). A JSON schema is embedded with %json, its x-guidance set to JSON_OPTIONS."""
     if spec.kind in ("json_schema", "json_object"):
         try:
-            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec.schema()), overrides=JSON_OPTIONS)
-        except ValueError as e:  # the schema is not a JSON object
-            raise ConfigError(f"response_format's schema is invalid for llguidance: {e}. Pass a JSON schema object: "
-                              "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}") from None
+            schema = spec.schema()
+        except ValueError as e:  # not JSON at all
+            raise ConfigError(f"response_format's schema is not JSON ({e}): pass a JSON schema object") from None
+        if not isinstance(schema, dict) or not isinstance(schema.get("x-guidance", {}), dict):
+            raise ConfigError(f"response_format's schema={shorten(spec.source)} is invalid: pass a JSON schema "
+                              "object: {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+        options = {**schema.get("x-guidance", {}), **JSON_OPTIONS}  # ours win: the language is fixed
+        return "start: %json " + json.dumps({**schema, "x-guidance": options}) + NO_FORCING
     if spec.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+        return "start: /" + llguidance.regex_to_lark(spec.source) + "/" + NO_FORCING
     if spec.kind == "grammar":
-        return llguidance.LLMatcher.grammar_from_lark(spec.source)
+        return spec.source + NO_FORCING  # appended, so that an error's line numbers are the user's
     raise ConfigError(f"GuideSpec kind={spec.kind!r} is invalid: use one of {sorted(SETTING)}")
+
+
+def llguidance_error(kind: str, error: str) -> str:
+    """llguidance's message about a spec, without what refers to minigen's wrapper: for a schema or a
+    regex the position and the source excerpt (they point into `start: %json ...`), for a grammar
+    the excerpt's NO_FORCING line."""
+    if kind == "grammar":
+        return re.sub(r"\n *\d+ \| %llguidance .*", "", error).strip()
+    return re.sub(r"^at \d+\(\d+\): ", "", error.split("\n   1 | ")[0]).strip()
 
 
 def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -165,12 +191,13 @@ class LlgGuide:
         self.stop_set = frozenset(ids)
         start = time.perf_counter()
         # log_level=0: a bad spec is reported through is_error(), not printed to stderr
-        self.start = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec), log_level=0)
+        self.start = llguidance.LLMatcher(self.ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar_text(spec)),
+                                          log_level=0)
         self.compile_s = time.perf_counter() - start
         if self.start.is_error():
             setting = SETTING[spec.kind]
             raise ConfigError(f"{setting}={shorten(spec.source)} cannot be compiled by llguidance: "
-                              f"{self.start.get_error().strip()}\nPass {SYNTAX[spec.kind]}")
+                              f"{llguidance_error(spec.kind, self.start.get_error())}\nPass {SYNTAX[spec.kind]}")
 
     def matcher(self) -> LlgMatcher:
         """A fresh row: a copy of the compiled start state (copies share the compiled grammar)."""
