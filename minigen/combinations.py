@@ -25,6 +25,7 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
     "temperature": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "top_k": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "top_p": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
+    "min_p": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "seed": ("do_sample", lambda c: c.do_sample, "set do_sample=True (greedy decoding draws nothing)"),
     "sink_tokens": ("window_size", lambda c: c.window_size is not None, "set window_size (e.g. 128)"),
     "sparse_score": ("sparse_top_k or sparsity_threshold", lambda c: c.sparse,
@@ -217,6 +218,12 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
        "int8 activations run in minigen's C kernels, which a compiled or captured step does not call",
        f"int8_activations=False (or \"auto\", which leaves them out there), or {step}=False")
       for step in ("compile", "cuda_graphs")),
+    *((key, "cuda_graphs", lambda c, key=key, off=off: c.cuda_graphs and (getattr(c, key) or off) != off,
+       "the captured step samples inside its graph from the model's raw logits, and penalties and biases are "
+       "applied on the host before a sample (decoding/logits.py), penalties from each row's tokens so far", f"cuda_graphs=False (compile=True runs them), or leave {key} at its "
+       "default")
+      for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("logit_bias", None))),
 ]
 
 
