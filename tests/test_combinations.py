@@ -56,6 +56,13 @@ FIELDS = {
     "temperature": st.sampled_from([1.0, 0.7, 1e-3]),
     "top_k": maybe(st.integers(1, 120)),
     "top_p": maybe(st.sampled_from([0.05, 0.5, 1.0])),
+    "min_p": maybe(st.sampled_from([0.0, 0.1, 0.5, 1.0])),
+    # penalties and bias process each row's logits (decoding/logits.py): greedy rows batched still equal each
+    # alone, and speculation still gives the plain greedy tokens
+    "repetition_penalty": st.sampled_from([1.0, 1.3, 0.8]),
+    "frequency_penalty": st.sampled_from([0.0, 0.5, -1.0]),
+    "presence_penalty": st.sampled_from([0.0, 1.0]),
+    "logit_bias": maybe(st.dictionaries(st.integers(0, 96), st.sampled_from([-100.0, 3.0]), max_size=2)),
     "seed": maybe(st.integers(0, 2**64 - 1)),
     "stop_token_ids": maybe(st.lists(st.integers(0, 96), max_size=2)),
     "use_cache": st.booleans(),
@@ -99,7 +106,7 @@ SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_
 # on a CPU (a step of the tiny model: ~0.1 s; a config that runs scores the text through it twice or more: ~7 s),
 # and needs cache_chunk_size, so it is drawn with one.
 RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.1, "fused_decode": 0.1}
-NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
+NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "min_p", "seed"], "window_size": ["sink_tokens"],
          "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"],
          "speculative_method": ["num_speculative_tokens"],
          "speculative_method='ngram'": ["prompt_lookup_min", "prompt_lookup_max"]}
@@ -141,7 +148,8 @@ def configs(draw):
         for key in keys:
             if is_on or draw(st.integers(0, 39)) == 0:  # now and then, a setting without its switch
                 fields[key] = draw(FIELDS[key])
-    for key in ("max_new_tokens", "stop_token_ids", "kv_dtype"):
+    for key in ("max_new_tokens", "stop_token_ids", "kv_dtype", "repetition_penalty", "frequency_penalty",
+                "presence_penalty", "logit_bias"):
         fields[key] = draw(FIELDS[key])
     return fields
 
