@@ -246,12 +246,23 @@ def test_the_engine_s_requests_with_different_penalties_equal_each_alone(tiny):
         assert torch.equal(out[rid], minigen.generate(model, p[None], max_new_tokens=10, stop_token_ids=[], **s).tokens[0])
 
 
+def test_the_fused_step_with_penalties_equals_the_eager_step(tiny):
+    # the fused C step returns logits like any other: the loop processes them before it samples
+    _, model = tiny
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    config = dict(max_new_tokens=8, stop_token_ids=[], repetition_penalty=1.3, presence_penalty=0.5, logit_bias={4: 2.0})
+    out = minigen.generate(model, prompt, fused_decode=True, **config)
+    assert out.stats.step == "fused"
+    assert torch.equal(out.tokens, minigen.generate(model, prompt, fused_decode=False, **config).tokens)
+
+
+@pytest.mark.slow
 def test_a_compiled_step_with_penalties_equals_the_eager_step(tiny):
     _, model = tiny
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
-    config = dict(max_new_tokens=8, stop_token_ids=[], repetition_penalty=1.3, presence_penalty=0.5)
+    config = dict(max_new_tokens=6, stop_token_ids=[], repetition_penalty=1.3, frequency_penalty=0.5)
     want = minigen.generate(model, prompt, fused_decode=False, **config).tokens
-    assert torch.equal(minigen.generate(model, prompt, fused_decode=True, **config).tokens, want)
+    assert torch.equal(minigen.generate(model, prompt, compile=True, **config).tokens, want)
 
 
 # ---------------------------------------------------------------- speculative decoding: exact with processing
