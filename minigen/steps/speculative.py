@@ -17,6 +17,12 @@ one token, and up to k + 1.
                                min(1, p(x) / q(x)), else draw from max(0, p - q) normalised: the tokens
                                come out distributed exactly as the target's own samples
 
+Penalties, logit_bias and structured masks (decoding/logits.py) process both sides: the draft draws
+each proposal from its processed logits, as if the proposals before it were kept (`after`), and the
+rule compares the target's processed distribution at each position (`speculate`) with that q, so
+the tokens kept are distributed exactly as the loop's own processed samples (greedy: its argmax).
+The loop advances the state with every token it hands out; a round never changes it.
+
 Rejected positions leave the cache through the contract alone: the next forward writes from the
 first rejected position, and a write at position p forgets every position >= p (caches/contract.py):
 the contiguous cache overwrites, the paged cache gives the blocks back, the window's ring keeps k
