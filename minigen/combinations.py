@@ -220,8 +220,8 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
       for step in ("compile", "cuda_graphs")),
     *((key, "cuda_graphs", lambda c, key=key, off=off: c.cuda_graphs and (getattr(c, key) or off) != off,
        "the captured step samples inside its graph from the model's raw logits, and penalties and biases are "
-       "applied on the host before a sample (decoding/logits.py), penalties from each row's tokens so far", f"cuda_graphs=False (compile=True runs them), or leave {key} at its "
-       "default")
+       "applied on the host before a sample (decoding/logits.py), penalties from each row's tokens so far",
+       f"cuda_graphs=False (compile=True runs them), or leave {key} at its default")
       for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                        ("logit_bias", None))),
 ]

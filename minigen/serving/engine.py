@@ -360,7 +360,7 @@ class Engine:
             req.computed += len(chunk)
             if req.computed == len(req.tokens):  # the last chunk: the logits of its last token are the next's
                 plain = not req.config.do_sample and req.processing is None  # the batch's argmax is its token
-                token = greedy[b] if plain else req.next_token(logits[b:b + 1])
+                token = greedy[b] if plain else req.sample_next(logits[b:b + 1])
                 req.output.append(token)
                 if req.num_logprobs is not None:  # only rows that asked pay for the softmax
                     req.logprobs.append(token_logprobs(logits[b], token, req.num_logprobs))

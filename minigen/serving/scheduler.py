@@ -237,8 +237,8 @@ class Request:
         """Positions it can ever write: prompt + max_new_tokens - 1 (the last token is never fed back)."""
         return len(self.prompt) + max(self.config.max_new_tokens, 1) - 1
 
-    def next_token(self, logits: Tensor) -> int:
-        """Its next token from its row's logits [1, V]: its penalties, bias and mask first (from its own
+    def sample_next(self, logits: Tensor) -> int:
+        """Sample its next token from its row's logits [1, V]: its penalties, bias and mask first (from its own
         tokens alone), then its own sampling settings and generator; the token joins its state."""
         if self.processing is not None:
             logits = self.processing(logits)

@@ -279,7 +279,7 @@ class SpeculativeStep(EagerStep):
         for i, (b, proposal, q) in enumerate(zip(rows, proposals, qs)):
             generator = self.generators[b] if self.generators is not None else None  # row b's own
             verified = logits[i, :len(proposal) + 1]  # [len + 1, V]
-            if self.processing is not None:  # what the loop would sample from at each position, had it kept the proposals
+            if self.processing is not None:  # what the loop would sample from, had it taken the proposals
                 verified = self.processing.speculate(b, verified, proposal)
             emitted = self.rule(verified, proposal, q, self.config, generator)
             kept = len(emitted) - 1
