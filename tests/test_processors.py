@@ -246,6 +246,21 @@ def test_the_engine_s_requests_with_different_penalties_equal_each_alone(tiny):
         assert torch.equal(out[rid], minigen.generate(model, p[None], max_new_tokens=10, stop_token_ids=[], **s).tokens[0])
 
 
+def test_a_preempted_request_keeps_its_penalties(tiny):
+    # 8 blocks of 4 for three requests of up to 22 positions: some are preempted and recomputed from their prompt
+    # and output; their processing state (prompt and output seen, output counted) stays as it was
+    _, model = tiny
+    prompts = random_prompts(3, seed=11)
+    prompts = [p[:12] for p in prompts]
+    engine = Engine(model, {"cache_chunk_size": 4}, max_batch_size=3, num_blocks=8)
+    settings = list(SETTINGS.values())[:3]
+    ids = [engine.add_request(p, max_new_tokens=9, stop_token_ids=[], **s) for p, s in zip(prompts, settings)]
+    out = engine.run()
+    assert engine.metrics()["preemptions"] > 0
+    for rid, p, s in zip(ids, prompts, settings):
+        assert torch.equal(out[rid], minigen.generate(model, p[None], max_new_tokens=9, stop_token_ids=[], **s).tokens[0])
+
+
 def test_the_fused_step_with_penalties_equals_the_eager_step(tiny):
     # the fused C step returns logits like any other: the loop processes them before it samples
     _, model = tiny
