@@ -27,6 +27,8 @@ from .attention import AttentionObserver
 from .beam import beam_search
 from .caches.contract import Cache
 from .config import GenerationConfig, resolve_config
+from .decoding.logits import LogitsProcessing
+from .decoding.settings import check_vocabulary
 from .errors import ConfigError, PromptError
 from .model import Model
 from .run_plan import Plan, given_plan, make_plan
@@ -63,6 +65,8 @@ def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: G
     if config is not None and config.stop_token_ids and max(config.stop_token_ids) >= V:
         raise ConfigError(f"stop_token_ids={list(config.stop_token_ids)} holds ids the model can never "
                           f"produce: its vocabulary is [0, {V - 1}]. Use ids from the model's tokenizer.")
+    if config is not None:
+        check_vocabulary(config, V)  # logit_bias's ids
 
 
 def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, cache: Cache | None, policy,
@@ -77,6 +81,9 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
     A step that loops on the device (GraphedStep, cuda_graphs) takes over after the first token: its
     tokens come in chunks of steps/graphs.STOP_CHECK_EVERY, as the host reads its stop flags.
+    Penalties, logit_bias (and structured output) process each row's logits before it samples, from
+    that row's own tokens (decoding/logits.py); a step that samples inside (speculative) reads the
+    same state through step.processing.
     """
     step, config, generators = plan.step, plan.config, plan.generators
     n = config.max_new_tokens
@@ -90,14 +97,22 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     with step.grad_mode():
         # the prompt's products in their own format (chapter 16), and the attention backend: the plan's ops
         logits = step.prefill(model, input_ids, input_pos, cache, policy, ops=plan.prompt_ops)
+        processing = step.processing = row_processing(config, input_ids, input_pos, model.config.vocab_size)
         if after_prefill is not None:
             logits = after_prefill(logits)
+            if processing is not None and logits.shape[0] != processing.rows:  # parallel sampling's fork
+                processing.fork(logits.shape[0])
         stats.prefill_s = time.perf_counter() - start
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=input_ids.device)  # [B] (after a fork: n)
         for i in range(n):
             # a CUDA-graph step samples inside its graph: from the second token on, `logits` are tokens
-            token = logits if step.samples_inside and i > 0 else sample(logits, config, generators)  # [B]
+            if step.samples_inside and i > 0:
+                token = logits
+            else:  # each row's penalties, bias and mask first, from its own tokens (decoding/logits.py)
+                token = sample(processing(logits) if processing is not None else logits, config, generators)  # [B]
             token = torch.where(finished, torch.full_like(token, pad), token)
+            if processing is not None:  # the row's token joins its state (a stopped row's padding does not)
+                processing.advance(token, finished=finished)
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - start
@@ -116,6 +131,16 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
             logits = step.decode(model, token[:, None], next_pos(i, finished), cache, policy, ops=plan.decode_ops)
     step.report(stats)
     finish_timing(stats.timing, start)
+
+
+def row_processing(config: GenerationConfig, input_ids: Tensor, input_pos: Tensor,
+                   vocab_size: int) -> LogitsProcessing | None:
+    """Each row's logits processing, from its own prompt (input_ids [B, T] without the padding at
+    position -1), or None where the config processes nothing."""
+    if not LogitsProcessing.needed(config):
+        return None
+    real = input_pos >= 0 if input_pos.dim() == 2 else torch.ones_like(input_ids, dtype=torch.bool)
+    return LogitsProcessing(config, [row[keep] for row, keep in zip(input_ids, real)], vocab_size, input_ids.device)
 
 
 def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache: Cache | None,

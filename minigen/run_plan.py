@@ -34,6 +34,7 @@ from .caches.make import make_cache
 from .run_rules import Run
 from .errors import ConfigError
 from .config import GenerationConfig
+from .decoding.settings import check_vocabulary
 from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
@@ -133,6 +134,7 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     rule table does not allow here, before any work."""
     config = config or GenerationConfig()
     check_where(config, where)
+    check_vocabulary(config, model.config.vocab_size)  # logit_bias's ids
     if where in ("score", "profile") and config.fused_decode == "auto":
         # score's chunked forward reads each weight once per chunk, not once per token; the profiler's
         # categories are torch's ops, which the fused step runs in one C call: both run the eager step

@@ -53,11 +53,12 @@ from ..paths import check_fits
 from ..places import check_where
 from ..run_plan import make_plan
 from ..numerics.precision import DTYPES
-from ..sampling import make_generator, sample
+from ..sampling import make_generator
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
 from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for, can_admit,
-                        engine_metrics, forward_groups, logprobs_count, prompt_tokens, token_logprobs)
+                        engine_metrics, forward_groups, logprobs_count, prompt_tokens, request_processing,
+                        token_logprobs)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
@@ -164,7 +165,7 @@ class Engine:
 
         A prompt is a list or tuple of ints (not bools, not floats) or a 1-D integer tensor ([T] or
         [1, T]), each id in [0, vocab_size). `overrides` are GenerationConfig fields for this request
-        only: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop_token_ids. `arrival_s`
+        only (scheduler.REQUEST_KEYS: sampling, penalties, logit_bias, stop_token_ids). `arrival_s`
         (seconds since t=0, finite and >= 0; default now) replays a workload: the request is not
         admitted before it. `logprobs=k` (0..20) records in `requests[id].logprobs`, per sampled token,
         (its logprob, the top k (id, logprob)) of the model's raw fp32 logits (scheduler.token_logprobs);
@@ -183,7 +184,8 @@ class Engine:
         rid = self._next_id
         stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids
         req = Request(rid, tokens, config, frozenset(stop), arrival, make_generator(config, self.model.device),
-                      num_logprobs=num_logprobs)
+                      num_logprobs=num_logprobs, processing=request_processing(
+                          config, tokens, self.model.config.vocab_size, self.model.device))
         need = blocks_for(req.max_positions, self.block_size)
         if need > self.num_blocks:
             raise PromptError(f"request of {len(req.prompt)} prompt tokens + max_new_tokens={config.max_new_tokens} "
@@ -357,7 +359,8 @@ class Engine:
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):
             req.computed += len(chunk)
             if req.computed == len(req.tokens):  # the last chunk: the logits of its last token are the next's
-                token = greedy[b] if not req.config.do_sample else int(sample(logits[b:b + 1], req.config, req.generator))
+                plain = not req.config.do_sample and req.processing is None  # the batch's argmax is its token
+                token = greedy[b] if plain else req.sample_next(logits[b:b + 1])
                 req.output.append(token)
                 if req.num_logprobs is not None:  # only rows that asked pay for the softmax
                     req.logprobs.append(token_logprobs(logits[b], token, req.num_logprobs))

@@ -28,7 +28,9 @@ from torch import Tensor
 
 from ..caches.blocks import BlockAllocator
 from ..config import GenerationConfig
+from ..decoding.logits import LogitsProcessing
 from ..errors import ConfigError, PromptError
+from ..sampling import sample
 from .metrics import latency_stats
 
 
@@ -36,9 +38,18 @@ from .metrics import latency_stats
 # The serving engine (engine.py) runs every sequence in one pool of full-precision paged
 # blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
 # What the engine cannot run at all is places.WHERE_REFUSED["engine"].
-REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids",
+                "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
 MAX_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's API allows 0..20)
 PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
+
+
+def request_processing(config: GenerationConfig, tokens: list[int], vocab_size: int,
+                       device: torch.device) -> LogitsProcessing | None:
+    """A request's own logits processing (one row, from its prompt), or None where it processes nothing."""
+    if not LogitsProcessing.needed(config):
+        return None
+    return LogitsProcessing(config, [torch.tensor(tokens, dtype=torch.long)], vocab_size, device)
 
 
 def prompt_tokens(prompt_ids, vocab_size: int) -> list[int]:
@@ -215,6 +226,7 @@ class Request:
     num_logprobs: int | None = None  # logprobs=k: record each sampled token's logprob and the top k (None: none)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # one per output token
     phases: list[list] = field(default_factory=list)  # [phase, start_s, end_s or None while open]
+    processing: LogitsProcessing | None = None  # its penalties, bias and mask (decoding/logits.py); None: raw logits
 
     @property
     def tokens(self) -> list[int]:
@@ -224,6 +236,16 @@ class Request:
     def max_positions(self) -> int:
         """Positions it can ever write: prompt + max_new_tokens - 1 (the last token is never fed back)."""
         return len(self.prompt) + max(self.config.max_new_tokens, 1) - 1
+
+    def sample_next(self, logits: Tensor) -> int:
+        """Sample its next token from its row's logits [1, V]: its penalties, bias and mask first (from its own
+        tokens alone), then its own sampling settings and generator; the token joins its state."""
+        if self.processing is not None:
+            logits = self.processing(logits)
+        token = sample(logits, self.config, self.generator)  # [1]
+        if self.processing is not None:
+            self.processing.advance(token)
+        return int(token)
 
     def block_keys(self, n: int, block_size: int) -> list[int]:
         """The keys of its first n full blocks (computed once, extended as it grows)."""
