@@ -240,6 +240,13 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
        "row's text on the host before a sample (a stop string, or the structured-output mask from its state)",
        f"cuda_graphs=False (compile=True runs it), or {key}=None")
       for key in ("stop", "response_format", "guided_regex", "guided_grammar")),
+    *((key, "num_beams", lambda c, key=key, off=off: c.num_beams > 1 and (getattr(c, key) or off) != off,
+       "beam search (beam.py) scores its beams by the model's own log-probabilities, which penalties, a bias, a "
+       "mask or a stop string would change per beam, and minigen's beams do not carry that state",
+       f"num_beams=1, or leave {key} at its default")
+      for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("logit_bias", None), ("stop", None), ("response_format", None), ("guided_regex", None),
+                       ("guided_grammar", None))),
 ]
 
 

@@ -360,7 +360,7 @@ def sampled_statistics(small, method, sampling: dict, parity: bool, k: int = 2):
 
 def with_parity(monkeypatch):
     """Every row of the loop generates under a Parity matcher (a structured mask), penalties beside it."""
-    def build(config, input_ids, input_pos, vocab_size):
+    def build(config, input_ids, input_pos, vocab_size, guide=None):
         return LogitsProcessing(config, list(input_ids), vocab_size, input_ids.device,
                                 matchers=[Parity(vocab_size) for _ in range(len(input_ids))])
     monkeypatch.setattr(generate_module, "row_processing", build)

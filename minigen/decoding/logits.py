@@ -63,7 +63,7 @@ class LogitsProcessing:
     def needed(config: GenerationConfig) -> bool:
         """Whether `config` processes logits at all (False: the loop samples the raw logits, as before)."""
         return (config.repetition_penalty != 1.0 or config.frequency_penalty != 0 or config.presence_penalty != 0
-                or bool(config.logit_bias))
+                or bool(config.logit_bias) or config.guide_spec() is not None)
 
     def _process(self, logits: Tensor, seen: Tensor | None, counts: Tensor | None,
                  allowed: Tensor | None) -> Tensor:
