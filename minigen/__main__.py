@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from .cli_args import fraction, int_at_least, positive_float, positive_int, seed  # checked flag types
+from .cli_args import fraction, int_at_least, positive_float, positive_int, response_format_file, seed  # checked flag types
 from .errors import MinigenError
 
 EPILOG = """examples:
@@ -118,7 +118,8 @@ def cmd_serve(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from .measure.bench import check_bench_args, print_report, run_bench
+    from .measure.bench import check_bench_args, run_bench
+    from .measure.bench_report import print_report
     from .errors import BenchError
     # everything that can be checked without the model, before a run of minutes
     check_bench_args(args.prompt_len, args.new_tokens, args.repeats)
@@ -130,7 +131,7 @@ def cmd_bench(args) -> None:
                        repeats=args.repeats, dtype=args.dtype, baseline=not args.no_baseline,
                        compute_dtype=args.compute_dtype, weight_bits=args.weight_bits,
                        llama_cpp="llama.cpp" in args.engine, grounded=args.grounded, draft=args.draft,
-                       llama_formats=args.llama_format)
+                       llama_formats=args.llama_format, response_format=args.response_format)
     print_report(result, explain=args.explain)
     if args.json:  # checked before the run, but a disk can fill up since: BenchError then
         write_json(result, Path(args.json), BenchError)
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask the model to repeat the prompt's text (an input-grounded task, as prompt lookup likes)")
     b.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "
                                    "layers:N, int4:G, int8:G or unrelated (the run times it alone too)")
+    b.add_argument("--response-format", type=response_format_file, metavar="FILE",
+                   help="a JSON schema (or OpenAI's response_format) that masks minigen's tokens; the run times "
+                        "minigen without the mask too (--set guided_backend=minigen: the own automaton)")
     _add_config_args(b)
     b.set_defaults(func=cmd_bench)
 

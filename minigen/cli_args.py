@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 
 
 # A flag's number is checked as it is parsed, because an unchecked one fails far from its cause: a
@@ -52,3 +54,23 @@ def fraction(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{value} is out of range: use a number in [0, 1]")
     return value
+
+
+def response_format_file(path: str) -> dict:
+    """An argparse type: a JSON file holding OpenAI's response_format ({"type": "json_schema", ...}) or a
+    bare JSON schema, which becomes {"type": "json_schema", "json_schema": {"name": <file stem>, "schema": ...}}.
+    The config checks the shape; the schema compiles when the run's plan is built."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise argparse.ArgumentTypeError(f"{path!r} is not a JSON file ({type(e).__name__}): give a JSON schema, "
+                                         "or OpenAI's response_format object") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError(f"{path!r} holds a JSON {type(data).__name__}: give a JSON schema (an "
+                                         "object), or OpenAI's response_format object")
+    if "type" in data and data["type"] in ("json_schema", "json_object", "text") and "properties" not in data:
+        return data
+    return {"type": "json_schema", "json_schema": {"name": os.path.splitext(os.path.basename(path))[0], "schema": data}}

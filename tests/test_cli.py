@@ -152,6 +152,25 @@ def test_bench_json_is_written_whole(tiny_folder, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"]  # no temporary file left beside it
 
 
+@pytest.mark.slow
+def test_bench_response_format_times_the_mask_beside_the_plain_step(smollm2, tmp_path, capsys):
+    """bench --response-format: minigen under the schema's mask and minigen without it, side by side in
+    one run; the masked reply is the schema's JSON (the mask then allows only the stop token)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    (tmp_path / "city.json").write_text(json.dumps(schema))
+    status, out, _ = run_main(capsys, "bench", "--response-format", str(tmp_path / "city.json"), "--prompt-len", "16",
+                              "--new-tokens", "24", "--repeats", "1", "--no-baseline", "--json", str(tmp_path / "b.json"))
+    assert status == 0 and "minigen / minigen unmasked decode" in out and "from llguidance" in out
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert set(result["engines"]) == {"minigen unmasked", "minigen"} and not result["exact"]
+    assert 0 < result["structured"]["reply_tokens"] <= 24 and result["structured"]["speedup_vs_unmasked"] > 0
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    status, _, err = run_main(capsys, "bench", "--response-format", str(bad))
+    assert status == 2 and "is not a JSON file" in err and "Traceback" not in err
+
+
 def test_prepare_into_an_unwritable_cache_exits_2(tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("MINIGEN_CACHE", str(tmp_path / "file"))

@@ -212,7 +212,7 @@ def test_every_probe_runs_here_and_a_first_try_far_slower_is_not_run_longer(fres
 
 
 def test_bench_prints_the_measurements(capsys):
-    from minigen.measure.bench import print_report
+    from minigen.measure.bench_report import print_report
     m = Measurement("c_matvec", "C's one-row loop", "F.linear", 0.002, 0.001)
     result = {"hardware": {"cpu": "x", "threads": 2, "torch": "2", "gpu": None,
                            "fastpaths": {"machine": "x", "threads": 1, "measured": [m.__dict__]}},

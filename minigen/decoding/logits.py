@@ -14,13 +14,16 @@ logit_bias, the structured mask (-inf outside Matcher.allowed()); then sample() 
 penalties read only that row's tokens, so a row batched with others samples as it would alone.
 
 A generation that sets none of these never builds one (`needed` is False): its loop is the plain
-one, and costs nothing more. Speculative decoding asks what a row's logits would become after
+one, and costs nothing more. Under structured output the next masks are computed on the CPU while
+the forward runs: `advance` hands them to a worker thread (MASKS), and the next call collects them
+(torch's ops release the GIL, so the two overlap; a step that has to wait, waits). Speculative decoding asks what a row's logits would become after
 tokens it has not taken yet (`speculate`, `after`): the acceptance rule then compares the target's
 and the draft's processed distributions, and the tokens it keeps are exactly the target's.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
 import torch
@@ -29,6 +32,10 @@ from torch import Tensor
 from ..config import GenerationConfig
 from .guide import Matcher
 from .processors import bias, mask, openai_penalize, repetition_penalize
+
+
+# One worker computes the rows' next masks while the forward runs (every LogitsProcessing shares it).
+MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minigen-masks")
 
 
 class LogitsProcessing:
@@ -58,6 +65,7 @@ class LogitsProcessing:
         assert matchers is None or len(matchers) == B, "one matcher (or None) per row"
         self.matchers: list[Matcher | None] | None = \
             list(matchers) if matchers is not None and any(m is not None for m in matchers) else None
+        self.pending: Future | None = None  # the rows' next masks, being computed (advance -> the next call)
 
     @staticmethod
     def needed(config: GenerationConfig) -> bool:
@@ -80,12 +88,21 @@ class LogitsProcessing:
         return logits
 
     def _allowed(self, rows: list[int]) -> Tensor | None:
-        """[len(rows), V] bool: each row's Matcher.allowed() (every token for a row without one)."""
+        """[len(rows), V] bool: each row's Matcher.allowed() (every token for a row without one), as the
+        worker computed them during the forward, or now."""
         if self.matchers is None:
             return None
+        ready = self.settle() or self._masks()
         everything = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
-        return torch.stack([self.matchers[b].allowed().to(self.device) if self.matchers[b] is not None
-                            else everything for b in rows])
+        return torch.stack([ready[b].to(self.device) if ready[b] is not None else everything for b in rows])
+
+    def _masks(self) -> list[Tensor | None]:
+        return [m.allowed() if m is not None else None for m in self.matchers]
+
+    def settle(self) -> list[Tensor | None] | None:
+        """Wait for the masks the worker is computing (None if none are): the matchers are the caller's again."""
+        pending, self.pending = self.pending, None
+        return pending.result() if pending is not None else None
 
     def __call__(self, logits: Tensor, rows: Sequence[int] | None = None) -> Tensor:
         """logits [B, V] of every row (or [len(rows), V] of `rows`, in that order) -> processed [.., V]."""
@@ -108,14 +125,17 @@ class LogitsProcessing:
         if self.counts is not None:
             self.counts.index_put_((index, tokens), live.to(torch.float32), accumulate=True)
         if self.matchers is not None:
+            self.settle()
             for b, token, alive in zip(rows, tokens.tolist(), live.tolist()):
                 if alive and self.matchers[b] is not None:
                     self.matchers[b].advance(token)
+            self.pending = MASKS.submit(self._masks)  # the next masks, while the forward runs
 
     def fork(self, n: int) -> None:
         """parallel_sample: the one row's state becomes n rows', each its own from here on."""
         assert self.rows == 1, "fork: one prompt's state, forked into n rows"
         self.rows = n
+        self.settle()
         if self.seen is not None:
             self.seen = self.seen.expand(n, -1).clone()
         if self.counts is not None:
@@ -136,6 +156,8 @@ class LogitsProcessing:
         seen = self.seen[row] | (extra > 0) if self.seen is not None else None
         counts = self.counts[row] + extra if self.counts is not None else None
         allowed = None
+        if self.matchers is not None:
+            self.settle()  # the worker may be reading this row's matcher
         if self.matchers is not None and self.matchers[row] is not None:
             matcher, masks = self.matchers[row].copy(), []
             for i in range(T):

@@ -29,7 +29,6 @@ from .. import drafts
 from ..config import GenerationConfig
 from ..errors import BenchError
 from ..generate import generate
-from ..kernels.probes import SLOWER, Measurement
 from ..steps.choose import measurements
 from .machine import PeakRSS, hardware_info, memory_read_bandwidth
 from ..numerics.precision import DTYPES, dtype_of
@@ -104,7 +103,9 @@ def exact(config: GenerationConfig) -> bool:
     lossy = {"quant_bits": None, "window_size": None, "sparse_top_k": None, "sparsity_threshold": 0,
              "kv_budget": None, "kv_dtype": "float32", "prefill_precision": "float32"}
     values = config.to_dict()
-    return all(values.get(k) in (None, ok) for k, ok in lossy.items())
+    processed = (config.repetition_penalty != 1.0 or config.frequency_penalty != 0 or config.presence_penalty != 0
+                 or bool(config.logit_bias) or config.guide_spec() is not None)  # tokens of another distribution
+    return all(values.get(k) in (None, ok) for k, ok in lossy.items()) and not processed
 
 
 @dataclass
@@ -160,7 +161,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
               new_tokens: int = 128, repeats: int = 3, dtype: torch.dtype = torch.float32,
               baseline: bool = True, compute_dtype: torch.dtype | str | None = None,
               weight_bits: int | None = None, llama_cpp: bool = False, grounded: bool = False,
-              draft: str | None = None, llama_formats=None) -> dict:
+              draft: str | None = None, llama_formats=None, response_format: dict | None = None) -> dict:
     """Benchmark minigen (with `config`) against transformers on one model and prompt -> results dict.
 
     compute_dtype: minigen's activations (precision.py; default fp32 on a CPU). transformers runs
@@ -170,8 +171,9 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     gguf_formats.py). grounded: the prompt asks the model to repeat the text (prompt_ids). A config
     with speculative_method adds minigen without it to the run ("minigen plain") and, for "draft",
     the draft alone ("minigen draft"; `draft` is a drafts.parse spec such as "layers:20"), for the
-    speed-up, alpha and the speed model's prediction. Every setting is checked
-    before the weights load: the run sizes, then the model's context."""
+    speed-up, alpha and the speed model's prediction. response_format (OpenAI's shape) masks minigen's
+    tokens to it and adds minigen without the mask ("minigen unmasked"), for the mask's cost. Every
+    setting is checked before the weights load: the run sizes, then the model's context."""
     from ..paths import bar
     from ..run_rules import Run, check_run
     from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
@@ -185,7 +187,8 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     if config.do_sample:
         raise BenchError("bench times greedy decoding, on which minigen and transformers must agree token "
                          "for token: drop do_sample and the sampling settings")
-    config = config.replace(max_new_tokens=new_tokens, stop_token_ids=[])
+    config = config.replace(max_new_tokens=new_tokens, stop_token_ids=[],
+                            **({"response_format": response_format} if response_format else {}))
     folder = resolve_folder(model_name)
     model_config = read_config(folder)
     if prompt_len + new_tokens > model_config.max_seq_len:
@@ -213,7 +216,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     engines, model, compile_s = _build_engines(model, model_config, state, folder, ids, config, dtype=dtype,
                                                compute=compute, weight_bits=weight_bits, baseline=baseline,
                                                llama_formats=llama_formats, new_tokens=new_tokens, kv_elem=kv_elem,
-                                               draft=draft)
+                                               draft=draft, tokenizer=tokenizer)
     progress = bar(total=repeats * len(engines), desc="bench", unit="run")
     timed = _time_engines({name: e.run for name, e in engines.items()}, new_tokens, repeats, progress)
     progress.close()
@@ -240,10 +243,10 @@ def _minigen_model(model_config, state: dict, dtype: torch.dtype, compute: torch
 
 
 def _minigen_engine(model, ids: torch.Tensor, config: GenerationConfig, context: int, kv_elem: int,
-                    compile_s: list[float], draft_model=None) -> EngineRun:
+                    compile_s: list[float], draft_model=None, tokenizer=None) -> EngineRun:
     """minigen on `model`; each run adds its compile seconds to `compile_s`."""
     def run(n: int):
-        out = generate(model, ids, config, max_new_tokens=n, draft_model=draft_model)
+        out = generate(model, ids, config, max_new_tokens=n, draft_model=draft_model, tokenizer=tokenizer)
         compile_s.append(out.stats.compile_s)  # the warm-up compiles; later runs reuse it
         engine.step, engine.stats = out.stats.step, out.stats
         return out.tokens, out.stats.kv_cache_bytes
@@ -269,7 +272,7 @@ def _transformers_engine(folder: Path, ids: torch.Tensor, dtype: torch.dtype, st
 
 def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Tensor, config: GenerationConfig, *,
                    dtype: torch.dtype, compute: torch.dtype | None, weight_bits: int | None, baseline: bool,
-                   llama_formats: tuple, new_tokens: int, kv_elem: int, draft: str | None = None):
+                   llama_formats: tuple, new_tokens: int, kv_elem: int, draft: str | None = None, tokenizer=None):
     """-> (the engines to time, in the order they take turns; the model of the engine "minigen";
     the list that minigen's runs add their compile seconds to).
 
@@ -294,7 +297,10 @@ def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Te
         if draft is not None:  # the draft decoding alone: its cost c against the target's step
             draft_model = drafts.parse(draft, model)
             engines["minigen draft"] = _minigen_engine(draft_model, ids, plain, context, kv_elem, compile_s)
-    engines["minigen"] = _minigen_engine(model, ids, config, context, kv_elem, compile_s, draft_model)
+    if config.guide_spec() is not None:  # the same step without the mask: its cost, side by side
+        engines["minigen unmasked"] = _minigen_engine(model, ids, config.replace(response_format=None, guided_regex=None,
+                                                      guided_grammar=None, guided_backend="auto"), context, kv_elem, compile_s)
+    engines["minigen"] = _minigen_engine(model, ids, config, context, kv_elem, compile_s, draft_model, tokenizer)
     if baseline:
         engines["transformers"] = _transformers_engine(folder, ids, dtype,
                                                        bytes_per_decode_step(floats, context, kv_elem))
@@ -333,6 +339,13 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
                                           if name.startswith("llama.cpp")}
     if "minigen plain" in rows:
         result["speculation"] = speculation.summarize(result["config"], engines["minigen"].stats, speed)
+    if "minigen unmasked" in rows:  # the reply: its tokens up to the first of the stop tokens the mask then repeats
+        new = timed["minigen"]["tokens"][0, result["prompt_len"]:].tolist()
+        end = len(new)
+        while end > 1 and new[end - 2] == new[-1]:
+            end -= 1
+        result["structured"] = {"plan": engines["minigen"].stats.plan.splitlines()[-1].split(":", 1)[1].strip(),
+                                "speedup_vs_unmasked": speed["minigen"] / speed["minigen unmasked"], "reply_tokens": end}
     if "transformers" in rows:
         prompt_len = result["prompt_len"]
         a, b = timed["minigen"]["tokens"], timed["transformers"]["tokens"]
@@ -345,75 +358,3 @@ def _report(result: dict, engines: dict[str, EngineRun], timed: dict[str, dict],
             raise AssertionError(f"minigen and transformers greedy tokens differ ({match:.1%} agree) "
                                  "under an exact config: this is a correctness bug")
     return result
-
-
-def print_report(result: dict, explain: bool = False) -> None:
-    """The report of run_bench; explain=True adds each minigen engine's plan: what ran, in words."""
-    hw = result["hardware"]
-    print(f"\nhardware: {hw['cpu']} | {hw['threads']} threads | torch {hw['torch']} | GPU: {hw['gpu'] or 'none'}")
-    if "cpu_kernel" in hw and not hw["gpu"]:
-        print(f"minigen's batch-1 matrix-vector kernel: {hw['cpu_kernel']}")
-    if hw.get("fastpaths"):  # kernels/fastpaths.py: ratio = reference time / fast time, at one thread
-        print(f"fast paths measured here ({hw['fastpaths']['threads']} thread; below {SLOWER}x a path stands aside):")
-        for m in hw["fastpaths"]["measured"]:
-            print("  " + Measurement(**m).line())
-    print(f"model {result['model']} ({result['dtype']}), prompt {result['prompt_len']} tokens, "
-          f"{result['new_tokens']} new tokens, median of {result['repeats']}")
-    if "precision" in result:
-        prefill = result.get("config", {}).get("prefill_precision", "float32")
-        print(f"minigen's precision: {result['precision']}; a prompt's products "
-              + {"float32": "in fp32", "int8": "with int8 inputs and int32 sums (prefill_precision)"}.get(
-                  prefill, f"with {prefill} inputs and fp32 sums (prefill_precision)")
-              + (f"; compiled in {result['compile_s']:.1f} s (the warm-up run; timed runs reuse it)"
-                 if result.get("compile_s") else ""))
-    steps = {name: r["step"] for name, r in result["engines"].items() if r.get("step")}
-    if steps:  # fused: every layer of a token in one C call (steps/fused.py); eager: op by op in torch
-        print("minigen's decode step: " + ", ".join(f"{name} {step}" for name, step in steps.items()))
-    for name, r in result["engines"].items() if explain else ():
-        if r.get("plan"):
-            print(f"{name}'s plan:\n" + "\n".join("  " + line for line in r["plan"].splitlines()))
-    if result.get("weight_bits"):
-        print(f"minigen's weights: int{result['weight_bits']} (linear layers; the output head int8), "
-              f"packed: the roofline counts the packed bytes")
-    print(f"{'engine':<14}{'decode tok/s':>14}{'TTFT ms':>10}{'prefill tok/s':>15}{'peak MiB':>10}{'KV MiB':>9}"
-          f"{'MB/step':>9}{'of roofline':>13}")
-    for name, r in result["engines"].items():
-        prefill = r.get("prefill_tokens_per_s", result["prompt_len"] / r["ttft_s"])  # a result saved before the column
-        print(f"{name:<14}{r['decode_tokens_per_s']:>14.1f}{r['ttft_s'] * 1000:>10.0f}{prefill:>15.0f}"
-              f"{r['peak_memory_bytes'] / 2**20:>10.0f}{r['kv_cache_bytes'] / 2**20:>9.2f}"
-              f"{r.get('bytes_per_token', result['bytes_per_token']) / 1e6:>9.0f}{r['roofline_fraction']:>12.0%}")
-    probes = hw.get("memory_read_gb_s_probes")  # absent from a saved result that holds one reading
-    when = (f"the better of {', '.join(f'{b:.1f}' for b in probes)} before and after the runs" if probes
-            else "measured now")
-    print(f"memory read bandwidth ({when}): {hw['memory_read_gb_s']:.1f} GB/s; "
-          f"bytes per decode step (minigen): {result['bytes_per_token'] / 1e6:.0f} MB; "
-          f"roofline: {result['roofline_tokens_per_s']:.1f} tok/s")
-    if "speedup_vs_unquantized" in result:
-        print(f"minigen int{result['weight_bits']} / minigen {result['dtype']} decode: "
-              f"{result['speedup_vs_unquantized']:.2f}x (same run)")
-    if "speedup_vs_float32" in result:
-        print(f"minigen {result['dtype']} / minigen float32 decode: {result['speedup_vs_float32']:.2f}x (same run)")
-    if "speedup_vs_llama_cpp" in result:  # a float in a result saved before llama.cpp raced in several formats
-        ratios = result["speedup_vs_llama_cpp"]
-        ratios = ratios if isinstance(ratios, dict) else {"llama.cpp": ratios}
-        print("minigen / " + ", ".join(f"{name}: {r:.2f}x" for name, r in ratios.items()) + " decode")
-    if "speculation" in result:
-        sp = result["speculation"]
-        print(f"speculative ({sp['method']}, k={sp['k']}"
-              + (f", draft {result['draft']}, c={sp['draft_cost']:.2f}" if result.get("draft") else "") + "): "
-              f"{sp['accepted_tokens']} of {sp['draft_tokens']} proposals accepted ({sp['acceptance_rate']:.0%}), "
-              f"{sp['mean_acceptance_length']:.2f} tokens per target forward (alpha {sp['alpha']:.2f}); "
-              f"minigen / minigen plain decode: {sp['speedup_vs_plain']:.2f}x (same run), "
-              f"the speed model predicts {sp['predicted_speedup']:.2f}x")
-    engines = result["engines"]
-    if "minigen" in engines:  # prefill: prompt tokens over TTFT, each engine beside minigen's, same run
-        others = [name for name in engines if name in ("minigen float32", "minigen plain", "transformers")
-                  or name.startswith("llama.cpp")]
-        if others:
-            ratio = {name: engines[name]["ttft_s"] / engines["minigen"]["ttft_s"] for name in others}
-            print(f"prefill of {result['prompt_len']} tokens (prompt tokens / TTFT), minigen / "
-                  + ", ".join(f"{name}: {r:.2f}x" for name, r in ratio.items()) + " (same run)")
-    if "speedup" in result:
-        print(f"minigen / transformers decode: {result['speedup']:.2f}x; greedy tokens agree: "
-              f"{result['greedy_token_agreement']:.1%} ({'exact config' if result['exact'] else 'lossy config'}"
-              f"{'' if result['dtype'] == 'float32' else '; asserted in float32 only'})")
