@@ -126,6 +126,11 @@ def _(tiny_model):
     assert any(g[-8:].tolist() != [0] * 8 for g in greedy)  # greedy is not the NaN's argmax, token 0
 
 
+@case("parallel-sample-n-zero")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, torch.tensor([[3, 1, 4]]), 0)
+
+
 @case("parallel-sample-n-bool")
 def _(tiny_model):
     minigen.parallel_sample(tiny_model, torch.tensor([[3, 1, 4]]), True)

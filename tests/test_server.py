@@ -269,6 +269,7 @@ BAD_FIELDS = [  # (route, body changes, param, fragments of the message)
     ("completions", {"temperature": 2.5}, "temperature", ["temperature", "less than or equal to 2"]),
     ("completions", {"top_p": 0}, "top_p", ["top_p", "greater than 0"]),
     ("completions", {"n": 9}, "n", ["'n'", "less than or equal to 8"]),
+    ("completions", {"n": 0}, "n", ["'n'", "greater than or equal to 1"]),
     ("completions", {"logprobs": 6}, "logprobs", ["logprobs", "less than or equal to 5"]),
     ("completions", {"seed": -1}, "seed", ["seed", "greater than or equal to 0"]),
     ("completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop", ["stop", "at most 4"]),
