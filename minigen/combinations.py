@@ -26,6 +26,8 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
     "top_k": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "top_p": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "seed": ("do_sample", lambda c: c.do_sample, "set do_sample=True (greedy decoding draws nothing)"),
+    "guided_backend": ("response_format, guided_regex or guided_grammar", lambda c: c.guide_spec() is not None,
+                       "set response_format, guided_regex or guided_grammar"),
     "sink_tokens": ("window_size", lambda c: c.window_size is not None, "set window_size (e.g. 128)"),
     "sparse_score": ("sparse_top_k or sparsity_threshold", lambda c: c.sparse,
                      "set sparse_top_k (e.g. 64) or sparsity_threshold (e.g. 0.1)"),

@@ -26,7 +26,10 @@ from typing import Any
 
 from .attention import sparse_on
 from .combinations import FEATURES, SWITCHES, check_combinations
+from .decoding.guide import GuideSpec
+from .decoding.settings import check_text_settings
 from .errors import ConfigError
+from .checks import check_bool as _check_bool, check_int as _check_int, is_number as _is_number
 from .numerics.precision import DTYPES
 
 KV_DTYPES = tuple(DTYPES)  # the one mapping of dtype names (numerics/precision.py)
@@ -87,6 +90,17 @@ class GenerationConfig:
     # (row 0 = the prompt alone with this seed); None: fresh entropy for each row
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # stop a sequence at these ids; None: the model's eos
+    # --- text and structure (chapter 2b; vLLM's and OpenAI's names): these read text, so a generation
+    # that sets one needs the tokenizer (generate(..., tokenizer=tok), Engine(..., tokenizer=tok))
+    stop: tuple[str, ...] | None = None  # up to 4 strings: a row stops once its text holds one (cut from the text)
+    # OpenAI's {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, {"type": "json_object"} or
+    # {"type": "text"} (no constraint): the reply must be JSON that the schema accepts
+    response_format: dict | None = None
+    guided_regex: str | None = None  # the reply must match this regular expression (vLLM's name)
+    guided_grammar: str | None = None  # the reply must match this grammar, in Lark syntax (llguidance's)
+    # who compiles the spec into a token mask: "minigen" (the course's own automaton, for a subset of JSON Schema
+    # and regexes), "llguidance" (the full languages), "auto" (minigen's where the spec is in its subset)
+    guided_backend: str = "auto"
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
     # --- paged cache and offload (chapter 3) ---
@@ -145,6 +159,8 @@ class GenerationConfig:
                                   ">= 0 (and below 2**63, an int64) from the model's tokenizer, [] for none, "
                                   "or None for the model's eos")
             object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if isinstance(self.stop, (str, list)):  # one string, or a JSON list of them, stored as a tuple
+            object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
         _check_values(self)
         _check_switches(self)
         check_combinations(self)
@@ -201,8 +217,9 @@ class GenerationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if d["stop_token_ids"] is not None:
-            d["stop_token_ids"] = list(d["stop_token_ids"])
+        for key in ("stop_token_ids", "stop"):
+            if d[key] is not None:
+                d[key] = list(d[key])
         return d
 
     def to_json(self, path: str | os.PathLike) -> None:
@@ -215,6 +232,20 @@ class GenerationConfig:
     def sparse(self) -> bool:
         """True when sparse key selection changes attention (top-k, or a threshold above 0)."""
         return sparse_on(self.sparse_top_k, self.sparsity_threshold)
+
+    def guide_spec(self) -> GuideSpec | None:
+        """What structured output constrains the reply to (response_format, guided_regex or
+        guided_grammar), or None when nothing does."""
+        fmt = self.response_format
+        if fmt is not None and fmt["type"] == "json_schema":
+            return GuideSpec.json_schema(fmt["json_schema"]["schema"])
+        if fmt is not None and fmt["type"] == "json_object":
+            return GuideSpec("json_object", "")
+        if self.guided_regex is not None:
+            return GuideSpec("regex", self.guided_regex)
+        if self.guided_grammar is not None:
+            return GuideSpec("grammar", self.guided_grammar)
+        return None
 
     def features(self) -> list[str]:
         """The cache features this config switches on, by their names in FEATURES."""
@@ -284,6 +315,7 @@ def _check_values(c: GenerationConfig) -> None:
         if c.seed > SEED_MAX:
             raise ConfigError(f"seed={c.seed!r} is invalid: use an integer >= 0 below 2**64 (the generator's "
                               "seed is 64 bits), or None")
+    check_text_settings(c)
     # paged cache and offload (chapter 3)
     if c.cache_chunk_size is not None:
         _check_int("cache_chunk_size", c.cache_chunk_size, low=1,
@@ -374,24 +406,3 @@ def _check_switches(c: GenerationConfig) -> None:
         if value != _DEFAULTS[key] and not is_on(c):
             raise ConfigError(f"{key}={value!r} has no effect without {switch}: {fix}, or leave {key} at "
                               f"its default ({_DEFAULTS[key]!r})")
-
-
-
-
-# ---------------------------------------------------------------- helpers
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_int(name: str, value: Any, low: int, high: int | None = None, hint: str = "") -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low \
-        and (high is None or value <= high)
-    if not ok:
-        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ConfigError(f"{name}={value!r} is invalid: use an integer {rng}"
-                          + (f" {hint}" if hint else ""))
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} is invalid: use true or false")

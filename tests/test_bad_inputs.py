@@ -240,6 +240,31 @@ def _(tiny_model):
     assert torch.equal(tiny, greedy)
 
 
+@case("config-stop-empty")
+def _():
+    GenerationConfig(stop=[""])
+
+
+@case("config-stop-too-many")
+def _():
+    GenerationConfig(stop=["a", "b", "c", "d", "e"])
+
+
+@case("config-response-format-shape")
+def _():
+    GenerationConfig(response_format={"type": "json_schema", "schema": {"type": "object"}})
+
+
+@case("config-two-guides")
+def _():
+    GenerationConfig(guided_regex="a+", guided_grammar='start: "a"')
+
+
+@case("config-guided-backend-alone")
+def _():
+    GenerationConfig(guided_backend="minigen")
+
+
 @case("config-seed-past-64-bits")
 def _():
     GenerationConfig(do_sample=True, seed=2**64)

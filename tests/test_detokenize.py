@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings (minigen/serving/detokenize.py).
+"""Incremental detokenization and stop strings (minigen/decoding/detokenize.py).
 
 The reference for the Detokenizer is the tokenizer's own decode of all output ids at once; for
 StopStrings it is str.find on the whole text. Each is checked on hand-picked hard cases (an emoji
@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 from transformers import PreTrainedTokenizerFast
 
 from minigen.errors import ConfigError
-from minigen.serving.detokenize import MAX_HELD_TOKENS, REPLACEMENT, Detokenizer, StopStrings
+from minigen.decoding.detokenize import MAX_HELD_TOKENS, REPLACEMENT, Detokenizer, StopStrings
 
 # SmolLM2's chat template ends the prompt with this: the output is decoded after it.
 CHAT_PROMPT = "<|im_start|>user\nSay something.<|im_end|>\n<|im_start|>assistant\n"

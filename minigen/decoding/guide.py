@@ -22,14 +22,15 @@ GUIDE_KINDS = ("json_schema", "json_object", "regex", "grammar")
 
 @dataclass(frozen=True)
 class GuideSpec:
-    """What a row's text must match. `source`: the schema as canonical JSON text (sorted keys), the
-    regex or the grammar; hashable, so a compiled Guide can be cached per spec."""
+    """What a row's text must match. `source`: the schema as JSON text (its keys in their order: an
+    object's properties are written in the schema's order), the regex or the grammar; hashable, so a
+    compiled Guide can be cached per spec."""
     kind: str  # one of GUIDE_KINDS
     source: str
 
     @classmethod
     def json_schema(cls, schema: dict) -> "GuideSpec":
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))
 
     def schema(self) -> dict:
         """The JSON schema of a "json_schema" spec ({"type": "object"} for "json_object")."""

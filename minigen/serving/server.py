@@ -47,7 +47,7 @@ from ..errors import ConfigError, MinigenError, PromptError, QueueFullError, Req
 from ..kernels.cpu import bound_onednn_caches
 from ..loading import load
 from .async_engine import AsyncEngine, RequestStream
-from .detokenize import Detokenizer, StopStrings
+from ..decoding.detokenize import Detokenizer, StopStrings
 from .engine import Engine
 from .openai_api import (FINISH, ApiError, ChatRequest, Choice, CompletionRequest, SamplingRequest, chat_prompt,
                          choice_body, completion_prompt, engine_overrides, envelope, error_body, logprobs_k, new_tokens,
