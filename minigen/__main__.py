@@ -147,7 +147,7 @@ def _check_json_arg(path: str | None, error) -> None:
 def cmd_profile(args) -> None:
     from . import load
     from .measure.bench import prompt_ids
-    from .combinations import Run, check_run
+    from .run_rules import Run, check_run
     from .errors import BenchError, ConfigError
     from .measure.profiling import check_profile_config, format_profile, profile
     from .paths import check_output_path

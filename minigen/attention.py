@@ -278,7 +278,7 @@ class AttentionPolicy:
 # ---------------------------------------------------------------- one mask per kind of layer (Model.forward)
 def imposes_window(policy: "AttentionPolicy | None") -> bool:
     """Whether a policy imposes its own window (window_size): then it masks every layer, the model's
-    sliding layers too (the config allows at most their own window: combinations.RUN_RULES)."""
+    sliding layers too (the config allows at most their own window: run_rules.RUN_RULES)."""
     return policy is not None and policy.window_size is not None
 
 

@@ -4,14 +4,13 @@
 config.py checks every config against these tables when it is built; course/table.py renders
 them as the README's table (scripts/update_readme.py). These rules read only a config's fields.
 What a config needs of the model and the machine (the fused C step, Triton, CUDA, the head dim)
-is declared here too, as RUN_RULES, and checked once per generation, when its step is chosen
-(steps/choose.py). What each place a plan runs cannot run is the third axis (places.py). Every
+is the second axis (run_rules.py: RUN_RULES, checked once per generation, when its step is chosen
+in steps/choose.py). What each place a plan runs cannot run is the third axis (places.py). Every
 table is data: nothing here changes after import.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from .errors import ConfigError
@@ -39,6 +38,7 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
                                "set speculative_method='ngram' or 'draft'"),
     **{key: ("speculative_method='ngram'", lambda c: c.speculative_method == "ngram",
              "set speculative_method='ngram' (prompt lookup)") for key in ("prompt_lookup_min", "prompt_lookup_max")},
+    "length_penalty": ("num_beams > 1", lambda c: c.num_beams > 1, "set num_beams (e.g. 4)"),
 }
 
 
@@ -70,13 +70,15 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "prefill_chunk_size": (lambda c: c.prefill_chunk_size is not None,
                            "a prompt run this many tokens per forward, each piece reading the pieces before it "
                            "from the cache: activations scale with the piece, not the prompt (chapter 16)"),
+    "num_beams": (lambda c: c.num_beams > 1, "k beams a prompt (beam.py), the cache's rows reordered in place each "
+                  "step"),
 }
 
 def switch_off(feature: str) -> str:
     """How to turn a feature of FEATURES off, as a fix names it."""
     return {"use_cache=False": "use_cache=True", "compile": "compile=False", "cuda_graphs": "cuda_graphs=False",
             "fused_decode": "fused_decode=False", "attention_backend": "attention_backend='torch'",
-            "sparse": "sparse_top_k=None and sparsity_threshold=None",
+            "sparse": "sparse_top_k=None and sparsity_threshold=None", "num_beams": "num_beams=1",
             "prefill_precision": "prefill_precision='float32'"}.get(feature, f"{feature}=None")
 
 
@@ -136,6 +138,11 @@ _REFUSED_BESIDE: dict[str, dict[str, str]] = {
         "compile": "the compiled step has one shape, one token; verification runs k + 1",
         "cuda_graphs": "no captured verify step exists: the captured step decodes one token",
     },
+    "num_beams": {**dict.fromkeys(("use_cache=False", "cache_chunk_size", "prefetch_depth", "quant_bits", "kv_budget",
+                                   "attention_backend", "compile"), "beam search reorders rows in place between eager "
+                                  "steps, in a contiguous cache or a ring only (their reorder_rows)"),
+                  "cuda_graphs": "the captured step samples one token per row inside its graph",
+                  "speculative_method": "each row accepts its own count of tokens, while beams move in lockstep"},
     # The Triton kernels read paged blocks (full precision or 8/4-bit codes) through the block
     # tables, one query token per row (decode) or a prompt's tokens (FlashAttention), with the
     # window and sinks as masks from positions.
@@ -219,161 +226,9 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
        "int8 activations run in minigen's C kernels, which a compiled or captured step does not call",
        f"int8_activations=False (or \"auto\", which leaves them out there), or {step}=False")
       for step in ("compile", "cuda_graphs")),
+    ("num_beams", "do_sample", lambda c: c.num_beams > 1 and c.do_sample, "beam sampling (transformers' num_beams with "
+     "do_sample) is not implemented: minigen's beam search is deterministic", "do_sample=False, or num_beams=1 to sample"),
 ]
-
-
-# ---------------------------------------------------------------- what a run needs of the model and machine
-@dataclass(frozen=True)
-class Run:
-    """What a generation runs on beside its config, read once from the model and the machine
-    (steps/choose.py: run_of). A field left None is not known yet, and the rules that read it wait:
-    bench and the CLI check the model's shapes (Run.of_shapes) before the weights load."""
-    arch: str | None = None  # the model family ("llama", ...)
-    head_dim: int | None = None
-    device: str | None = None  # the model's device type: "cpu", "cuda", "meta"
-    fp32_compute: bool | None = None  # activations, norms, softmax and logits all in fp32
-    precision: str | None = None  # Precision.describe, for messages
-    weight_dtypes: frozenset[str] | None = None  # the weights' formats: "float32", "bfloat16", "int8", "int4"
-    kv_dtype: str | None = None  # the cache's storage dtype
-    batch: int | None = None
-    observers: bool | None = None  # attention observers watch this run
-    c_kernel: str | None = None  # kernels.build.status(): "loaded ..." or why it is not
-    c_kernel_ok: bool | None = None
-    triton: str | None = None  # "missing", "interpreted" or "compiled" (kernels/triton_attention.py)
-    cuda: bool | None = None  # torch.cuda.is_available()
-    bf16_dot: bool | None = None  # a CPU with bf16 dot products (AVX512-BF16 or AMX-BF16; ARM's BF16); None: unknown
-    int8_dot: bool | None = None  # an x86 CPU with int8 dot products (AVX512-VNNI, AVX-VNNI or AMX-INT8); None: unknown
-    int8_product: bool | None = None  # an int8 product runs here (kernels/int8.py: minigen's C, oneDNN's or torch._int_mm)
-    model_window: int | None = None  # the window the model's sliding layers were trained with; 0: none slides
-    quantized: bool | None = None  # the linear weights are int4 / int8 codes (load's weight_bits)
-
-    @classmethod
-    def of_shapes(cls, model_config) -> "Run":
-        return cls(arch=model_config.arch, head_dim=model_config.head_dim, model_window=model_config.own_window)
-
-
-FUSED_WEIGHTS = ("float32", "bfloat16", "int8", "int4")  # int8 / int4: QuantizedWeight codes
-FUSED_MAX_ROWS = 16  # rows of one fused step: csrc/kernels.h's DECODE_MAX_ROWS (tests/test_combinations.py)
-FUSED_CACHE = ("float32", "bfloat16")
-_FUSED = "Fix: fused_decode=False."
-
-
-def _group_fix(c: "GenerationConfig", r: Run) -> str:
-    """quant_group_size must divide the head dim and fill whole bytes: the nearest size that does."""
-    per_byte = 8 // c.quant_bits
-    fits = [g for g in range(per_byte, r.head_dim + 1, per_byte) if r.head_dim % g == 0]
-    if not fits:
-        return "use quant_bits=8"
-    return (f"use a divisor of {r.head_dim} that fills whole bytes, e.g. quant_group_size="
-            f"{max([g for g in fits if g <= c.quant_group_size] or fits[:1])}")
-
-
-# feature -> (the Run fields a rule reads, whether it refuses, the message with the fix). check_run
-# applies the rules of every feature a config switches on; fused_decode="auto" runs the fused step
-# exactly where none of fused_decode's rules refuses (steps/choose.py). A rule that reads only the
-# config is checked when the config is built (check_combinations).
-RunRule = tuple[str, tuple[str, ...], Callable[["GenerationConfig", Run], bool],
-                Callable[["GenerationConfig", Run], str]]
-RUN_RULES: tuple[RunRule, ...] = (
-    ("fused_decode", ("arch",), lambda c, r: r.arch != "llama", lambda c, r:
-     f"fused_decode=True runs the Llama family (RMSNorm, RoPE, SwiGLU); this model is {r.arch!r}. {_FUSED}"),
-    ("fused_decode", ("device",), lambda c, r: r.device != "cpu", lambda c, r:
-     f"fused_decode=True is a CPU step (C kernels); the model is on {r.device}. {_FUSED} (on a GPU: "
-     "cuda_graphs=True or compile=True)"),
-    ("fused_decode", ("fp32_compute", "precision"), lambda c, r: not r.fp32_compute, lambda c, r:
-     "fused_decode=True computes in fp32 (activations, norms, softmax, logits), and this model's precision "
-     f"is {r.precision}. {_FUSED}"),
-    ("fused_decode", ("weight_dtypes",), lambda c, r: not r.weight_dtypes <= set(FUSED_WEIGHTS), lambda c, r:
-     f"fused_decode=True reads fp32, bf16, int8 or int4 weights, not {', '.join(sorted(r.weight_dtypes))}: load "
-     f"the model with dtype=torch.bfloat16 or float32. {_FUSED}"),
-    ("fused_decode", ("head_dim",), lambda c, r: r.head_dim > 1024 or r.head_dim % 2, lambda c, r:
-     f"fused_decode=True takes an even head dim up to 1024, not {r.head_dim}. {_FUSED}"),
-    ("fused_decode", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
-     f"fused_decode=True needs minigen's C kernel, which is {r.c_kernel}. {_FUSED}"),
-    ("fused_decode", ("batch", "weight_dtypes"), lambda c, r: r.batch > 1 and r.weight_dtypes != {"float32"},
-     lambda c, r: f"fused_decode=True decodes a batch of {r.batch} rows with fp32 weights only (its products run "
-     f"the several-row fp32 kernel), and these are {', '.join(sorted(r.weight_dtypes))}. Fix: fused_decode=False, "
-     "or one prompt per call."),
-    ("fused_decode", ("batch",), lambda c, r: r.batch > FUSED_MAX_ROWS, lambda c, r:
-     f"fused_decode=True decodes up to {FUSED_MAX_ROWS} rows at once, not {r.batch}: past that, torch's GEMM "
-     "runs a batch's products faster. Fix: fused_decode=False, or smaller batches."),
-    ("fused_decode", ("kv_dtype",), lambda c, r: r.kv_dtype not in FUSED_CACHE, lambda c, r:
-     f"fused_decode=True keeps the cache in fp32 or bf16, not {r.kv_dtype}: set kv_dtype='float32' or "
-     "'bfloat16', or fused_decode=False"),
-    ("fused_decode", ("observers",), lambda c, r: r.observers, lambda c, r:
-     "fused_decode=True with observers: the fused step keeps attention in C, where no observer sees it. "
-     "Fix: fused_decode=False to observe attention."),
-    ("fused_decode", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
-     f"fused_decode=True attends every cached position in every layer; this model's sliding layers attend only the last "
-     f"{r.model_window} (its own sliding_window). {_FUSED}"),
-    ("window_size", ("model_window",), lambda c, r: c.window_size > r.model_window > 0, lambda c, r:
-     f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}, which its sliding "
-     f"layers were trained to see. Fix: window_size <= {r.model_window} (it then masks every layer, sinks included), "
-     "or window_size=None to run the model's own windows"),
-    ("attention_backend", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
-     f"attention_backend='triton' masks every layer with one window; this model's sliding layers attend the last "
-     f"{r.model_window} tokens and its full layers all: use attention_backend='torch'"),
-    ("speculative_method", ("observers",), lambda c, r: r.observers, lambda c, r:
-     "speculative decoding with observers: they would see the attention of proposals that are then rejected. "
-     "Fix: speculative_method=None to observe attention."),
-    *((step, ("observers",), lambda c, r: r.observers, lambda c, r, step=step:
-       f"{step}=True with observers: an observer runs Python in every layer, which a compiled or captured "
-       "step cannot call. Run the observers without compiling.") for step in ("compile", "cuda_graphs")),
-    ("cuda_graphs", ("cuda",), lambda c, r: not r.cuda, lambda c, r:
-     "cuda_graphs=True needs CUDA, and torch.cuda.is_available() is False on this machine: use compile=True, "
-     "which compiles the decode step on a CPU too"),
-    ("cuda_graphs", ("device",), lambda c, r: r.device != "cuda", lambda c, r:
-     f"cuda_graphs=True needs the model on a CUDA device, not {r.device}: model.to('cuda'), or compile=True "
-     "on a CPU"),
-    ("prefill_precision", ("bf16_dot",), lambda c, r: c.prefill_precision == "bfloat16" and not r.bf16_dot,
-     lambda c, r: "prefill_precision='bfloat16' needs bf16 dot products, and this CPU has none (no avx512_bf16 or "
-     "amx_bf16 on x86, no bf16 on ARM): its bf16 products would run slower than fp32. Use "
-     "prefill_precision='float32'"),
-    ("prefill_precision", ("device",), lambda c, r: c.prefill_precision == "int8" and r.device != "cpu", lambda c, r:
-     f"prefill_precision='int8' runs on a CPU, and the model is on {r.device}: use prefill_precision='bfloat16'"),
-    ("prefill_precision", ("int8_product",), lambda c, r: c.prefill_precision == "int8" and not r.int8_product,
-     lambda c, r: "prefill_precision='int8' needs an int8 product: minigen's C kernels (a C compiler), oneDNN's int8 "
-     "linear or torch._int_mm, and none runs here: use 'float32'"),
-    ("prefill_precision", ("int8_dot",), lambda c, r: c.prefill_precision == "int8" and not r.int8_dot,
-     lambda c, r: "prefill_precision='int8' needs int8 dot products, and this CPU has none (no avx512_vnni, avx_vnni "
-     "or amx_int8): its int8 products would run no faster than fp32. Use prefill_precision='float32' (or "
-     "'bfloat16' where the CPU has bf16 dot products)"),
-    ("attention_backend", ("triton",), lambda c, r: r.triton == "missing", lambda c, r:
-     "attention_backend='triton' needs the triton package, which ships for Linux only: pip install triton, "
-     "or use attention_backend='torch'"),
-    ("attention_backend", ("triton", "device"), lambda c, r: r.device != "cuda" and r.triton != "interpreted",
-     lambda c, r: f"attention_backend='triton' compiles its kernel for CUDA on this machine, and the model is on "
-     f"{r.device}: model.to('cuda'), or set TRITON_INTERPRET=1 before importing minigen to run the kernel in "
-     "Triton's interpreter (correct, slow)"),
-    # int8_activations=True (not a feature of the table: checked by steps/choose.py, where it is demanded)
-    ("int8_activations", ("quantized",), lambda c, r: not r.quantized, lambda c, r: "int8_activations=True "
-     "multiplies int4/int8 weight codes by int8 activations, and this model's weights are not quantized: load it with "
-     "weight_bits=4 or 8, or set int8_activations=False (fp32 and bf16 weights decode exactly)"),
-    ("int8_activations", ("device",), lambda c, r: r.device != "cpu", lambda c, r: f"int8_activations=True runs "
-     f"minigen's C kernels on a CPU, and the model is on {r.device}. Fix: int8_activations=False"),
-    ("int8_activations", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
-     f"int8_activations=True needs minigen's C kernel, which is {r.c_kernel}. Fix: int8_activations=False"),
-    # values (and keys per token) are grouped over the channels of one head
-    ("quant_bits", ("head_dim",), lambda c, r: r.head_dim % c.quant_group_size, lambda c, r:
-     f"quant_group_size={c.quant_group_size} does not divide this model's head dim {r.head_dim}: values (and "
-     f"keys with quant_key_axis='token') are grouped over the {r.head_dim} channels of a head, so at "
-     f"quant_bits={c.quant_bits} {_group_fix(c, r)}"),
-)
-
-
-def run_refusals(c: "GenerationConfig", r: Run, feature: str | None = None) -> list[str]:
-    """Why `r` cannot run the features `c` switches on (or, with `feature`, that feature whether on
-    or not): one message per rule broken, in RUN_RULES' order. Rules that read an unknown field wait."""
-    on = [feature] if feature is not None else c.features()
-    return [message(c, r) for f, reads, refuses, message in RUN_RULES
-            if f in on and all(getattr(r, name) is not None for name in reads) and refuses(c, r)]
-
-
-def check_run(c: "GenerationConfig", r: Run) -> None:
-    """Refuse, before any work, a config that this model and machine cannot run (RUN_RULES)."""
-    refusals = run_refusals(c, r)
-    if refusals:
-        raise ConfigError(refusals[0])
 
 
 def refused_with(c: "GenerationConfig", feature: str) -> list[str]:

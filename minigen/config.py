@@ -7,7 +7,7 @@ refused too, with the closest field or where it belongs (`weight_bits` is `load`
 JSON key given twice. How the cache features combine is decided in one
 table (`REFUSED`, combinations.py): a pair in it is refused with both keys and a fix; every other
 pair is applied. A config reads no machine: what needs the model or the machine (CUDA, Triton,
-the C kernel, the head dim) is checked when a generation chooses its step (combinations.RUN_RULES).
+the C kernel, the head dim) is checked when a generation chooses its step (run_rules.RUN_RULES).
 A setting that only matters with a switch (sinks without a window, a temperature without sampling)
 is refused when the switch is off, so nothing a config names is silently ignored.
 """
@@ -52,8 +52,6 @@ MISPLACED_KEYS = {
 TRANSFORMERS_ONLY_KEYS = {
     "repetition_penalty": "minigen has no repetition penalty (its sampling settings are temperature, top_k, top_p)",
     "no_repeat_ngram_size": "minigen never bans repeated n-grams (its sampling settings are temperature, top_k, top_p)",
-    "num_beams": "minigen has no beam search: it decodes greedily (do_sample=False) or samples",
-    "length_penalty": "minigen has no beam search, so no length penalty",
     "min_new_tokens": "minigen has no minimum length: set stop_token_ids=[] to never stop early",
     "min_p": "minigen has no min-p sampling: use top_p or top_k",
     "typical_p": "minigen has no typical sampling: use top_p or top_k",
@@ -148,6 +146,11 @@ class GenerationConfig:
     num_speculative_tokens: int = 4  # k: tokens proposed per step, checked by the target in one forward
     prompt_lookup_min: int = 1  # "ngram": the shortest n-gram matched against the text so far
     prompt_lookup_max: int = 3  # "ngram": the longest, tried first
+    # --- beam search (beam.py; transformers' names) ---
+    num_beams: int = 1  # beams kept per prompt; the best finished one is returned (1: no beam search)
+    # a finished beam scores (sum of its log-probs) / (its new tokens ** length_penalty): > 0 favours
+    # longer beams, < 0 shorter ones; needs num_beams > 1
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         ids = self.stop_token_ids
@@ -395,6 +398,11 @@ def _check_values(c: GenerationConfig) -> None:
         raise ConfigError(f"prompt_lookup_min={c.prompt_lookup_min} is more than prompt_lookup_max="
                           f"{c.prompt_lookup_max}: the n-grams tried run from the max down to the min, so use "
                           f"prompt_lookup_min <= {c.prompt_lookup_max} or raise prompt_lookup_max")
+    # beam search (beam.py)
+    _check_int("num_beams", c.num_beams, low=1, hint="(beams kept per prompt; 1: no beam search)")
+    if not _is_number(c.length_penalty) or not math.isfinite(c.length_penalty):
+        raise ConfigError(f"length_penalty={c.length_penalty!r} is invalid: use a finite number (a finished beam "
+                          "scores its log-probs' sum / its length ** length_penalty; 1.0 is transformers' default)")
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}

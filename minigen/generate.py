@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .attention import AttentionObserver
+from .beam import beam_search
 from .caches.contract import Cache
 from .config import GenerationConfig, resolve_config
 from .errors import ConfigError, PromptError
@@ -134,9 +135,9 @@ def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache
 def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig, observers: tuple[AttentionObserver, ...],
                  draft_model, plan: Plan | None) -> Plan:
     """A tensor batch's checks and its plan, before any work (so that stream raises at the call, not
-    at its first next())."""
+    at its first next()). Beam search runs num_beams rows a prompt."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
-    B, max_len = input_ids.shape[0], input_ids.shape[1] + config.max_new_tokens
+    B, max_len = input_ids.shape[0] * config.num_beams, input_ids.shape[1] + config.max_new_tokens
     if plan is None:
         return make_plan(model, config, B, "generate", max_len=max_len, observers=observers, draft_model=draft_model)
     return plan.check_fits(B, max_len)
@@ -168,6 +169,8 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     its tokens equal that prompt generated alone with that seed, whatever it is batched with.
     `plan`: one that make_plan built (and print(plan) showed) for this batch, run instead of a new
     one; it holds its config. stats.plan says, in words, what ran.
+    num_beams=k > 1: beam search (beam.py), each prompt's best of k beams, as transformers' generate
+    returns it (a plan for it runs B x k rows).
     """
     where = "ragged" if isinstance(input_ids, (list, tuple)) else "generate"
     config = given_plan(plan, config, overrides, where, observers=observers, draft_model=draft_model) \
@@ -176,6 +179,8 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
         return _generate_ragged(model, input_ids, config, tuple(observers), draft_model, plan)
     stats = GenerationStats()
     plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
+    if config.num_beams > 1:  # beam search (beam.py): the best of num_beams beams a prompt
+        return GenerationOutput(tokens=beam_search(model, input_ids, plan, stats), stats=stats)
     new = list(_stream_batch(model, input_ids, plan, stats))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
     return GenerationOutput(tokens=tokens, stats=stats)
@@ -188,6 +193,10 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = given_plan(plan, config, overrides, "generate", observers=observers, draft_model=draft_model) \
         or resolve_config(config, overrides)
+    if config.num_beams > 1:
+        raise ConfigError(f"stream with num_beams={config.num_beams}: a beam search knows its tokens only when it ends "
+                          "(a later step may drop the beam a token was on). Fix: generate(model, ids, num_beams=...) "
+                          "in Python (`minigen generate` streams), or num_beams=1 to stream")
     # Check here: a generator function would only raise at the first next(), far from the call.
     plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
     return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats())

@@ -5,7 +5,7 @@ A plan (run_plan.py) is built for one place: generate's tensor batch, a ragged b
 engine, parallel_sample, score, the profiler, or a speculative draft. Each place that cannot run a
 feature says so here, with why and the fix; plan.make_plan checks the table once, before any work.
 A place not listed runs every feature that the pairs (combinations.REFUSED) and the model's and
-machine's rules (combinations.RUN_RULES) allow.
+machine's rules (run_rules.RUN_RULES) allow.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ RAGGED_REFUSED: dict[str, str] = {
     "cuda_graphs": "a captured step has one shape; ragged rows plan their positions on the host",
     "attention_backend": "the Triton kernel reads rows at one shared length",
     "fused_decode": "the fused step decodes every row at one shared position",
+    "num_beams": "beam search runs a tensor batch [B, T], its k beams a prompt in lockstep",
 }
 
 
@@ -38,8 +39,10 @@ def check_rows(c: "GenerationConfig", what: str, table: dict[str, str]) -> None:
 
 WHERES = ("generate", "ragged", "engine", "parallel_sample", "score", "profile", "draft")
 _ROWS = {feature: (why, switch_off(feature)) for feature, why in RAGGED_REFUSED.items()}
+_BEAMS = "generate(model, ids, num_beams=k) runs beam search"
 WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
-    "ragged": ("a ragged batch (rows at different positions)", _ROWS),
+    "ragged": ("a ragged batch (rows at different positions)", {
+        **_ROWS, "num_beams": (RAGGED_REFUSED["num_beams"], "num_beams=1, or prompts of one length as a [B, T] tensor")}),
     "engine": ("the serving engine", {
         **_ROWS,
         "prefetch_depth": ("the engine's pool of blocks stays on the device", "prefetch_depth=None"),
@@ -49,6 +52,8 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                        "engine's changing rows cannot share, and a prefix-cache hit or a recompute after preemption "
                        "would read quantized keys where the prompt alone is attended in full precision "
                        "(generate(model, prompts) runs a quantized ragged batch, one cache per row)", "quant_bits=None"),
+        "num_beams": ("the engine schedules one sequence per request, and a beam search needs k rows reordered every "
+                      "step", f"num_beams=1 ({_BEAMS})"),
         "prefill_chunk_size": ("prefill_chunk_size is generate's setting: the engine splits prompts by the tokens "
                                "one step may run", "Engine(..., max_num_batched_tokens={prefill_chunk_size}) and prefill_chunk_size=None"),
     }),
@@ -58,6 +63,8 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
         "speculative_method": ("parallel_sample forks one prompt's blocks into n rows, and speculative decoding "
                                "verifies each row at its own positions", "set speculative_method=None, or "
                                "generate(model, ids.expand(n, -1), config, do_sample=True)"),
+        "num_beams": ("parallel_sample draws n samples of one prompt; a beam search keeps k beams and returns the best",
+                      f"num_beams=1 ({_BEAMS})"),
     }),
     "profile": ("the profiler", {
         "use_cache=False": ("use_cache=False has no decode step to profile: each step recomputes the sequence "
@@ -67,6 +74,7 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
         "fused_decode": ("fused_decode=True runs each decode step as one C call that the profiler cannot split "
                          "into categories", "profile without it, and time it with `python -m minigen bench --set "
                          "fused_decode=true`"),
+        "num_beams": ("the profiler times the plain loop's steps, not a beam search's", "num_beams=1"),
     }),
 }
 

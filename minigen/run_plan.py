@@ -10,7 +10,7 @@ Every entry point builds one (generate, stream, a ragged batch, parallel_sample,
 profiler, the serving Engine, a speculative draft, bench and the CLI) or takes one it is given
 (`plan=`). Building it is where the config meets the model and the machine, once:
 - the rule table, on three axes: which features combine (combinations.REFUSED, checked when the
-  config is built), what each needs of the model and the machine (combinations.RUN_RULES), and what
+  config is built), what each needs of the model and the machine (run_rules.RUN_RULES), and what
   the place it runs cannot run (places.WHERE_REFUSED). A setting none of them allows is a
   ConfigError naming the key and the fix, before any work;
 - the step (steps/choose.py): the fastest exact step the config allows, the fused C step only where
@@ -31,7 +31,7 @@ import torch
 
 from .attention import AttentionObserver, AttentionPolicy
 from .caches.make import make_cache
-from .combinations import Run
+from .run_rules import Run
 from .errors import ConfigError
 from .config import GenerationConfig
 from .kernels import build as kernel_build
@@ -160,8 +160,11 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
 
 # ---------------------------------------------------------------- the plan in words
 def describe(plan: Plan, model) -> dict[str, str]:
-    """{part: words}: the decode step, the prompt's products, attention, the cache and the kernels."""
-    return {"decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
+    """{part: words}: beam search, the decode step, the prompt's products, attention, the cache and the kernels."""
+    k = plan.config.num_beams
+    beams = {"beams": f"beam search (beam.py): {k} beams a prompt, {plan.batch} rows, the cache's rows reordered "
+                      "every step"} if k > 1 else {}
+    return {**beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
             "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
             "kernels": _kernel_words(plan)}
 

@@ -428,6 +428,59 @@ def _(tiny_model):
     minigen.generate(tiny_model, torch.tensor([[1, 2, 3], [3, 2, 1]]), speculative_method="ngram", prefetch_depth=0)
 
 
+# ---------------------------------------------------------------- beam search
+@case("beam-num-beams-zero")
+def _():
+    for bad in (2.0, True):
+        with pytest.raises(errors.ConfigError, match=f"num_beams={bad!r} is invalid"):
+            GenerationConfig(num_beams=bad)
+    GenerationConfig(num_beams=0)
+
+
+@case("beam-length-penalty-nan")
+def _():
+    GenerationConfig(num_beams=4, length_penalty=float("nan"))
+
+
+@case("beam-length-penalty-alone")
+def _():
+    GenerationConfig(length_penalty=2.0)
+
+
+@case("beam-sampling")
+def _():
+    GenerationConfig(num_beams=4, do_sample=True)
+
+
+@case("beam-with-paged")
+def _():
+    for other in (dict(prefetch_depth=0), dict(quant_bits=4), dict(kv_budget=8), dict(compile=True),
+                  dict(cuda_graphs=True), dict(speculative_method="ngram"), dict(use_cache=False)):
+        with pytest.raises(errors.ConfigError, match=r"num_beams=4 do not combine.*Fix: drop one: num_beams=1"):
+            GenerationConfig(num_beams=4, **other)
+    GenerationConfig(num_beams=4, cache_chunk_size=16)
+
+
+@case("beam-ragged")
+def _(tiny_model):
+    minigen.generate(tiny_model, [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], num_beams=2)
+
+
+@case("beam-engine")
+def _(tiny_model):
+    minigen.Engine(tiny_model, {"num_beams": 2})
+
+
+@case("beam-parallel-sample")
+def _(tiny_model):
+    minigen.parallel_sample(tiny_model, torch.tensor([[1, 2, 3]]), 3, num_beams=2)
+
+
+@case("beam-stream")
+def _(tiny_model):
+    minigen.stream(tiny_model, torch.tensor([[1, 2, 3]]), num_beams=2)
+
+
 # ---------------------------------------------------------------- prompts and texts
 @case("prompt-empty")
 def _(tiny_model):

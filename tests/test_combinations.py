@@ -90,6 +90,8 @@ FIELDS = {
     "prefill_chunk_size": maybe(st.sampled_from([1, 3, 8, 16])),
     # True demands int4/int8 weights, which the tiny fp32 model has not (a RUN_RULE refuses it: test_int8_activations.py)
     "int8_activations": st.sampled_from(["auto", False]),
+    "num_beams": st.integers(2, 4),  # drawn when beam search is switched on (1, the default, is off)
+    "length_penalty": st.sampled_from([1.0, 0.5, 2.0, -1.0]),
 }
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(GenerationConfig)}
 LOSSY = ("quant_bits", "window_size", "sparse", "kv_budget", "prefill_precision")
@@ -100,7 +102,8 @@ SWITCHES = {"use_cache=False": ["use_cache"], "cache_chunk_size": ["cache_chunk_
             "sparse": ["sparse_top_k", "sparsity_threshold"], "kv_budget": ["kv_budget"],
             "compile": ["compile"], "cuda_graphs": ["cuda_graphs"], "attention_backend": ["attention_backend"],
             "fused_decode": ["fused_decode"], "speculative_method": ["speculative_method"],
-            "prefill_precision": ["prefill_precision"], "prefill_chunk_size": ["prefill_chunk_size"]}
+            "prefill_precision": ["prefill_precision"], "prefill_chunk_size": ["prefill_chunk_size"],
+            "num_beams": ["num_beams"]}
 # A compile costs seconds; cuda_graphs is refused on a CPU (when it runs); the Triton kernel runs in its interpreter
 # on a CPU (a step of the tiny model: ~0.1 s; a config that runs scores the text through it twice or more: ~7 s),
 # and needs cache_chunk_size, so it is drawn with one.
@@ -108,7 +111,7 @@ RARE = {"compile": 0.08, "cuda_graphs": 0.04, "attention_backend": 0.1, "fused_d
 NEEDS = {"do_sample": ["temperature", "top_k", "top_p", "seed"], "window_size": ["sink_tokens"],
          "sparse": ["sparse_score"], "quant_bits": ["quant_group_size", "quant_key_axis", "quant_residual"],
          "speculative_method": ["num_speculative_tokens"],
-         "speculative_method='ngram'": ["prompt_lookup_min", "prompt_lookup_max"]}
+         "speculative_method='ngram'": ["prompt_lookup_min", "prompt_lookup_max"], "num_beams": ["length_penalty"]}
 
 
 @st.composite
@@ -315,7 +318,8 @@ def test_refused_pairs_name_both_keys_and_a_fix():
               "compile": {"compile": True}, "cuda_graphs": {"cuda_graphs": True},
               "attention_backend": {"attention_backend": "triton", "cache_chunk_size": 32},  # needs blocks
               "fused_decode": {"fused_decode": True}, "speculative_method": {"speculative_method": "ngram"},
-              "prefill_precision": {"prefill_precision": "bfloat16"}, "prefill_chunk_size": {"prefill_chunk_size": 8}}
+              "prefill_precision": {"prefill_precision": "bfloat16"}, "prefill_chunk_size": {"prefill_chunk_size": 8},
+              "num_beams": {"num_beams": 2}}
     assert set(switch) == set(FEATURES)
     for pair, (why, fix) in REFUSED.items():
         a, b = sorted(pair)
@@ -352,7 +356,7 @@ def test_attention_backend_is_torch_or_triton():
 
 
 def test_the_run_rules_name_features_and_the_fused_step_takes_what_they_say():
-    from minigen.combinations import FUSED_CACHE, FUSED_WEIGHTS, RUN_RULES, Run
+    from minigen.run_rules import FUSED_CACHE, FUSED_WEIGHTS, RUN_RULES, Run
     from minigen.steps import fused
     # int8_activations is no feature of the table (it changes numbers, not what runs beside what): its rules
     # are checked where it is demanded (steps/choose.int8_activations)
@@ -366,6 +370,6 @@ def test_the_run_rules_name_features_and_the_fused_step_takes_what_they_say():
 def test_the_fused_row_limit_is_the_c_kernel_s():
     import re
     from pathlib import Path
-    from minigen.combinations import FUSED_MAX_ROWS
+    from minigen.run_rules import FUSED_MAX_ROWS
     header = (Path(minigen.__file__).parent / "kernels" / "csrc" / "kernels.h").read_text(encoding="utf-8")
     assert int(re.search(r"#define DECODE_MAX_ROWS (\d+)", header).group(1)) == FUSED_MAX_ROWS

@@ -36,7 +36,7 @@ import minigen
 from minigen import ConfigError, GenerationConfig, errors, loading, paths
 from minigen.__main__ import build_parser, main
 from minigen.caches.quantized import QuantizedKVCache
-from minigen.combinations import RUN_RULES
+from minigen.run_rules import RUN_RULES
 from minigen.measure import plan as cli_plan_module, serve_bench as cli_serve_bench
 from minigen.numerics.weight_quant import check_weight_bits, quantize_weights, quantized
 from conftest import tiny_hf

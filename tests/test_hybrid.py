@@ -22,7 +22,8 @@ from minigen import ConfigError, Engine, GenerationConfig
 from minigen.caches.hybrid import HybridKVCache
 from minigen.caches.make import make_cache
 from minigen.caches.quantized import QuantizedPagedKVCache
-from minigen.combinations import FEATURES, Run, run_refusals
+from minigen.combinations import FEATURES
+from minigen.run_rules import Run, run_refusals
 from minigen.course.table import MODEL_WINDOW
 from minigen.model import Model
 from minigen.steps.choose import choose_step, run_of
@@ -349,7 +350,8 @@ SWITCH = {"use_cache=False": dict(use_cache=False), "attention_backend": dict(at
           "sparse": dict(sparse_top_k=4), "kv_budget": dict(kv_budget=12), "compile": dict(compile=True),
           "cuda_graphs": dict(cuda_graphs=True), "fused_decode": dict(fused_decode=True),
           "speculative_method": dict(speculative_method="ngram", num_speculative_tokens=3),
-          "prefill_precision": dict(prefill_precision="bfloat16"), "prefill_chunk_size": dict(prefill_chunk_size=5)}
+          "prefill_precision": dict(prefill_precision="bfloat16"), "prefill_chunk_size": dict(prefill_chunk_size=5),
+          "num_beams": dict(num_beams=3)}
 
 
 def test_the_model_window_list_agrees_with_the_run_rules():

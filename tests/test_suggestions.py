@@ -11,7 +11,7 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import ConfigError, GenerationConfig, PromptError
-from minigen.combinations import Run, check_run
+from minigen.run_rules import Run, check_run
 from minigen.checkpoints.model_config import ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

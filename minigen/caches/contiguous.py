@@ -77,6 +77,12 @@ class KVCache:
     def reset(self) -> None:
         """Nothing to forget: slot s always holds position s (see prepare)."""
 
+    def reorder_rows(self, index: Tensor) -> None:
+        """Row b takes what row index[b] held, in every layer (beam search, beam.py): index [B].
+        In place, so the tensors keep the addresses their layer views and the fused C step hold."""
+        self.k.copy_(self.k.index_select(1, index))  # [L, B, Hkv, S, Dh]
+        self.v.copy_(self.v.index_select(1, index))
+
     def layer_tensors(self) -> list[Tensor]:
         """The tensors holding per-layer state, layer first (what an offload tier moves)."""
         return [self.k, self.v]

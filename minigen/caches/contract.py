@@ -41,7 +41,9 @@ the short-lived tensors of a step included. `device_nbytes` is the part on the m
 `blocks` is (blocks in use, blocks in the pool) for a paged cache, None otherwise. `observers`
 are the attention observers the cache needs to see (heavy hitters learn from attention); none for
 most. `layer_tensors()` lists the per-layer state, layer first, which an offload tier moves and the
-fused C step reads through its addresses.
+fused C step reads through its addresses. The contiguous cache, the ring and the hybrid cache also
+`reorder_rows(index)`: row b takes what row index[b] held, in place (beam search, beam.py); the
+others keep per-row state (block tables, codes, evictions) that beam search would have to move too.
 
 A paged cache (BlockCache) also names its sequences and blocks: `select_rows`, `add_sequence`,
 `free_sequence`, `fork(n)` (one row into n that share its blocks), `free()` (every row's blocks back),

@@ -81,6 +81,11 @@ class HybridKVCache:
         for part in self.parts.values():
             part.reset()
 
+    def reorder_rows(self, index: Tensor) -> None:
+        """Row b takes what row index[b] held, in both parts (beam search, beam.py): index [B], in place."""
+        for part in self.parts.values():
+            part.reorder_rows(index)
+
     def layer_tensors(self) -> list[Tensor]:
         return [t for part in self.parts.values() for t in part.layer_tensors()]
 

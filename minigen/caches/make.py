@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from ..combinations import Run, check_run
+from ..run_rules import Run, check_run
 from ..places import RAGGED_REFUSED, check_rows
 from ..config import GenerationConfig
 from ..numerics.precision import DTYPES

@@ -42,7 +42,7 @@ def _check_settings(bits: int, group_size: int, key_axis: str, head_dim: int) ->
         raise ConfigError(f"quant_key_axis={key_axis!r} is invalid: use 'channel' or 'token'")
     if head_dim % group_size:  # values are always grouped per token, over channels
         raise ConfigError(f"quant_group_size={group_size} does not divide the head dim {head_dim}: values "
-                          f"are grouped over channels (combinations.RUN_RULES suggests a valid size)")
+                          f"are grouped over channels (run_rules.RUN_RULES suggests a valid size)")
 
 
 class QuantizedKVCache:

@@ -148,6 +148,14 @@ class WindowKVCache:
         self.slot_pos.fill_(-1)
         self.row_pos = None
 
+    def reorder_rows(self, index: Tensor) -> None:
+        """Row b takes what row index[b] held, in every layer (beam search, beam.py): index [B], in place.
+        The ring's slots hold the same positions in every row, so only the keys and values move."""
+        self.k.copy_(self.k.index_select(1, index))  # [L, B, Hkv, S, Dh]
+        self.v.copy_(self.v.index_select(1, index))
+        if self.row_pos is not None:  # per-row positions [B, S]
+            self.row_pos.copy_(self.row_pos.index_select(0, index))
+
     def layer_tensors(self) -> list[Tensor]:
         return [self.k, self.v]
 

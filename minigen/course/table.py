@@ -38,6 +38,7 @@ MODEL_WINDOW: dict[str, tuple[str, str]] = {
     "prefill_precision": ("applied", "only the prompt's products change precision"),
     "prefill_chunk_size": ("applied", "each piece reads the pieces before it from the hybrid cache, each layer "
                                       "masked to its own window"),
+    "num_beams": ("applied", "beam search reorders the rows of both parts, the full layers' cache and the rings"),
 }
 
 

@@ -173,7 +173,7 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     speed-up, alpha and the speed model's prediction. Every setting is checked
     before the weights load: the run sizes, then the model's context."""
     from ..paths import bar
-    from ..combinations import Run, check_run
+    from ..run_rules import Run, check_run
     from ..loading import check_dtype, load_tokenizer, read_config, read_safetensors, resolve_folder
     check_bench_args(prompt_len, new_tokens, repeats)
     dtype = check_dtype(dtype)

@@ -20,7 +20,8 @@ import torch
 
 from ..attention import attend_blocks
 from ..caches.contract import BlockView
-from ..combinations import Run, check_run, refused_with, run_refusals
+from ..combinations import refused_with
+from ..run_rules import Run, check_run, run_refusals
 from ..places import RAGGED_REFUSED, check_rows
 from ..config import GenerationConfig
 from ..errors import ConfigError
@@ -35,7 +36,7 @@ from .graphs import CompiledStep, GraphedStep
 
 
 def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -> Run:
-    """What combinations.RUN_RULES reads of the model and the machine for this generation. The C
+    """What run_rules.RUN_RULES reads of the model and the machine for this generation. The C
     kernel is built (once per machine) only where the fused step could run."""
     p = model.precision
     run = Run(arch=model.config.arch, head_dim=model.config.head_dim, model_window=model.config.own_window,
@@ -105,7 +106,7 @@ def block_bits(model) -> int | None:
 def int8_activations(model, config: GenerationConfig, run: Run) -> tuple[bool, bool]:
     """(decode, prompt): whether a decode step's products, and a prompt's, multiply the int4 / int8 weight
     codes by int8 activations (config.int8_activations, numerics/int8_act.py). True: both, where
-    combinations.RUN_RULES allow it (ConfigError otherwise), with a warning where one measured slower;
+    run_rules.RUN_RULES allow it (ConfigError otherwise), with a warning where one measured slower;
     "auto": each where it measured probes.LOSSY_GAIN times fp32 activations' C kernel here, on a CPU, outside
     torch.compile and CUDA graphs; a prompt in a prefill_precision other than float32 keeps its format."""
     mode = config.int8_activations
@@ -179,7 +180,7 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
                 ragged: bool = False, draft_model=None, draft_plan=None, int8_act: bool | None = None) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generators, one per row: for
     a CUDA graph, which samples inside the graph, and for speculative sampling). Here, once, the config meets the
-    model and the machine (combinations.check_run): a setting they cannot run is refused with
+    model and the machine (run_rules.check_run): a setting they cannot run is refused with
     ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py); a draft
     model runs the draft_plan that run_plan.make_plan built for it; several rows run at their own positions.
     int8_act: whether the decode step's products take int8 activations (None: int8_activations() decides)."""

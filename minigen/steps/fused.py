@@ -18,7 +18,7 @@ Speculative decoding's verify (chapter 15) is the same call on a chunk of one se
 values written before any row attends, so that the chunk is causal.
 
 What it takes (everything else is refused up front with the reason, never run another way:
-combinations.RUN_RULES and REFUSED):
+run_rules.RUN_RULES and REFUSED):
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
 int8 or int4 at batch 1, fp32 for a batch of up to 16 rows in lockstep (not a ragged batch); the
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..checkpoints.model_config import ModelConfig
-from ..combinations import FUSED_MAX_ROWS
+from ..run_rules import FUSED_MAX_ROWS
 from ..kernels import build as kernel_build
 from ..kernels import dispatch
 from ..kernels.probes import Probe, Shapes
@@ -52,8 +52,8 @@ from .eager import EagerStep
 from ..model import Model
 from ..numerics.weight_quant import QuantizedWeight
 
-# the C kinds of weight; combinations.FUSED_WEIGHTS / FUSED_CACHE say what the step takes, and
-# combinations.RUN_RULES refuses the rest before a step is chosen
+# the C kinds of weight; run_rules.FUSED_WEIGHTS / FUSED_CACHE say what the step takes, and
+# run_rules.RUN_RULES refuses the rest before a step is chosen
 KINDS = {torch.float32: 0, torch.bfloat16: 1}  # and QuantizedWeight: 2 (int8) or 3 (int4); with int8
 # activations (numerics/int8_act.py) 4 (int8) or 5 (int4)
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
@@ -80,7 +80,7 @@ class _Dims(ctypes.Structure):
 
 
 def weight_kind(w) -> str:
-    """How the C step reads a weight: "float32", "bfloat16", "int8" or "int4" (combinations.FUSED_WEIGHTS)."""
+    """How the C step reads a weight: "float32", "bfloat16", "int8" or "int4" (run_rules.FUSED_WEIGHTS)."""
     return f"int{w.bits}" if isinstance(w, QuantizedWeight) else str(w.dtype).removeprefix("torch.")
 
 
@@ -186,7 +186,7 @@ class FusedStep(EagerStep):
         the cache, the ids and the cache's room."""
         M = ids.shape[0]
         assert type(cache) is KVCache and cache.k.shape[1] == rows and cache.k.dtype in CACHE_DTYPES, \
-            "fused_decode writes a contiguous cache in fp32 or bf16 (combinations.RUN_RULES refuses the rest)"
+            "fused_decode writes a contiguous cache in fp32 or bf16 (run_rules.RUN_RULES refuses the rest)"
         if self.planned_for != (id(model), id(cache)):
             self.plan, self.planned_for = _Plan(model, cache, self.int8_act), (id(model), id(cache))
         plan = self.plan

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..combinations import FUSED_MAX_ROWS
+from ..run_rules import FUSED_MAX_ROWS
 from ..config import GenerationConfig
 from ..errors import ConfigError
 from ..model import Model
