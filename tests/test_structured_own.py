@@ -126,13 +126,27 @@ TOY_TOKENS = [b"a", b"b", b"c", b"x", b"ab", b"bc", b"abc", b"ca", b"\xc3", b"\x
               b"null", b"1", b"12", b"2", b"[", b"]", b"[1", b", 2]", b":", b" ", b"zz", b"\xe2\x82\xac"]
 TOY_REGEXES = [r"(ab|a)(c|bc)?", r"[abé]{1,2}x?", r"(é|ü|€)b?", r"a(bc)?a",
                r"a(bc)?|c[^\s\S]"]  # the empty class leaves a dead end after "c": the pruning removes it
-TOY_SCHEMAS = [
+def closed(schema):
+    """The schema with "additionalProperties": false on every object that does not say it (the subset's rule)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if "properties" in out:
+        out["properties"] = {name: closed(sub) for name, sub in out["properties"].items()}
+    if "items" in out:
+        out["items"] = closed(out["items"])
+    if out.get("type") == "object":
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+TOY_SCHEMAS = [closed(schema) for schema in [
     {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": [1, "x", None]}},
      "required": ["a"]},
     {"type": "object", "properties": {"x": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}},
      "required": []},
     {"type": "array", "items": {"type": "string", "enum": ["é", "ab"]}, "minItems": 1, "maxItems": 2},
-]
+]]
 
 
 def regex_language(pattern: str, alphabet: str, length: int) -> set[bytes]:
@@ -191,7 +205,7 @@ def test_mask_is_exact_on_finite_schemas(schema):
 
 # --- The mask on SmolLM2's vocabulary -------------------------------------------------------------------
 
-SCHEMAS = [
+SCHEMAS = [closed(schema) for schema in [
     {"type": "object", "properties": {
         "name": {"type": "string", "maxLength": 12},
         "age": {"type": "integer"},
@@ -206,7 +220,7 @@ SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {
         "c": {"type": "string", "minLength": 2, "maxLength": 4}}, "required": ["c"]}}, "required": ["b"]},
         "z": {"type": "null"}}, "required": ["a"]},
-]
+]]
 
 
 def viable(pattern: str, data: bytes) -> bool:
@@ -335,7 +349,7 @@ def test_matcher_state_stop_and_copy(smollm2_tokenizer):
 
 @pytest.mark.parametrize("keyword, schema", [
     ("anyOf", {"anyOf": [{"type": "string"}, {"type": "integer"}]}),
-    ("$ref", {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}),
+    ("$ref", closed({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}})),
     ("patternProperties", {"type": "object", "patternProperties": {"a": {"type": "string"}}}),
     ("additionalProperties", {"type": "object", "properties": {}, "additionalProperties": True}),
     ("additionalProperties", {"type": "object", "properties": {}, "additionalProperties": {"type": "string"}}),
@@ -345,12 +359,20 @@ def test_matcher_state_stop_and_copy(smollm2_tokenizer):
     ("without 'properties'", {"type": "object"}),
     ("without 'items'", {"type": "array"}),
     ("type None", {"properties": {"a": {"type": "string"}}}),
-    ("required 'b'", {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}),
+    ("required 'b'", closed({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]})),
     ("maxLength=1", {"type": "string", "minLength": 2, "maxLength": 1}),
 ])
 def test_schema_outside_the_subset_is_refused(keyword, schema):
     with pytest.raises(ConfigError, match=re.escape(keyword)) as info:
         schema_to_regex(schema)
+    assert 'guided_backend="llguidance"' in str(info.value)
+
+
+def test_an_object_must_close_its_properties():
+    """JSON Schema lets any other property appear where additionalProperties is absent (llguidance
+    follows it); the subset writes none, so it asks for false rather than narrow the language."""
+    with pytest.raises(ConfigError, match='without "additionalProperties": false') as info:
+        schema_to_regex({"type": "object", "properties": {"a": {"type": "string"}}})
     assert 'guided_backend="llguidance"' in str(info.value)
 
 
@@ -364,8 +386,8 @@ def test_json_object_and_grammar_need_llguidance(spec, names):
 
 def test_schema_regex_layout():
     """The exact layout: ": " after a key, ", " between items, schema order, optional ones skippable."""
-    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "array", "items": {
-        "type": "boolean"}}, "c": {"type": "null"}}, "required": ["a"]}
+    schema = closed({"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "array", "items": {
+        "type": "boolean"}}, "c": {"type": "null"}}, "required": ["a"]})
     dfa = Dfa.from_regex(schema_to_regex(schema))
     assert dfa.matches('{"b": -10, "a": [true, false]}') and dfa.matches('{"a": [], "c": null}')
     for bad in ('{"a": [true,false]}', '{"a":[]}', '{"a": [], "b": 1}', '{ "a": []}', '{"b": 01, "a": []}', '{}'):

@@ -6,7 +6,9 @@ JSON text (the one llguidance writes with {"whitespace_flexible": false, "key_se
 "item_separator": ", "}, so that both backends accept the same strings):
 - no whitespace, except exactly ": " after a key and ", " between items and properties;
 - an object's properties in the order of "properties", the required ones always, an optional one
-  present or absent, no other property (as if "additionalProperties": false);
+  present or absent, and no other: every object must say "additionalProperties": false (JSON Schema
+  lets any other property appear where it is absent, as llguidance does; OpenAI's strict mode asks
+  for false on every object too);
 - a string: any character but " \\, the controls U+0000..U+001F and DEL, or an escape (\\" \\\\ \\b
   \\f \\n \\r \\t, \\u00XX for a control or DEL); minLength / maxLength count characters (an escape is one);
 - a number -?(0|[1-9][0-9]*)(\\.[0-9]+)?([eE][+-]?[0-9]+)?, an integer -?(0|[1-9][0-9]*);
@@ -130,6 +132,9 @@ def object_regex(schema: dict) -> str:
         raise refuse("additionalProperties", "other than false is outside the subset (no additional properties)")
     if "properties" not in schema and "additionalProperties" not in schema:
         raise refuse("an object without 'properties'", "accepts any object (json_object too)")
+    if "additionalProperties" not in schema:
+        raise refuse("an object without \"additionalProperties\": false", "lets any other property appear "
+                     "(JSON Schema's default), which the subset never writes: add \"additionalProperties\": false")
     properties, required = schema.get("properties", {}), schema.get("required", [])
     missing = [name for name in required if name not in properties]
     if missing:
