@@ -1,11 +1,28 @@
-"""Small checks of one setting's value, shared by the validators of GenerationConfig (config.py) and
-its text settings (decoding/settings.py): each raises ConfigError naming the key, the value and the range."""
+"""Small checks config.py shares: of one setting's value (each raises ConfigError naming the key, the
+value and the range), and the keys that are no GenerationConfig field but belong somewhere else."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .errors import ConfigError
+
+# Keys that are settings of another call: where each belongs, as the call to write instead.
+MISPLACED_KEYS = {
+    "weight_bits": "`load`: minigen.load(name, weight_bits=8)",
+    "dtype": "`load`: minigen.load(name, dtype=torch.bfloat16)",
+    "max_batch_size": "the serving engine: Engine(model, config, max_batch_size=8)",
+    "num_blocks": "the serving engine: Engine(model, config, num_blocks=1024)",
+    "max_num_batched_tokens": "the serving engine: Engine(model, config, max_num_batched_tokens=256)",
+}
+# transformers' generation settings that minigen does not have, and what minigen offers instead
+TRANSFORMERS_ONLY_KEYS = {
+    "no_repeat_ngram_size": "minigen never bans repeated n-grams: repetition_penalty, frequency_penalty or presence_penalty discourage repeats",
+    "min_new_tokens": "minigen has no minimum length: set stop_token_ids=[] to never stop early",
+    "typical_p": "minigen has no typical sampling: use min_p, top_p or top_k",
+    "max_length": "minigen counts new tokens only: use max_new_tokens",
+    "eos_token_id": "minigen stops at stop_token_ids (None: the model's eos)",
+}
 
 
 def is_number(x: Any) -> bool:

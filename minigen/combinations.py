@@ -24,6 +24,7 @@ SWITCHES: dict[str, tuple[str, Rule, str]] = {
     "temperature": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "top_k": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "top_p": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
+    "min_p": ("do_sample", lambda c: c.do_sample, "set do_sample=True"),
     "seed": ("do_sample", lambda c: c.do_sample, "set do_sample=True (greedy decoding draws nothing)"),
     "guided_backend": ("response_format, guided_regex or guided_grammar", lambda c: c.guide_spec() is not None,
                        "set response_format, guided_regex or guided_grammar"),
@@ -228,6 +229,24 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
       for step in ("compile", "cuda_graphs")),
     ("num_beams", "do_sample", lambda c: c.num_beams > 1 and c.do_sample, "beam sampling (transformers' num_beams with "
      "do_sample) is not implemented: minigen's beam search is deterministic", "do_sample=False, or num_beams=1 to sample"),
+    *((key, "cuda_graphs", lambda c, key=key, off=off: c.cuda_graphs and (getattr(c, key) or off) != off,
+       "the captured step samples inside its graph from the model's raw logits, and penalties and biases are "
+       "applied on the host before a sample (decoding/logits.py), penalties from each row's tokens so far",
+       f"cuda_graphs=False (compile=True runs them), or leave {key} at its default")
+      for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("logit_bias", None))),
+    *((key, "cuda_graphs", lambda c, key=key: c.cuda_graphs and getattr(c, key) is not None,
+       "the captured step samples inside its graph and checks only stop ids there, and this setting reads each "
+       "row's text on the host before a sample (a stop string, or the structured-output mask from its state)",
+       f"cuda_graphs=False (compile=True runs it), or {key}=None")
+      for key in ("stop", "response_format", "guided_regex", "guided_grammar")),
+    *((key, "num_beams", lambda c, key=key, off=off: c.num_beams > 1 and (getattr(c, key) or off) != off,
+       "beam search (beam.py) scores its beams by the model's own log-probabilities, which penalties, a bias, a "
+       "mask or a stop string would change per beam, and minigen's beams do not carry that state",
+       f"num_beams=1, or leave {key} at its default")
+      for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                       ("logit_bias", None), ("stop", None), ("response_format", None), ("guided_regex", None),
+                       ("guided_grammar", None))),
 ]
 
 

@@ -27,8 +27,9 @@ from typing import Any
 from .attention import sparse_on
 from .combinations import FEATURES, SWITCHES, check_combinations
 from .decoding.guide import GuideSpec
-from .decoding.settings import check_text_settings
+from .decoding.settings import check_decoding, check_text_settings, logit_bias_ids
 from .errors import ConfigError
+from .checks import MISPLACED_KEYS, TRANSFORMERS_ONLY_KEYS
 from .checks import check_bool as _check_bool, check_int as _check_int, is_number as _is_number
 from .numerics.precision import DTYPES
 
@@ -39,26 +40,6 @@ SPECULATIVE_METHODS = (None, "ngram", "draft")
 
 INT64_MAX = 2**63 - 1  # token ids travel as int64 tensors
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
-
-# Keys that are settings of another call: where each belongs, as the call to write instead.
-MISPLACED_KEYS = {
-    "weight_bits": "`load`: minigen.load(name, weight_bits=8)",
-    "dtype": "`load`: minigen.load(name, dtype=torch.bfloat16)",
-    "max_batch_size": "the serving engine: Engine(model, config, max_batch_size=8)",
-    "num_blocks": "the serving engine: Engine(model, config, num_blocks=1024)",
-    "max_num_batched_tokens": "the serving engine: Engine(model, config, max_num_batched_tokens=256)",
-}
-# transformers' generation settings that minigen does not have, and what minigen offers instead
-TRANSFORMERS_ONLY_KEYS = {
-    "repetition_penalty": "minigen has no repetition penalty (its sampling settings are temperature, top_k, top_p)",
-    "no_repeat_ngram_size": "minigen never bans repeated n-grams (its sampling settings are temperature, top_k, top_p)",
-    "min_new_tokens": "minigen has no minimum length: set stop_token_ids=[] to never stop early",
-    "min_p": "minigen has no min-p sampling: use top_p or top_k",
-    "typical_p": "minigen has no typical sampling: use top_p or top_k",
-    "max_length": "minigen counts new tokens only: use max_new_tokens",
-    "eos_token_id": "minigen stops at stop_token_ids (None: the model's eos)",
-}
-
 
 def _refuse_unknown_keys(cls):
     """Wrap the dataclass's __init__ so that an unknown keyword is a ConfigError that says where it
@@ -84,6 +65,18 @@ class GenerationConfig:
     temperature: float = 1.0
     top_k: int | None = None  # keep only the k most likely tokens before sampling; None: all
     top_p: float | None = None  # keep the smallest set whose probability mass reaches p; None: all
+    # keep the tokens whose probability is at least min_p x the top token's, in [0, 1] (after
+    # temperature, top_k and top_p, as transformers' MinPLogitsWarper); None: all
+    min_p: float | None = None
+    # --- penalties and bias, on each row's logits before it samples (decoding/; greedy rows too) ---
+    # transformers' rule over the row's prompt and new tokens: a seen token's logit is divided by
+    # this when positive, multiplied when negative; finite, > 0 (1.0: off; above 1 discourages repeats)
+    repetition_penalty: float = 1.0
+    # OpenAI's rules over the row's new tokens only: logit -= count x frequency_penalty +
+    # (count > 0) x presence_penalty, each in [-2, 2] (0: off)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
     # seed of the sampling generators: row r of a batch draws from its own, seeded (seed + r) mod 2**64
     # (row 0 = the prompt alone with this seed); None: fresh entropy for each row
     seed: int | None = None
@@ -164,6 +157,7 @@ class GenerationConfig:
             object.__setattr__(self, "stop_token_ids", tuple(ids))
         if isinstance(self.stop, (str, list)):  # one string, or a JSON list of them, stored as a tuple
             object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else tuple(self.stop))
+        object.__setattr__(self, "logit_bias", logit_bias_ids(self.logit_bias))
         _check_values(self)
         _check_switches(self)
         check_combinations(self)
@@ -313,6 +307,7 @@ def _check_values(c: GenerationConfig) -> None:
         _check_int("top_k", c.top_k, low=1, hint="or None to keep every token")
     if c.top_p is not None and (not _is_number(c.top_p) or not 0 < c.top_p <= 1):
         raise ConfigError(f"top_p={c.top_p!r} is invalid: use a number in (0, 1], or None to keep every token")
+    check_decoding(c)  # min_p, the penalties, logit_bias (decoding/settings.py)
     if c.seed is not None:
         _check_int("seed", c.seed, low=0, hint="below 2**64 (the generator's seed is 64 bits), or None")
         if c.seed > SEED_MAX:

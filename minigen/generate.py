@@ -27,9 +27,13 @@ from .attention import AttentionObserver
 from .beam import beam_search
 from .caches.contract import Cache
 from .config import GenerationConfig, resolve_config
+from .decoding.logits import LogitsProcessing
+from .decoding.settings import check_vocabulary
 from .errors import ConfigError, PromptError
 from .model import Model
 from .run_plan import Plan, given_plan, make_plan
+from .decoding.detokenize import StopText
+from .decoding.guide import Guide
 from .sampling import sample
 from .stats import GenerationStats, finish_timing, record_cache
 
@@ -39,6 +43,8 @@ class GenerationOutput:
     tokens: Tensor | list[Tensor]  # [B, T + n]: the prompt then the new tokens, as transformers returns them;
     # for a list of prompts, a list of 1-D tensors: each prompt then its new tokens, up to its own stop
     stats: GenerationStats
+    # each row's new text (generate(..., tokenizer=tok)), cut before a stop string; None without a tokenizer
+    texts: list[str] | None = None
 
 
 def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: GenerationConfig | None = None) -> None:
@@ -63,11 +69,14 @@ def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: G
     if config is not None and config.stop_token_ids and max(config.stop_token_ids) >= V:
         raise ConfigError(f"stop_token_ids={list(config.stop_token_ids)} holds ids the model can never "
                           f"produce: its vocabulary is [0, {V - 1}]. Use ids from the model's tokenizer.")
+    if config is not None:
+        check_vocabulary(config, V)  # logit_bias's ids
 
 
 def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, cache: Cache | None, policy,
               stats: GenerationStats, next_pos: Callable[[int, Tensor], Tensor], stop: bool = True,
-              after_prefill: Callable[[Tensor], Tensor] | None = None) -> Iterator[Tensor]:
+              after_prefill: Callable[[Tensor], Tensor] | None = None,
+              texts: list[StopText] | None = None) -> Iterator[Tensor]:
     """The loop itself: prefill input_ids [B, T] at input_pos, then sample and decode until
     max_new_tokens or (with `stop`) every row has produced a stop token. Yields the next tokens [B]
     and fills `stats` as it goes. `plan` holds the step, the config and the generators (run_plan.py).
@@ -77,6 +86,10 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     after_prefill maps the prompt's logits before the first sample (parallel sampling's fork).
     A step that loops on the device (GraphedStep, cuda_graphs) takes over after the first token: its
     tokens come in chunks of steps/graphs.STOP_CHECK_EVERY, as the host reads its stop flags.
+    Penalties, logit_bias (and structured output) process each row's logits before it samples, from
+    that row's own tokens (decoding/logits.py); a step that samples inside (speculative) reads the
+    same state through step.processing. texts: each row's StopText (row_texts), which its live tokens
+    join; a row whose text reaches one of config.stop stops there.
     """
     step, config, generators = plan.step, plan.config, plan.generators
     n = config.max_new_tokens
@@ -90,14 +103,27 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     with step.grad_mode():
         # the prompt's products in their own format (chapter 16), and the attention backend: the plan's ops
         logits = step.prefill(model, input_ids, input_pos, cache, policy, ops=plan.prompt_ops)
+        processing = step.processing = row_processing(config, input_ids, input_pos, model.config.vocab_size, plan.guide)
         if after_prefill is not None:
             logits = after_prefill(logits)
+            if processing is not None and logits.shape[0] != processing.rows:  # parallel sampling's fork
+                processing.fork(logits.shape[0])
         stats.prefill_s = time.perf_counter() - start
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=input_ids.device)  # [B] (after a fork: n)
         for i in range(n):
             # a CUDA-graph step samples inside its graph: from the second token on, `logits` are tokens
-            token = logits if step.samples_inside and i > 0 else sample(logits, config, generators)  # [B]
+            if step.samples_inside and i > 0:
+                token = logits
+            else:  # each row's penalties, bias and mask first, from its own tokens (decoding/logits.py)
+                token = sample(processing(logits) if processing is not None else logits, config, generators)  # [B]
             token = torch.where(finished, torch.full_like(token, pad), token)
+            if processing is not None:  # the row's token joins its state (a stopped row's padding does not)
+                processing.advance(token, finished=finished)
+            if texts is not None:  # and its text, where a stop string may end the row
+                for text, t, done in zip(texts, token.tolist(), finished.tolist()):
+                    if not done:
+                        text.push(t)
+                finished |= torch.tensor([text.matched for text in texts], device=finished.device)
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - start
@@ -118,6 +144,26 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     finish_timing(stats.timing, start)
 
 
+def row_processing(config: GenerationConfig, input_ids: Tensor, input_pos: Tensor,
+                   vocab_size: int, guide: Guide | None = None) -> LogitsProcessing | None:
+    """Each row's logits processing, from its own prompt (input_ids [B, T] without the padding at
+    position -1) and, under structured output, its own Matcher of `guide`; None where the config
+    processes nothing."""
+    if not LogitsProcessing.needed(config):
+        return None
+    real = input_pos >= 0 if input_pos.dim() == 2 else torch.ones_like(input_ids, dtype=torch.bool)
+    matchers = [guide.matcher() for _ in range(input_ids.shape[0])] if guide is not None else None
+    return LogitsProcessing(config, [row[keep] for row, keep in zip(input_ids, real)], vocab_size, input_ids.device,
+                            matchers)
+
+
+def row_texts(plan: Plan, prompts: list[Tensor]) -> list[StopText] | None:
+    """Each row's StopText (its new text, cut at config.stop) where the plan has a tokenizer; else None."""
+    if plan.tokenizer is None:
+        return None
+    return [StopText(plan.tokenizer, p.tolist(), plan.config.stop) for p in prompts]
+
+
 def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache: Cache | None,
                    last: float) -> Iterator[Tensor]:
     """Yield the tokens of a device loop's chunks, filling `stats`: each token's latency is its
@@ -133,17 +179,19 @@ def _device_tokens(chunks: Iterator[list[Tensor]], stats: GenerationStats, cache
 
 
 def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig, observers: tuple[AttentionObserver, ...],
-                 draft_model, plan: Plan | None) -> Plan:
+                 draft_model, plan: Plan | None, tokenizer=None) -> Plan:
     """A tensor batch's checks and its plan, before any work (so that stream raises at the call, not
     at its first next()). Beam search runs num_beams rows a prompt."""
     check_prompt(model, input_ids, config.max_new_tokens, config)
     B, max_len = input_ids.shape[0] * config.num_beams, input_ids.shape[1] + config.max_new_tokens
     if plan is None:
-        return make_plan(model, config, B, "generate", max_len=max_len, observers=observers, draft_model=draft_model)
+        return make_plan(model, config, B, "generate", max_len=max_len, observers=observers, draft_model=draft_model,
+                         tokenizer=tokenizer)
     return plan.check_fits(B, max_len)
 
 
-def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: GenerationStats) -> Iterator[Tensor]:
+def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: GenerationStats,
+                  texts: list[StopText] | None = None) -> Iterator[Tensor]:
     """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep (the loop
     feeds the rows in lockstep; a speculative step's rows verify at their own positions)."""
     T = input_ids.shape[1]
@@ -152,12 +200,12 @@ def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: Generation
         policy = plan.make_policy(cache)
     input_pos = torch.arange(T, device=input_ids.device)
     yield from run_steps(model, plan, input_ids, input_pos, cache, policy, stats,
-                         lambda i, finished: torch.tensor([T + i], device=input_ids.device))
+                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), texts=texts)
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
              observers: tuple[AttentionObserver, ...] = (), draft_model: Model | None = None,
-             plan: Plan | None = None, **overrides) -> GenerationOutput:
+             plan: Plan | None = None, tokenizer=None, **overrides) -> GenerationOutput:
     """Generate up to max_new_tokens after input_ids [B, T] -> GenerationOutput(tokens [B, T+n], stats).
 
     input_ids may also be a list of 1-D prompts of different lengths (a ragged batch): each row
@@ -171,24 +219,27 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     one; it holds its config. stats.plan says, in words, what ran.
     num_beams=k > 1: beam search (beam.py), each prompt's best of k beams, as transformers' generate
     returns it (a plan for it runs B x k rows).
+    `tokenizer` (the model's): GenerationOutput.texts holds each row's new text; the settings that read
+    text need it (stop strings, response_format, guided_regex, guided_grammar).
     """
     where = "ragged" if isinstance(input_ids, (list, tuple)) else "generate"
     config = given_plan(plan, config, overrides, where, observers=observers, draft_model=draft_model) \
         or resolve_config(config, overrides)
     if where == "ragged":
-        return _generate_ragged(model, input_ids, config, tuple(observers), draft_model, plan)
+        return _generate_ragged(model, input_ids, config, tuple(observers), draft_model, plan, tokenizer)
     stats = GenerationStats()
-    plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
+    plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan, tokenizer)
     if config.num_beams > 1:  # beam search (beam.py): the best of num_beams beams a prompt
         return GenerationOutput(tokens=beam_search(model, input_ids, plan, stats), stats=stats)
-    new = list(_stream_batch(model, input_ids, plan, stats))
+    texts = row_texts(plan, list(input_ids))
+    new = list(_stream_batch(model, input_ids, plan, stats, texts))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
-    return GenerationOutput(tokens=tokens, stats=stats)
+    return GenerationOutput(tokens=tokens, stats=stats, texts=[t.text() for t in texts] if texts else None)
 
 
 def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
            observers: tuple[AttentionObserver, ...] = (), stats: GenerationStats | None = None,
-           draft_model: Model | None = None, plan: Plan | None = None, **overrides) -> Iterator[Tensor]:
+           draft_model: Model | None = None, plan: Plan | None = None, tokenizer=None, **overrides) -> Iterator[Tensor]:
     """Yield each new token [B] as soon as it is sampled; `stats`, when given, is filled as the
     tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = given_plan(plan, config, overrides, "generate", observers=observers, draft_model=draft_model) \
@@ -198,8 +249,9 @@ def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = No
                           "(a later step may drop the beam a token was on). Fix: generate(model, ids, num_beams=...) "
                           "in Python (`minigen generate` streams), or num_beams=1 to stream")
     # Check here: a generator function would only raise at the first next(), far from the call.
-    plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan)
-    return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats())
+    plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan, tokenizer)
+    return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats(),
+                         row_texts(plan, list(input_ids)))
 
 
 # ---------------------------------------------------------------- prefix sharing: parallel sampling
@@ -213,7 +265,7 @@ class ParallelSample:
 
 
 def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationConfig | None = None, *,
-                    plan: Plan | None = None, **overrides) -> ParallelSample:
+                    plan: Plan | None = None, tokenizer=None, **overrides) -> ParallelSample:
     """Prefill one prompt [1, T] once, fork it into n rows that share its blocks, sample each row.
 
     Every row runs max_new_tokens (stop tokens are ignored). cache_chunk_size defaults to 16; the
@@ -223,10 +275,15 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     """
     _check_parallel_args(input_ids, n)
     config = given_plan(plan, config, overrides, "parallel_sample") or resolve_config(config, overrides)
+    if config.stop:
+        raise ConfigError(f"stop={list(config.stop)} with parallel_sample: its n samples each run max_new_tokens, "
+                          "stop ids and strings alike ignored. Fix: generate(model, ids.expand(n, -1), config, "
+                          "do_sample=True, tokenizer=tok), whose rows stop at their own stop strings")
     check_prompt(model, input_ids, config.max_new_tokens, config)
     T, new = input_ids.shape[1], config.max_new_tokens
     # paged (the plan's blocks of 16 where the config names none): the eager step, which the table keeps
-    plan = plan.check_fits(n, T + new) if plan else make_plan(model, config, n, "parallel_sample", max_len=T + new)
+    plan = plan.check_fits(n, T + new) if plan else make_plan(model, config, n, "parallel_sample", max_len=T + new,
+                                                                   tokenizer=tokenizer)
     bs = plan.config.cache_chunk_size
     unshared = n * math.ceil((T + new) / bs)
     cache = plan.make_cache(model, rows=1, pool_rows=n)  # one row now, n after the fork
@@ -280,7 +337,7 @@ def check_prompts(model: Model, prompts, config: GenerationConfig) -> None:
 
 
 def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers: tuple,
-                     draft_model: Model | None = None, plan: Plan | None = None) -> GenerationOutput:
+                     draft_model: Model | None = None, plan: Plan | None = None, tokenizer=None) -> GenerationOutput:
     """Prompts of different lengths in one batch: left-padded, each row at its own positions
     0..len-1 (padding at -1, never written or attended), then decoded at its own position; a row
     that has stopped is fed at position -1, so it writes nothing."""
@@ -291,7 +348,7 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     lens = [p.numel() for p in prompts]
     B, T, n = len(prompts), max(lens), config.max_new_tokens
     plan = plan.check_fits(B, T + n) if plan else make_plan(model, config, B, "ragged", max_len=T + n,
-                                                           draft_model=draft_model)
+                                                           draft_model=draft_model, tokenizer=tokenizer)
     stats, device = GenerationStats(), model.device
     ids = torch.zeros(B, T, dtype=torch.long, device=device)
     pos = torch.full((B, T), -1, dtype=torch.long, device=device)
@@ -305,12 +362,14 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     def next_pos(i: int, finished: Tensor) -> Tensor:  # [B, 1]: each row after its own prompt; -1 once done
         return torch.where(finished, -1, row_lens + i)[:, None]
 
-    new = list(run_steps(model, plan, ids, pos, cache, policy, stats, next_pos))
+    texts = row_texts(plan, list(prompts))
+    new = list(run_steps(model, plan, ids, pos, cache, policy, stats, next_pos, texts=texts))
     stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
     out: list[list[int]] = [[] for _ in range(B)]
-    for token in new:  # each row up to and including its own stop
+    for token in new:  # each row up to and including its own stop (a stop id, or the token its stop string ends in)
         for b, t in enumerate(token.tolist()):
-            if not out[b] or (out[b][-1] not in stop and len(out[b]) < n):
+            ended = texts is not None and texts[b].matched and len(out[b]) >= texts[b].pushed
+            if not out[b] or (out[b][-1] not in stop and len(out[b]) < n and not ended):
                 out[b].append(t)
     tokens = [torch.cat([p, torch.tensor(t, dtype=p.dtype, device=p.device)]) for p, t in zip(prompts, out)]
-    return GenerationOutput(tokens=tokens, stats=stats)
+    return GenerationOutput(tokens=tokens, stats=stats, texts=[t.text() for t in texts] if texts else None)

@@ -32,8 +32,11 @@ import torch
 from .attention import AttentionObserver, AttentionPolicy
 from .caches.make import make_cache
 from .run_rules import Run
+from .decoding.guide import Guide
+from .decoding.structured import compile_guide, require_tokenizer
 from .errors import ConfigError
 from .config import GenerationConfig
+from .decoding.settings import check_vocabulary
 from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
@@ -62,6 +65,8 @@ class Plan:
     prompt_ops: object = None  # the model's ops for a prompt: its format (prefill_precision) and attention backend
     decode_ops: object = None  # the model's ops for a decode step: fp32 products, the attention backend
     parts: dict[str, str] = field(default_factory=dict)  # "decode", "prompt", "attention", "KV", "kernels": words
+    tokenizer: object = None  # the model's tokenizer, for the settings that read text (stop, structured output)
+    guide: Guide | None = None  # the compiled structure every row's mask follows (decoding/structured.py), or None
 
     @property
     def ragged(self) -> bool:
@@ -127,12 +132,20 @@ def given_plan(plan: Plan | None, config, overrides: dict, where: str, **beside)
 
 
 def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, where: str = "generate", *,
-              max_len: int | None = None, observers: tuple[AttentionObserver, ...] = (), draft_model=None) -> Plan:
+              max_len: int | None = None, observers: tuple[AttentionObserver, ...] = (), draft_model=None,
+              tokenizer=None) -> Plan:
     """The plan for `batch` rows of `model` under `config` at `where` (places.WHERES), each row's
     cache holding `max_len` positions (default: the model's context). Refuses (ConfigError) what the
-    rule table does not allow here, before any work."""
+    rule table does not allow here, before any work. `tokenizer`: the model's, which the settings
+    that read text need (stop strings; response_format, guided_regex, guided_grammar: compiled here)."""
     config = config or GenerationConfig()
     check_where(config, where)
+    check_vocabulary(config, model.config.vocab_size)  # logit_bias's ids
+    sampled = where not in ("score", "profile", "draft")  # the places that sample the text they make
+    stops = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
+    guide = compile_guide(config, tokenizer, model.config.vocab_size, stops) if sampled else None
+    if sampled:
+        require_tokenizer(config, tokenizer)
     if where in ("score", "profile") and config.fused_decode == "auto":
         # score's chunked forward reads each weight once per chunk, not once per token; the profiler's
         # categories are torch's ops, which the fused step runs in one C call: both run the eager step
@@ -153,7 +166,7 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     # the prompt's ops carry its format; a bf16 prompt's attention in bf16 where that measured no slower here
     plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, fast,
                 ops_for(model, config, prompt=True, int8_act=prompt_i8),
-                ops_for(model, config, prompt=False, int8_act=decode_i8))
+                ops_for(model, config, prompt=False, int8_act=decode_i8), tokenizer=tokenizer, guide=guide)
     plan.parts = describe(plan, model)
     return plan
 
@@ -164,9 +177,24 @@ def describe(plan: Plan, model) -> dict[str, str]:
     k = plan.config.num_beams
     beams = {"beams": f"beam search (beam.py): {k} beams a prompt, {plan.batch} rows, the cache's rows reordered "
                       "every step"} if k > 1 else {}
+    text = {"text": _text_words(plan)} if plan.guide is not None or plan.config.stop else {}
     return {**beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
             "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
-            "kernels": _kernel_words(plan)}
+            "kernels": _kernel_words(plan), **text}
+
+
+def _text_words(plan: Plan) -> str:
+    """What reads the text: the structure's mask and its backend, the stop strings."""
+    words = []
+    if plan.guide is not None:
+        spec = plan.config.guide_spec()
+        what = {"json_schema": "a JSON schema", "json_object": "any JSON object", "regex": "a regex",
+                "grammar": "a Lark grammar"}[spec.kind]
+        words.append(f"structured output: {what}, a token mask per row from {plan.guide.backend} (compiled in "
+                     f"{plan.guide.compile_s * 1e3:.1f} ms), applied before each sample")
+    if plan.config.stop:
+        words.append(f"stop strings {list(plan.config.stop)} matched on each row's text")
+    return "; ".join(words)
 
 
 def _ratio(plan: Plan, path: str, against: str) -> str:

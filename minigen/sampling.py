@@ -1,4 +1,4 @@
-"""Picking the next token from logits: greedy, or temperature / top-k / top-p sampling (chapter 1).
+"""Picking the next token from logits: greedy, or temperature / top-k / top-p / min-p sampling (chapter 1).
 
 Shapes: B batch, V vocabulary.
 
@@ -35,7 +35,7 @@ def greedy(config: GenerationConfig) -> bool:
 
 
 def sample(logits: Tensor, config: GenerationConfig, generator: Generators = None) -> Tensor:
-    """Pick the next token [B] from logits [B, V]: greedy, or temperature / top-k / top-p sampling.
+    """Pick the next token [B] from logits [B, V]: greedy, or temperature / top-k / top-p / min-p sampling.
 
     Stays on the device (no .item()), so it adds no host sync to a decode step. Sampling is the
     exponential race: argmax over p_i / E_i with E_i ~ Exp(1) drawn independently picks token i
@@ -61,7 +61,8 @@ def draw(probs: Tensor, generator: Generators = None) -> Tensor:
 
 def probabilities(logits: Tensor, config: GenerationConfig) -> Tensor:
     """The distribution `sample` draws from, [..., V] from logits [..., V]: tempered, then cut to the
-    top-k and top-p tokens. Speculative sampling (steps/speculative.py) compares two of these.
+    top-k, top-p and min-p tokens, in transformers' order of its warpers. Speculative sampling
+    (steps/speculative.py) compares two of these.
     A temperature below GREEDY_TEMPERATURE gives the argmax probability 1 (ties: the first)."""
     if config.temperature < GREEDY_TEMPERATURE:  # greedy by rule, not by how 1/T overflows
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(logits.dtype)
@@ -81,6 +82,11 @@ def probabilities(logits: Tensor, config: GenerationConfig) -> Tensor:
         drop_sorted = probs.cumsum(dim=-1) - probs >= config.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if config.min_p is not None and config.min_p > 0:
+        # min-p (Nguyen et al. 2024; transformers' MinPLogitsWarper): drop a token less likely than
+        # min_p x the top token's probability; the top token always stays (min_p <= 1)
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < config.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits.softmax(dim=-1)
 
 

@@ -231,6 +231,51 @@ def _():
     GenerationConfig(do_sample=True, temperature=float("inf"))
 
 
+@case("config-penalty-out-of-range")
+def _():
+    GenerationConfig(frequency_penalty=2.5)
+
+
+@case("config-repetition-penalty-zero")
+def _():
+    GenerationConfig(repetition_penalty=0)
+
+
+@case("config-min-p-outside")
+def _():
+    GenerationConfig(do_sample=True, min_p=1.5)
+
+
+@case("config-min-p-without-do-sample")
+def _():
+    GenerationConfig(min_p=0.1)
+
+
+@case("config-logit-bias-value")
+def _():
+    GenerationConfig(logit_bias={50: 150})
+
+
+@case("config-logit-bias-key")
+def _():
+    assert GenerationConfig(logit_bias={"50": 1}).logit_bias == {50: 1}  # JSON's string keys are ids
+    GenerationConfig(logit_bias={"the": 5})
+
+
+@case("config-logit-bias-outside-vocabulary")
+def _(tiny_model):
+    minigen.generate(tiny_model, torch.tensor([[1, 2, 3]]), logit_bias={97: -100})
+
+
+@case("config-penalties-with-cuda-graphs")
+def _():
+    for key, value in (("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("logit_bias", {3: 1.0})):
+        with pytest.raises(errors.ConfigError, match=f"{key}=.* and cuda_graphs=True do not combine"):
+            GenerationConfig(cuda_graphs=True, **{key: value})
+    GenerationConfig(cuda_graphs=True, do_sample=True, min_p=0.1)  # min-p runs inside sample(), in the graph too
+    GenerationConfig(cuda_graphs=True, repetition_penalty=1.2)
+
+
 @case("config-temperature-tiny")
 def _(tiny_model):
     ids = torch.tensor([[3, 1, 4, 1, 5]])
@@ -1351,8 +1396,8 @@ def _(tiny_model, tiny_folder):
 @case("serve-unsupported-field")
 def _(tiny_model, tiny_folder):
     http, _ = serve_tiny(tiny_model, tiny_folder)
-    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "presence_penalty": 0.5})
-    openai_error(r, 400, "'presence_penalty' is one of OpenAI's fields that minigen serve does not implement",
-                 "so it would be ignored: drop it", param="presence_penalty")
-    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "presence_penalty": 0})
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "echo": True})
+    openai_error(r, 400, "'echo' is one of OpenAI's fields that minigen serve does not implement",
+                 "so it would be ignored: drop it", param="echo")
+    ok = http.post("/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 1, "echo": False})
     assert ok.status_code == 200  # its no-op value asks for nothing

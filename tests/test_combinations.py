@@ -56,6 +56,13 @@ FIELDS = {
     "temperature": st.sampled_from([1.0, 0.7, 1e-3]),
     "top_k": maybe(st.integers(1, 120)),
     "top_p": maybe(st.sampled_from([0.05, 0.5, 1.0])),
+    # min-p, penalties and bias: not drawn by configs() (a draw more would move every later example of the
+    # derandomized search), but run by the test's explicit examples (PROCESSED)
+    "min_p": maybe(st.sampled_from([0.0, 0.1, 0.5, 1.0])),
+    "repetition_penalty": st.sampled_from([1.0, 1.3, 0.8]),
+    "frequency_penalty": st.sampled_from([0.0, 0.5, -1.0]),
+    "presence_penalty": st.sampled_from([0.0, 1.0]),
+    "logit_bias": maybe(st.dictionaries(st.integers(0, 96), st.sampled_from([-100.0, 3.0]), max_size=2)),
     "seed": maybe(st.integers(0, 2**64 - 1)),
     "stop_token_ids": maybe(st.lists(st.integers(0, 96), max_size=2)),
     # the text settings need a tokenizer, which the tiny model has not: test_structured*.py and test_stops.py
@@ -155,6 +162,18 @@ def configs(draw):
     return fields
 
 
+# Penalties and bias process each row's logits (decoding/logits.py): greedy rows batched still equal each
+# alone, speculation still gives the plain greedy tokens, and cuda_graphs refuses them.
+PROCESSED = [
+    {"max_new_tokens": 5, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "logit_bias": {5: 3.0, 9: -100.0},
+     "cache_chunk_size": 8},
+    {"max_new_tokens": 4, "presence_penalty": 1.0, "do_sample": True, "min_p": 0.1, "seed": 3, "window_size": 12,
+     "speculative_method": "ngram"},
+    {"max_new_tokens": 3, "repetition_penalty": 0.8, "presence_penalty": -1.0, "fused_decode": True},
+    {"repetition_penalty": 1.3, "cuda_graphs": True},
+]
+
+
 def test_the_strategies_cover_every_field():
     assert set(FIELDS) == set(GenerationConfig.field_names())
 
@@ -231,6 +250,10 @@ def run_nll(model, text, config):
 @example(fields={**DEFAULTS, "kv_budget": 10, "sparse_top_k": 8, "window_size": 30})
 @example(fields={**DEFAULTS, "cache_chunk_size": 8, "quant_bits": 4, "quant_group_size": 8, "window_size": 12,
                  "attention_backend": "triton", "max_new_tokens": 3})
+@example(fields={**DEFAULTS, **PROCESSED[0]})
+@example(fields={**DEFAULTS, **PROCESSED[1]})
+@example(fields={**DEFAULTS, **PROCESSED[2]})
+@example(fields={**DEFAULTS, **PROCESSED[3]})
 def test_a_config_either_runs_every_feature_or_is_refused(tiny, draft, text, fields):
     named = {k for k, v in fields.items() if v != DEFAULTS[k]}  # what the user wrote
     try:

@@ -330,7 +330,7 @@ def _():
 
 @case("config-transformers-key")
 def _():
-    GenerationConfig(repetition_penalty=1.2)
+    GenerationConfig(no_repeat_ngram_size=3)
 
 
 @case("config-override-misplaced")

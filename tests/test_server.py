@@ -9,7 +9,9 @@ multi-byte characters, and the graceful stop on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
@@ -42,7 +45,7 @@ EOS_PROMPT = "The end is near"  # the tiny model's eos is its 3rd greedy token a
 
 
 def start(model, tokenizer, *, max_batch_size=4, max_waiting=64, max_context=CONTEXT, api_key=None, step_s=0.0):
-    engine = Engine(model, max_batch_size=max_batch_size, num_blocks=64)
+    engine = Engine(model, max_batch_size=max_batch_size, num_blocks=64, tokenizer=tokenizer)
     if step_s:  # a slow engine: each step sleeps, so a request stays in flight long enough to act on
         step = engine.step
         engine.step = lambda: (time.sleep(step_s), step())[1]
@@ -93,9 +96,9 @@ def guarded(model, tokenizer):
     running.stop()
 
 
-def solo(model, ids, **overrides) -> list[int]:
+def solo(model, ids, tokenizer=None, **overrides) -> list[int]:
     """The new tokens of one request run alone on a fresh Engine."""
-    engine = Engine(model, max_batch_size=1)
+    engine = Engine(model, max_batch_size=1, tokenizer=tokenizer)
     rid = engine.add_request(ids, **overrides)
     return engine.run()[rid][len(ids):].tolist()
 
@@ -151,6 +154,36 @@ def test_chat_sampled_n_choices_stream_equals_plain_and_solo(server, model, toke
         assert plain.choices[i].message.content == text_of(tokenizer, new) == streamed[i]
     assert plain.choices[0].message.content != plain.choices[1].message.content  # seeds 7 and 8 differ
     assert plain.usage.prompt_tokens == len(ids) and plain.usage.completion_tokens == 20
+
+
+CHOICE_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["cat", "dog", 3]}},
+                 "required": ["ok", "kind"], "additionalProperties": False}  # a finite language: every reply ends
+
+
+def test_response_format_and_penalties_reach_each_choice(server, model, tokenizer):
+    """response_format (a JSON schema), the penalties and logit_bias through the openai client: each
+    choice's reply parses, follows the schema, and equals its request run alone on the Engine."""
+    c = client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": CHOICE_SCHEMA, "strict": True}}
+    reply = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Pick one"}], max_tokens=30,
+                                      temperature=0.9, seed=3, n=2, response_format=fmt, frequency_penalty=0.5)
+    ids = chat_ids(tokenizer, "Pick one")
+    for i, choice in enumerate(reply.choices):
+        jsonschema.validate(json.loads(choice.message.content), CHOICE_SCHEMA)
+        assert choice.finish_reason == "stop"  # the schema's end: the mask leaves only the stop token
+        new = solo(model, ids, max_new_tokens=30, do_sample=True, temperature=0.9, seed=3 + i, frequency_penalty=0.5,
+                   response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": CHOICE_SCHEMA}},
+                   tokenizer=tokenizer)
+        assert choice.message.content == text_of(tokenizer, new[:-1]) and new[-1] in model.config.eos_token_ids
+    banned = solo(model, ids, max_new_tokens=1)[0]  # the greedy first token, then banned by a bias
+    biased = c.completions.create(model=MODEL, prompt=ids, max_tokens=4, temperature=0, presence_penalty=1.5,
+                                  logit_bias={str(banned): -100}, extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    new = solo(model, ids, max_new_tokens=4, presence_penalty=1.5, logit_bias={banned: -100}, repetition_penalty=1.3,
+               stop_token_ids=[])
+    assert biased.choices[0].text == text_of(tokenizer, new) and banned not in new
+    regex = c.completions.create(model=MODEL, prompt="Digits:", max_tokens=8, temperature=0,
+                                 extra_body={"guided_regex": "[0-9]{3}-[0-9]{2}"}).choices[0].text
+    assert re.fullmatch("[0-9]{3}-[0-9]{2}", regex), regex
 
 
 def test_stop_string_cuts_the_text_and_finishes_stop(server, tokenizer):
@@ -248,6 +281,12 @@ BAD_FIELDS = [  # (route, body changes, param, fragments of the message)
     ("chat", {"messages": [{"role": "robot", "content": "hi"}]}, "messages", ["messages.0.role", "'robot'"]),
     ("chat", {"top_logprobs": 3}, "top_logprobs", ["top_logprobs=3 needs logprobs=true"]),
     ("chat", {"top_logprobs": 21, "logprobs": True}, "top_logprobs", ["less than or equal to 20"]),
+    ("chat", {"frequency_penalty": 2.5}, "frequency_penalty", ["frequency_penalty", "less than or equal to 2"]),
+    ("completions", {"logit_bias": {"the": 5}}, "logit_bias", ["logit_bias maps token ids", "'the'"]),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     None, ["response_format", "cannot be compiled by llguidance"]),
+    ("chat", {"response_format": {"type": "yaml"}}, "response_format", ["response_format.type"]),
+    ("completions", {"guided_regex": "(a"}, None, ["guided_regex", "cannot be compiled"]),
 ]
 
 
@@ -273,14 +312,14 @@ def test_errors_are_openai_error_objects(server):
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [MODEL]
     # a field the server would have to ignore is refused, named; its no-op value (or null) and `user` are taken
-    check_error(httpx.post(url, json={"model": MODEL, "prompt": "hi", "presence_penalty": 0.5}), 400,
-                "'presence_penalty' is one of OpenAI's fields that minigen serve does not implement", param="presence_penalty")
+    check_error(httpx.post(url, json={"model": MODEL, "prompt": "hi", "echo": True}), 400,
+                "'echo' is one of OpenAI's fields that minigen serve does not implement", param="echo")
     check_error(httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_token": 2}), 400,
                 "'max_token' is not a field of this route", param="max_token")
     check_error(httpx.post(server.url + "/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
-        400, "'response_format' is one of OpenAI's fields", param="response_format")
-    r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "presence_penalty": 0, "logit_bias": {},
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
+        400, "'tools' is one of OpenAI's fields", param="tools")
+    r = httpx.post(url, json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "echo": False, "tools": [],
                               "suffix": None, "user": "u"})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
 

@@ -157,3 +157,32 @@ class StopStrings:
         """The held-back text at the end ("" after a match)."""
         held, self.held = self.held, ""
         return held
+
+
+class StopText:
+    """One row's text as its tokens come, cut at its stop strings: what generate's `stop` reads.
+
+    push(token) -> whether a stop string has matched (the row then stops); text() -> the row's new
+    text, ending right before the match (or whole, without one). The Detokenizer keeps characters
+    whole; StopStrings finds a stop spread over several tokens."""
+
+    def __init__(self, tokenizer, prompt_ids: Sequence[int], stops: Sequence[str] | None):
+        self.detok, self.cut = Detokenizer(tokenizer, prompt_ids), StopStrings(list(stops or []))
+        self.parts: list[str] = []
+        self.matched, self.done = False, False
+        self.pushed = 0  # tokens taken, up to and including the one that completed a stop string
+
+    def push(self, token_id: int) -> bool:
+        if not self.matched:
+            piece, self.matched = self.cut.push(self.detok.push(token_id))
+            self.parts.append(piece)
+            self.pushed += 1
+        return self.matched
+
+    def text(self) -> str:
+        """The whole new text so far, the held-back tail included (call once the row has ended)."""
+        if not self.done and not self.matched:
+            piece, self.matched = self.cut.push(self.detok.flush())
+            self.parts += [piece, self.cut.flush()]
+        self.done = True
+        return "".join(self.parts)

@@ -166,6 +166,13 @@ def sampling_params(config: GenerationConfig) -> dict[str, object]:
         params["top_k"] = config.top_k
     if config.do_sample and config.top_p is not None:
         params["top_p"] = config.top_p
+    if config.do_sample and config.min_p is not None:
+        params["min_p"] = config.min_p
+    for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0)):
+        if getattr(config, key) != off:  # vLLM's names and rules (repetition over prompt and output)
+            params[key] = getattr(config, key)
+    if config.logit_bias:
+        params["logit_bias"] = dict(config.logit_bias)
     if config.seed is not None:
         params["seed"] = config.seed
     if config.stop_token_ids is not None:

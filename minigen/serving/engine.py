@@ -53,11 +53,13 @@ from ..paths import check_fits
 from ..places import check_where
 from ..run_plan import make_plan
 from ..numerics.precision import DTYPES
-from ..sampling import make_generator, sample
+from ..sampling import make_generator
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
+from ..decoding.detokenize import StopText
 from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for, can_admit,
-                        engine_metrics, forward_groups, logprobs_count, prompt_tokens, token_logprobs)
+                        engine_metrics, forward_groups, logprobs_count, prompt_tokens, request_processing,
+                        token_logprobs)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
@@ -86,7 +88,7 @@ class Engine:
     """
 
     def __init__(self, model, config: GenerationConfig | dict | None = None, *, max_batch_size: int = 8,
-                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None):
+                 num_blocks: int | None = None, max_num_batched_tokens: int | None = None, tokenizer=None):
         self.config = resolve_config(config, {})
         check_where(self.config, "engine")  # what the engine cannot run (places.WHERE_REFUSED), before any work
         if self.config.cache_chunk_size is None:
@@ -107,7 +109,8 @@ class Engine:
         self.model, self.max_batch_size = model, max_batch_size
         self.max_num_batched_tokens = max_num_batched_tokens
         # rows at their own positions; here the config meets the model and the machine, before the pool
-        self.plan = make_plan(model, self.config, max_batch_size, "engine")
+        self.plan = make_plan(model, self.config, max_batch_size, "engine", tokenizer=tokenizer)
+        self.tokenizer = tokenizer  # the model's: requests' stop strings and structured output read text
         self.forward_step = self.plan.step
         self.forward_step.reserves = False  # the scheduler (step) reserves every block before each forward
         c, bs = model.config, self.config.cache_chunk_size
@@ -164,7 +167,7 @@ class Engine:
 
         A prompt is a list or tuple of ints (not bools, not floats) or a 1-D integer tensor ([T] or
         [1, T]), each id in [0, vocab_size). `overrides` are GenerationConfig fields for this request
-        only: max_new_tokens, do_sample, temperature, top_k, top_p, seed, stop_token_ids. `arrival_s`
+        only (scheduler.REQUEST_KEYS: sampling, penalties, logit_bias, stop ids and strings, structure). `arrival_s`
         (seconds since t=0, finite and >= 0; default now) replays a workload: the request is not
         admitted before it. `logprobs=k` (0..20) records in `requests[id].logprobs`, per sampled token,
         (its logprob, the top k (id, logprob)) of the model's raw fp32 logits (scheduler.token_logprobs);
@@ -183,7 +186,9 @@ class Engine:
         rid = self._next_id
         stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids
         req = Request(rid, tokens, config, frozenset(stop), arrival, make_generator(config, self.model.device),
-                      num_logprobs=num_logprobs)
+                      num_logprobs=num_logprobs, processing=request_processing(
+                          config, tokens, self.model.config.vocab_size, self.model.device, self.tokenizer, frozenset(stop)),
+                      text=StopText(self.tokenizer, tokens, config.stop) if config.stop else None)
         need = blocks_for(req.max_positions, self.block_size)
         if need > self.num_blocks:
             raise PromptError(f"request of {len(req.prompt)} prompt tokens + max_new_tokens={config.max_new_tokens} "
@@ -294,10 +299,9 @@ class Engine:
             if decoding:  # and one decode step of every running sequence
                 self._forward(decoding, [r.tokens[-1:] for r in decoding], new, prompt=False)
         for req in [r for r, _ in chunks] + decoding:  # 4. finished requests give their blocks back
-            if req.output and req.prefilled and (req.output[-1] in req.stop
-                                                 or len(req.output) >= req.config.max_new_tokens):
+            if req.output and req.prefilled and (req.stopped() or len(req.output) >= req.config.max_new_tokens):
                 self.running.remove(req)
-                self._finish(req, "stop" if req.output[-1] in req.stop else "length")
+                self._finish(req, "stop" if req.stopped() else "length")
         self.steps.append({"t_s": t, "step_s": time.perf_counter() - began,
                            "batch_size": len(chunks) + len(decoding), "kv_usage": self.alloc.n_used / self.num_blocks,
                            "prefill_tokens": sum(len(c) for _, c in chunks), "decode_tokens": len(decoding)})
@@ -357,7 +361,8 @@ class Engine:
         for b, (req, chunk) in enumerate(zip(reqs, chunks)):
             req.computed += len(chunk)
             if req.computed == len(req.tokens):  # the last chunk: the logits of its last token are the next's
-                token = greedy[b] if not req.config.do_sample else int(sample(logits[b:b + 1], req.config, req.generator))
+                plain = not req.config.do_sample and req.processing is None and req.text is None  # the argmax is its token
+                token = greedy[b] if plain else req.sample_next(logits[b:b + 1])
                 req.output.append(token)
                 if req.num_logprobs is not None:  # only rows that asked pay for the softmax
                     req.logprobs.append(token_logprobs(logits[b], token, req.num_logprobs))

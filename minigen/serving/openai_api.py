@@ -5,10 +5,11 @@ error object. server.py routes HTTP to these; nothing here touches the network.
 The request models are strict (a bool is no number, "5" no integer) and check every range when a
 body is parsed, so a bad field is refused with its name and its range before any work starts.
 A field the server does not implement is refused too (`unsupported`), as OpenAI refuses an
-unrecognized argument, rather than silently ignored: a client that asks for presence_penalty=0.5 or
-a response_format would otherwise get a reply made without it. The no-op value of such a field
-(null, presence_penalty=0, logit_bias={}, echo=false, ...) is accepted, since some clients send
-those defaults. `user` is accepted and ignored: it only labels the request for the caller's logs.
+unrecognized argument, rather than silently ignored: a client that asks for tools or echo=true
+would otherwise get a reply made without them. The no-op value of such a field (null, tools=[],
+echo=false, ...) is accepted, since some clients send those defaults. The penalties, logit_bias,
+response_format (a token mask: decoding/) and vLLM's top_k, min_p, repetition_penalty, guided_regex
+and guided_grammar are applied per choice by the Engine. `user` is accepted and ignored: it only labels the request for the caller's logs.
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ StopString = Annotated[str, Field(min_length=1)]  # "" would match everywhere
 
 
 # OpenAI fields minigen serve does not implement, with the value that asks for nothing
-NO_OP_VALUES = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "echo": False, "best_of": 1,
-                "suffix": "", "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+NO_OP_VALUES = {"echo": False, "best_of": 1, "suffix": "", "tools": [], "tool_choice": "none",
                 "parallel_tool_calls": True, "store": False, "service_tier": "auto", "modalities": ["text"],
                 "metadata": {}}
 
@@ -40,6 +40,21 @@ NO_OP_VALUES = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {},
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False  # a last chunk with `choices: []` and the usage of the whole request
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str = "reply"  # OpenAI asks for one; minigen only reports it
+    schema_: dict = Field(alias="schema")  # the JSON schema the reply must follow
+    strict: bool | None = None  # OpenAI's switch; the mask is always exact, so accepted either way
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: {"type": "json_schema", "json_schema": {...}}, "json_object" or "text"."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingRequest(BaseModel):
@@ -55,6 +70,16 @@ class SamplingRequest(BaseModel):
     stream: bool = False  # server-sent events, `data: [DONE]` last
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: do not stop on the end-of-sequence token
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)  # minus count x this, per token of the reply so far
+    presence_penalty: float = Field(0.0, ge=-2, le=2)  # minus this once a token has appeared in the reply
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
+    response_format: ResponseFormat | None = None  # the reply must be JSON (of a schema): a token mask
+    # vLLM's extensions, with vLLM's names
+    top_k: int | None = Field(None, ge=-1)  # -1 or None: every token
+    min_p: float = Field(0.0, ge=0, le=1)  # drop tokens below min_p x the top token's probability
+    repetition_penalty: float = Field(1.0, gt=0, le=100)  # transformers' rule, over the prompt and the reply
+    guided_regex: str | None = None  # the reply must match this regular expression
+    guided_grammar: str | None = None  # the reply must match this Lark grammar
     user: str | None = None  # accepted and ignored
 
     def stop_strings(self) -> list[str]:
@@ -154,13 +179,42 @@ def logprobs_k(req: SamplingRequest) -> int | None:
 
 def engine_overrides(req: SamplingRequest, max_new_tokens: int) -> list[dict]:
     """One dict of Engine request keys per choice: choice i samples with seed + i (greedy: all alike)."""
-    base: dict = {"max_new_tokens": max_new_tokens}
+    base: dict = {"max_new_tokens": max_new_tokens, **processing_overrides(req)}
     if req.ignore_eos:
         base["stop_token_ids"] = []  # no stop token at all: max_new_tokens ends it
-    if req.temperature == 0:  # greedy draws nothing: the seed has no effect, and the config refuses one
+    if req.temperature == 0:  # greedy draws nothing: seed, top_p, top_k and min_p change nothing, and the config refuses them
         return [{**base, "do_sample": False} for _ in range(req.n)]
-    base.update(do_sample=True, temperature=req.temperature, top_p=req.top_p if req.top_p < 1 else None)
+    base.update(do_sample=True, temperature=req.temperature, top_p=req.top_p if req.top_p < 1 else None,
+                top_k=req.top_k if req.top_k not in (None, -1, 0) else None, min_p=req.min_p or None)
     return [{**base, "seed": None if req.seed is None else req.seed + i} for i in range(req.n)]
+
+
+def processing_overrides(req: SamplingRequest) -> dict:
+    """The Engine keys of the fields that process a choice's logits (penalties, bias, structure), at
+    their defaults left out; the Engine checks their values and compiles the structure (400 if it cannot)."""
+    out: dict = {}
+    for key, off in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if getattr(req, key) != off:
+            out[key] = getattr(req, key)
+    if req.logit_bias:
+        if not all(k.isascii() and k.isdigit() for k in req.logit_bias):
+            raise ApiError(400, "logit_bias maps token ids, written as decimal strings (\"50256\"), to biases in "
+                           f"[-100, 100]; got the key {next(k for k in req.logit_bias if not k.isdigit())!r}",
+                           "logit_bias")
+        out["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema: {\"name\": ..., "
+                           "\"schema\": {...}}", "response_format")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": fmt.json_schema.name,
+                                                                          "schema": fmt.json_schema.schema_}}
+    elif fmt is not None and fmt.type == "json_object":
+        out["response_format"] = {"type": "json_object"}
+    for key in ("guided_regex", "guided_grammar"):
+        if getattr(req, key) is not None:
+            out[key] = getattr(req, key)
+    return out
 
 
 # ---------------------------------------------------------------- responses

@@ -28,7 +28,11 @@ from torch import Tensor
 
 from ..caches.blocks import BlockAllocator
 from ..config import GenerationConfig
+from ..decoding.detokenize import StopText
+from ..decoding.logits import LogitsProcessing
+from ..decoding.structured import compile_guide, require_tokenizer
 from ..errors import ConfigError, PromptError
+from ..sampling import sample
 from .metrics import latency_stats
 
 
@@ -36,9 +40,23 @@ from .metrics import latency_stats
 # The serving engine (engine.py) runs every sequence in one pool of full-precision paged
 # blocks. A request may override only what sampling and stopping mean for it; the rest is the pool's.
 # What the engine cannot run at all is places.WHERE_REFUSED["engine"].
-REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "seed", "stop_token_ids")
+REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids",
+                "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "stop",
+                "response_format", "guided_regex", "guided_grammar", "guided_backend")
 MAX_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's API allows 0..20)
 PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
+
+
+def request_processing(config: GenerationConfig, tokens: list[int], vocab_size: int, device: torch.device,
+                       tokenizer=None, stop: frozenset[int] = frozenset()) -> LogitsProcessing | None:
+    """A request's own logits processing (one row, from its prompt; its own Matcher of the structure
+    its config names, compiled once per spec: decoding/structured.py), or None where it processes nothing."""
+    require_tokenizer(config, tokenizer, "Engine(model, config, tokenizer=tok)")
+    if not LogitsProcessing.needed(config):
+        return None
+    guide = compile_guide(config, tokenizer, vocab_size, sorted(stop))
+    return LogitsProcessing(config, [torch.tensor(tokens, dtype=torch.long)], vocab_size, device,
+                            [guide.matcher()] if guide is not None else None)
 
 
 def prompt_tokens(prompt_ids, vocab_size: int) -> list[int]:
@@ -215,6 +233,8 @@ class Request:
     num_logprobs: int | None = None  # logprobs=k: record each sampled token's logprob and the top k (None: none)
     logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # one per output token
     phases: list[list] = field(default_factory=list)  # [phase, start_s, end_s or None while open]
+    processing: LogitsProcessing | None = None  # its penalties, bias and mask (decoding/logits.py); None: raw logits
+    text: StopText | None = None  # its text, where config.stop's strings end it (None: no stop strings)
 
     @property
     def tokens(self) -> list[int]:
@@ -224,6 +244,22 @@ class Request:
     def max_positions(self) -> int:
         """Positions it can ever write: prompt + max_new_tokens - 1 (the last token is never fed back)."""
         return len(self.prompt) + max(self.config.max_new_tokens, 1) - 1
+
+    def sample_next(self, logits: Tensor) -> int:
+        """Sample its next token from its row's logits [1, V]: its penalties, bias and mask first (from its own
+        tokens alone), then its own sampling settings and generator; the token joins its state."""
+        if self.processing is not None:
+            logits = self.processing(logits)
+        token = sample(logits, self.config, self.generator)  # [1]
+        if self.processing is not None:
+            self.processing.advance(token)
+        if self.text is not None:
+            self.text.push(int(token))
+        return int(token)
+
+    def stopped(self) -> bool:
+        """Its last token is a stop id, or completed one of its stop strings."""
+        return self.output[-1] in self.stop or (self.text is not None and self.text.matched)
 
     def block_keys(self, n: int, block_size: int) -> list[int]:
         """The keys of its first n full blocks (computed once, extended as it grows)."""

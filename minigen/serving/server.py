@@ -125,15 +125,16 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 # ---------------------------------------------------------------- one choice, and the n of a request
 async def choice_deltas(s: Served, index: int, stream: RequestStream, prompt_ids: list[int], stops: list[str],
-                        submitted_s: float) -> AsyncIterator[Choice]:
+                        submitted_s: float, stop_ids: frozenset[int] = frozenset()) -> AsyncIterator[Choice]:
     """A choice's text as it grows: one Choice per token (its new text, maybe ""), and a last one with
-    the finish reason. Streaming and plain responses both read this, so their texts are equal."""
+    the finish reason. Streaming and plain responses both read this, so their texts are equal. A stop
+    token (stop_ids: the eos that ends it) counts as a token and adds no text, as in OpenAI's replies."""
     detok, cut = Detokenizer(s.tokenizer, prompt_ids), StopStrings(stops)
     tokens, reason = 0, None
     try:
         async for ev in stream:
             tokens += 1
-            text, matched = cut.push(detok.push(ev.token_id))
+            text, matched = cut.push(detok.push(ev.token_id)) if ev.token_id not in stop_ids else ("", False)
             entries = [] if ev.logprob is None else [(ev.token_id, ev.logprob, ev.top_logprobs or [])]
             if matched:  # the stop string and what follows are cut; its engine request ends now
                 stream.cancel()
@@ -212,7 +213,9 @@ async def submit(s: Served, req: SamplingRequest, prompt_ids: list[int]) -> list
 async def respond(s: Served, kind: str, req: SamplingRequest, prompt_ids: list[int]) -> Response:
     """Run a request: a JSON response, or server-sent events when req.stream."""
     streams = await submit(s, req, prompt_ids)
-    deltas = merge([choice_deltas(s, i, st, prompt_ids, req.stop_strings(), t0) for i, (st, t0) in enumerate(streams)])
+    stop_ids = frozenset(() if req.ignore_eos else s.engine.engine.model.config.eos_token_ids)
+    deltas = merge([choice_deltas(s, i, st, prompt_ids, req.stop_strings(), t0, stop_ids)
+                    for i, (st, t0) in enumerate(streams)])
     rid, created, wants = request_id(kind), now_s(), logprobs_k(req) is not None
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -391,7 +394,7 @@ def serve(model_name: str, config: GenerationConfig, *, host: str = "127.0.0.1",
     if compute_dtype is not None:
         model.precision = model.precision.replace(compute=compute_dtype)
     engine = Engine(model, config, max_batch_size=max_batch_size, num_blocks=num_blocks,
-                    max_num_batched_tokens=max_num_batched_tokens)
+                    max_num_batched_tokens=max_num_batched_tokens, tokenizer=tokenizer)
     # the longest request the engine can hold: the model's context, or the whole pool if smaller
     max_context = min(model.config.max_seq_len, engine.num_blocks * engine.block_size)
     app = make_app(AsyncEngine(engine, max_waiting=max_waiting), tokenizer, model_name, api_key=api_key,

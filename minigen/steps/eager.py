@@ -57,6 +57,9 @@ class EagerStep:
     compile_s = 0.0
     prefill_chunk_size: int | None = None  # GenerationConfig.prefill_chunk_size (steps/choose.py sets it)
     reserves = True  # the step reserves the cache's blocks before each forward; False: its caller does (the engine)
+    # each row's penalties, bias and mask (decoding/logits.py), set by the loop for a step that samples
+    # inside (speculative decoding); None: the raw logits
+    processing = None
 
     def grad_mode(self):
         """inference_mode: the fastest eager mode (CompiledStep wants no_grad)."""

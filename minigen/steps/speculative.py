@@ -17,6 +17,12 @@ one token, and up to k + 1.
                                min(1, p(x) / q(x)), else draw from max(0, p - q) normalised: the tokens
                                come out distributed exactly as the target's own samples
 
+Penalties, logit_bias and structured masks (decoding/logits.py) process both sides: the draft draws
+each proposal from its processed logits, as if the proposals before it were kept (`after`), and the
+rule compares the target's processed distribution at each position (`speculate`) with that q, so
+the tokens kept are distributed exactly as the loop's own processed samples (greedy: its argmax).
+The loop advances the state with every token it hands out; a round never changes it.
+
 Rejected positions leave the cache through the contract alone: the next forward writes from the
 first rejected position, and a write at position p forgets every position >= p (caches/contract.py):
 the contiguous cache overwrites, the paged cache gives the blocks back, the window's ring keeps k
@@ -70,9 +76,10 @@ class NgramProposer:
     def start(self, texts: list[list[int]]) -> None:
         """Nothing to prepare: the proposals come from the text."""
 
-    def propose(self, rows: list[int], texts: list[list[int]], ks: list[int],
-                generators: Generators) -> tuple[list[list[int]], list[Tensor | None]]:
-        """Up to ks[i] tokens for each row in `rows` -> (proposals, None: q is one-hot on each proposal)."""
+    def propose(self, rows: list[int], texts: list[list[int]], ks: list[int], generators: Generators,
+                processing=None) -> tuple[list[list[int]], list[Tensor | None]]:
+        """Up to ks[i] tokens for each row in `rows` -> (proposals, None: q is one-hot on each proposal).
+        The text's own continuation, whatever the processing: the acceptance rule weighs it by p alone."""
         return [ngram_proposal(texts[b], k, self.min_n, self.max_n) if k else [] for b, k in zip(rows, ks)], \
             [None] * len(rows)
 
@@ -83,7 +90,7 @@ class NgramProposer:
 def draft_config(config: GenerationConfig) -> GenerationConfig:
     """The draft's own config: the target's sampling (so that q is what the draft draws from), a plain
     full-precision cache, no speculation."""
-    sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p}
+    sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p}
     return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=not greedy(config),
                             **(sampling if not greedy(config) else {}))
 
@@ -123,10 +130,11 @@ class DraftProposer:
             return self.step.verify(self.model, ids, input_pos, self.cache)[:, -1]
         return self.step.prefill(self.model, ids, input_pos, self.cache)  # the prompt
 
-    def propose(self, rows: list[int], texts: list[list[int]], ks: list[int],
-                generators: list[torch.Generator] | None) -> tuple[list[list[int]], list[Tensor | None]]:
+    def propose(self, rows: list[int], texts: list[list[int]], ks: list[int], generators: list[torch.Generator] | None,
+                processing=None) -> tuple[list[list[int]], list[Tensor | None]]:
         """Catch each row's cache up with its text, then draw max(ks) tokens -> (proposals, q [k, V] each).
-        Row b draws its ks proposals from generators[b] alone (None: greedy)."""
+        Row b draws its ks proposals from generators[b] alone (None: greedy). `processing` (decoding/logits.py):
+        each proposal drawn from the draft's processed logits, as if the row's proposals before it were kept."""
         B, need = self.batch, dict(zip(rows, ks))
         steps = max(ks)
         out: dict[int, list[int]] = {b: [] for b in rows}
@@ -140,17 +148,20 @@ class DraftProposer:
                 self.cached[b] = len(texts[b])
             for i in range(steps):
                 logits = self._forward(tokens, pos)  # [B, V]
-                q = probabilities(logits, self.config) if not greedy(self.config) else None
                 drawing = [b for b in rows if i < need[b]]  # the rows that still want a proposal
+                logits = torch.stack([processing.after(b, logits[b], out[b]) if processing is not None else logits[b]
+                                      for b in drawing])  # [len(drawing), V]
+                q = probabilities(logits, self.config) if not greedy(self.config) else None
                 if q is None:
-                    new = logits.argmax(-1).tolist()
+                    new = dict(zip(drawing, logits.argmax(-1).tolist()))
                 else:  # each row from its own generator, and only what it asked for: as it would alone
-                    new = dict(zip(drawing, torch.stack([draw(q[b], generators[b]) for b in drawing]).tolist()))
+                    new = dict(zip(drawing, torch.stack([draw(q[j], generators[b])
+                                                         for j, b in enumerate(drawing)]).tolist()))
                 tokens, pos = [[] for _ in range(B)], [[] for _ in range(B)]
-                for b in drawing:
+                for j, b in enumerate(drawing):
                     out[b].append(new[b])
                     if q is not None:
-                        probs[b].append(q[b])
+                        probs[b].append(q[j])
                     if i + 1 < need[b]:  # the last proposal is never fed: the target checks it
                         tokens[b], pos[b] = [new[b]], [self.cached[b] + i]
                 if not any(tokens):
@@ -261,13 +272,16 @@ class SpeculativeStep(EagerStep):
         ks = [min(self.config.num_speculative_tokens, n - (len(self.texts[b]) - self.prompt_lens[b]) - 1)
               for b in rows]
         start = time.perf_counter()
-        proposals, qs = self.proposer.propose(rows, self.texts, ks, self.generators)
+        proposals, qs = self.proposer.propose(rows, self.texts, ks, self.generators, self.processing)
         self.draft_s += time.perf_counter() - start
         start = time.perf_counter()
         logits = self._verify(model, rows, proposals, cache, policy, ops)  # [len(rows), T, V]
         for i, (b, proposal, q) in enumerate(zip(rows, proposals, qs)):
             generator = self.generators[b] if self.generators is not None else None  # row b's own
-            emitted = self.rule(logits[i, :len(proposal) + 1], proposal, q, self.config, generator)
+            verified = logits[i, :len(proposal) + 1]  # [len + 1, V]
+            if self.processing is not None:  # what the loop would sample from, had it taken the proposals
+                verified = self.processing.speculate(b, verified, proposal)
+            emitted = self.rule(verified, proposal, q, self.config, generator)
             kept = len(emitted) - 1
             self.cached[b] += 1 + kept  # the fed token and the kept proposals; the rest is forgotten
             self.proposer.accepted(b, kept)
