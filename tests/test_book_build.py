@@ -140,7 +140,9 @@ def test_execute_chooses_chapters_by_number():
     book = load_book()
     assert build_book.chosen_chapters(book, "off") == set()
     assert build_book.chosen_chapters(book, "force") == {c.notebook for c in book.chapters}
-    assert build_book.chosen_chapters(book, "00, 04") == {book.chapters[0].notebook, book.chapters[4].notebook}
+    by_number = {c.number: c.notebook for c in book.chapters}
+    assert build_book.chosen_chapters(book, "00, 04") == {by_number["00"], by_number["04"]}
+    assert build_book.chosen_chapters(book, "02b") == {"notebooks/02b_decoding.ipynb"}  # a chapter between two
     with pytest.raises(SystemExit, match="no chapter numbered 99"):
         build_book.chosen_chapters(book, "00,99")
 

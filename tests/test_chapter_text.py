@@ -27,6 +27,16 @@ CODE_OR_MATH = re.compile(r"```.*?```|`[^`\n]*`|\$\$.*?\$\$|\$[^$\n]*\$", re.S) 
 STAMP = re.compile(r"[Mm]easured on \d{4}-\d{2}-\d{2}\b[^.\n]*")  # a README section's date and machine
 
 
+def number(path: Path) -> str:
+    """A chapter's number, its notebook's prefix: "04", or "02b" for a chapter placed between two."""
+    return re.match(r"(\d\d[a-z]?)_", path.name).group(1)
+
+
+def label(path: Path) -> str:
+    """The number as its title says it: "4" for "04", "2b" for "02b" (book.Chapter.label's rule)."""
+    return number(path).lstrip("0") or "0"
+
+
 def measured_looking(text: str) -> list[str]:
     """The measured-looking numbers of a piece of prose (code spans and math are left out)."""
     prose = CODE_OR_MATH.sub(" ", text)
@@ -39,7 +49,7 @@ def test_the_pattern_finds_what_it_should_and_nothing_else():
     assert measured_looking("chapter 12, `x = 2x`, $4\\times$, layer 18, 0x0F, B=8, 4-bit, max 2 msgs") == []
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+@pytest.mark.parametrize("path", CHAPTERS, ids=number)
 def test_no_measured_number_is_typed_into_a_chapters_markdown(path):
     nb = nbformat.read(path, as_version=4)
     typed = [f"cell {i}: {hit!r}" for i, cell in enumerate(nb.cells)
@@ -79,12 +89,13 @@ def headings(path: Path) -> list[str]:
             for line in cell.source.splitlines() if line.startswith("## ")]
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem[:2])
+@pytest.mark.parametrize("path", CHAPTERS, ids=number)
 def test_every_chapter_has_the_same_parts_in_the_same_order(path):
     """Goals, numbered sections, what the chapter showed, exercises (issue 26)."""
     first = nbformat.read(path, as_version=4).cells[0].source
-    assert re.match(rf"# {int(path.stem[:2])} · ", first) and "**What you will learn**" in first, \
-        f"{path.name}: the first cell is the title and the goals ('**What you will learn**')"
+    assert re.match(rf"# {label(path)} · ", first) and "**What you will learn**" in first, \
+        (f"{path.name}: the first cell is the title ('# {label(path)} · ...') and the goals "
+         "('**What you will learn**')")
     hs = headings(path)
     showed = [i for i, h in enumerate(hs) if h.startswith("## What this chapter showed")]
     exercises = [i for i, h in enumerate(hs) if re.match(r"## Exercises?\b", h)]

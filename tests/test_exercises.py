@@ -1010,3 +1010,73 @@ def test_ch14_unpack4_checker_names_the_planted_mistakes():
         ch14.check_unpack4(one_block_short)
     with pytest.raises(ExerciseFailed, match="returned None"):
         ch14.check_unpack4(lambda data: None)
+
+
+# ---------------------------------------------------------------- chapter 2b
+def test_ch02b_min_p_checker_takes_the_solution_and_its_reference_is_transformers():
+    """The checker's own reference is transformers' rule: TemperatureLogitsWarper, then
+    MinPLogitsWarper (the order of its warpers), softmaxed; and an answer written independently passes."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+    from minigen.course.exercises import ch02b
+    assert ch02b.check_min_p_probabilities(ch02b.solution_min_p_probabilities)
+    for label, logits, temperature, min_p in ch02b._cases():
+        if min_p == 0:  # transformers' warper refuses 0; the distribution is the tempered softmax
+            hf = torch.softmax(logits / temperature, dim=-1)
+        else:
+            scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+            hf = torch.softmax(MinPLogitsWarper(min_p)(None, scores), dim=-1)
+        assert torch.allclose(ch02b.reference(logits, temperature, min_p), hf, atol=1e-6), label
+
+    def in_log_space(logits, temperature, min_p):  # another way to the same distribution
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        drop = logp < logp.max(dim=-1, keepdim=True).values + math.log(min_p) if min_p > 0 else logp.isnan()
+        return torch.softmax(logp.masked_fill(drop, float("-inf")), dim=-1)
+    assert ch02b.check_min_p_probabilities(in_log_space)
+
+
+def min_p_variant(mistake):
+    """min-p with one planted mistake."""
+    def answer(logits, temperature, min_p):
+        if mistake == "before temperature":  # the cut on the untempered distribution, then the temperature
+            p = torch.softmax(logits, dim=-1)
+            keep = p >= min_p * p.amax(dim=-1, keepdim=True)
+            return torch.softmax((logits / temperature).masked_fill(~keep, float("-inf")), dim=-1)
+        p = torch.softmax(logits / temperature, dim=-1)
+        floor = {"absolute": min_p}.get(mistake, min_p * p.amax(dim=-1, keepdim=True))
+        drop = p <= floor if mistake == "strict" else p < floor
+        if mistake == "masked logits":
+            return (logits / temperature).masked_fill(drop, float("-inf"))
+        kept = p.masked_fill(drop, 0.0)
+        return kept if mistake == "unnormalised" else kept / kept.sum(dim=-1, keepdim=True)
+    return answer
+
+
+@pytest.mark.parametrize("mistake, hint", [
+    ("before temperature", "min-p comes after the temperature"),
+    ("absolute", "min_p times the row's largest probability, not min_p itself"),
+    ("strict", "with min_p = 1 a row came out NaN"),
+    ("unnormalised", "renormalise"),
+    ("masked logits", "not masked logits"),
+])
+def test_ch02b_min_p_checker_names_the_usual_mistakes(mistake, hint):
+    from minigen.course.exercises import ch02b
+    assert ch02b.check_min_p_probabilities(min_p_variant("right"))  # the variants' common part is right
+    with pytest.raises(ExerciseFailed, match=hint):
+        ch02b.check_min_p_probabilities(min_p_variant(mistake))
+
+
+def test_ch02b_min_p_checker_refuses_minigens_sampling_and_the_worked_solution():
+    from minigen import sampling
+    from minigen.course.exercises import ch02b
+
+    def through_the_package(logits, temperature, min_p):
+        return sampling.probabilities(logits, minigen.GenerationConfig(do_sample=True, temperature=temperature))
+    probabilities = sampling.probabilities
+    for cheat, name in ((through_the_package, "probabilities"),
+                        (lambda *args: ch02b.solution_min_p_probabilities(*args), "solution_min_p_probabilities")):
+        with pytest.raises(ExerciseFailed, match=f"calls minigen's own {name}"):
+            ch02b.check_min_p_probabilities(cheat)
+    with pytest.raises(ExerciseFailed, match="returned NoneType"):
+        ch02b.check_min_p_probabilities(lambda *args: None)
+    assert sampling.probabilities is probabilities and sampling.probabilities(  # put back, and it works
+        torch.zeros(1, 4), minigen.GenerationConfig(do_sample=True)).sum() == 1
