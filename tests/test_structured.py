@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import minigen
+from conftest import skip_where_aside
 from minigen.decoding.guidance import LlgGuide
 from minigen.decoding.guide import GuideSpec
 from minigen.serving.engine import Engine
@@ -34,10 +35,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SCHEMAS = sorted((Path(__file__).parent / "data" / "schemas").glob("*.json"))
 SUBSET = [p for p in SCHEMAS if json.loads(p.read_text())["$comment"].startswith("In minigen's subset")]
-# Unmarked: a representative few (an object, a bare number; $ref for llguidance only);
-# the other schemas are slow (about 1 to 3 s each per backend on two cores)
-FAST = {"01_person.json", "17_top_scalar.json", "24_ref_defs.json"}
-MAX_NEW = 256  # the longest reply measured needs 72 tokens (26_pattern_format, a UUID and a date)
+# Unmarked: a representative few (an object, a bare number; prefixItems and $ref for llguidance only);
+# the other schemas are slow (about 1 to 8 s each per backend on two cores; all of them: about 3 min)
+FAST = {"01_person.json", "17_top_scalar.json", "30_jsts_prefix_items_ref.json"}
+MAX_NEW = 256  # the longest reply measured needs 73 tokens (29, sampled; 26_pattern_format's UUID: 70)
 EOS = 2  # <|im_end|>: SmolLM2-Instruct's eos, the row's stop token
 SEED = 0
 SHOTS = [({"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
@@ -199,7 +200,7 @@ def test_engine_requests_of_different_schemas_equal_each_alone(smol):
     assert together[0].tolist() != together[2].tolist()  # the sampled one wrote its own
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("sampled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["greedy", "sampled"])
 def test_ragged_rows_under_one_schema_equal_each_alone(smol, sampled):
     """A ragged batch (prompts of different lengths, each at its own positions) with one schema:
     row r equals its prompt generated alone (sampled: alone with seed + r)."""
@@ -217,3 +218,99 @@ def test_ragged_rows_under_one_schema_equal_each_alone(smol, sampled):
         assert n <= 64 and torch.equal(out.tokens[r], alone.tokens[0, :p.numel() + n]), f"row {r}"
         assert out.texts[r] == alone.texts[0]
         jsonschema.validate(json.loads(out.texts[r]), schema)
+
+
+# ---------------------------------------------------------------- every step kind
+STEP_KINDS = {"eager": dict(fused_decode=False), "speculative": dict(speculative_method="ngram"),
+              "paged": dict(cache_chunk_size=16)}
+
+
+@pytest.fixture(scope="module")
+def array_of_objects(smol):
+    """09_array_of_objects (repetitive, so prompt lookup's proposals get accepted) and its greedy
+    reply on the default step, the fused C step at batch 1 on a CPU where it measured faster."""
+    model, tok = smol
+    schema = schema_of(SCHEMAS[8])
+    ids = chat_ids(tok, schema)
+    out = minigen.generate(model, ids, tokenizer=tok, response_format=response_format(schema), max_new_tokens=96)
+    return schema, ids, out
+
+
+def test_the_fused_step_applies_the_mask(smol, array_of_objects):
+    model, _ = smol
+    schema, ids, out = array_of_objects
+    if "fused C step" not in out.stats.plan:
+        skip_where_aside("fused_step", model)
+        pytest.skip(f"the fused C step does not run here: {out.stats.plan.splitlines()[0]}")
+    check_replies(out, ids.shape[1], schema, "fused")
+
+
+@pytest.mark.parametrize("kind", list(STEP_KINDS))
+def test_every_step_kind_writes_the_same_greedy_tokens(smol, array_of_objects, kind):
+    """The eager step, speculative decoding (greedy: the argmax of each position's processed logits,
+    so exactly the tokens without it) and the paged cache: the same tokens as the default step."""
+    model, tok = smol
+    schema, ids, reference = array_of_objects
+    out = minigen.generate(model, ids, tokenizer=tok, response_format=response_format(schema), max_new_tokens=96,
+                           **STEP_KINDS[kind])
+    assert (kind == "speculative") == out.stats.step.startswith("speculative"), out.stats.step
+    check_replies(out, ids.shape[1], schema, kind)
+    assert torch.equal(out.tokens, reference.tokens), f"{kind}: {out.texts[0]!r} vs {reference.texts[0]!r}"
+
+
+def test_speculative_sampling_stays_valid(smol, array_of_objects):
+    """Sampled speculation draws proposals from the processed draft distribution and accepts against the
+    target's processed one: every reply still parses and validates (exactness: test_processors.py)."""
+    model, tok = smol
+    schema, ids, _ = array_of_objects
+    out = minigen.generate(model, ids.expand(2, -1), tokenizer=tok, response_format=response_format(schema),
+                           max_new_tokens=96, speculative_method="ngram", do_sample=True, seed=SEED)
+    assert out.stats.step.startswith("speculative")
+    check_replies(out, ids.shape[1], schema, "speculative sampled")
+
+
+# ---------------------------------------------------------------- stop strings
+@pytest.fixture(scope="module")
+def counting(smol):
+    """A prompt SmolLM2 answers `1. 1\\n2. 2\\n3. 3\\n...` (one token a digit, '.', ' ', '\\n'), and its
+    greedy reply without stop strings."""
+    model, tok = smol
+    ids = tok.apply_chat_template([{"role": "user", "content": "Count from 1 to 30, separated by commas."}],
+                                  add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    free = minigen.generate(model, ids, tokenizer=tok, max_new_tokens=32)
+    return ids, free
+
+
+def completes(tok, new: list[int], stop: str) -> int:
+    """The number of new tokens up to the one whose text completes the first occurrence of `stop`."""
+    return next(k for k in range(1, len(new) + 1) if stop in tok.decode(new[:k]))
+
+
+def test_a_stop_string_across_tokens_cuts_the_text(smol, counting):
+    """"3\\n4" is three tokens ('3', '\\n', '4'): the text ends right before it, the tokens at the '4'."""
+    model, tok = smol
+    ids, free = counting
+    new, stop = free.tokens[0, ids.shape[1]:].tolist(), "3\n4"
+    assert stop in free.texts[0] and len(tok.encode(stop, add_special_tokens=False)) == 3
+    out = minigen.generate(model, ids, tokenizer=tok, max_new_tokens=32, stop=[stop, "never there"])
+    k = completes(tok, new, stop)
+    assert out.texts[0] == free.texts[0].split(stop)[0] == "1. 1\n2. 2\n3. "
+    assert out.tokens[0, ids.shape[1]:].tolist() == new[:k]
+
+
+def test_a_ragged_row_that_meets_its_stop_stops_and_the_others_go_on(smol, counting):
+    model, tok = smol
+    ids, free = counting
+    other = tok.apply_chat_template([{"role": "user", "content": "Name a colour."}], add_generation_prompt=True,
+                                    return_tensors="pt")
+    other = (other if isinstance(other, torch.Tensor) else other["input_ids"])[0]
+    alone = minigen.generate(model, other[None], tokenizer=tok, max_new_tokens=32)
+    stop = "2\n3"
+    assert stop not in alone.texts[0]
+    out = minigen.generate(model, [ids[0], other], tokenizer=tok, max_new_tokens=32, stop=[stop])
+    new = free.tokens[0, ids.shape[1]:].tolist()
+    assert out.tokens[0][ids.shape[1]:].tolist() == new[:completes(tok, new, stop)]
+    assert out.texts[0] == "1. 1\n2. "
+    assert torch.equal(out.tokens[1], alone.tokens[0]) and out.texts[1] == alone.texts[0]  # on to its own end
+    assert out.tokens[1].numel() - other.numel() > out.tokens[0].numel() - ids.shape[1]
