@@ -47,6 +47,11 @@ from .steps.eager import EagerStep
 
 DTYPE_WORDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 PARALLEL_BLOCK = 16  # parallel_sample's cache_chunk_size where its config names none
+# Where a plan is made, the call that passes the tokenizer (named when a text setting lacks it).
+TOKENIZER_CALLS = {"generate": "generate(model, ids, config, tokenizer=tok)",
+                   "ragged": "generate(model, prompts, config, tokenizer=tok)",
+                   "parallel_sample": "parallel_sample(model, ids, n, config, tokenizer=tok)",
+                   "engine": "Engine(model, config, tokenizer=tok)"}
 WEIGHT_WORDS = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8", "int4": "int4"}
 
 
@@ -131,6 +136,7 @@ def given_plan(plan: Plan | None, config, overrides: dict, where: str, **beside)
     return plan.config
 
 
+
 def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, where: str = "generate", *,
               max_len: int | None = None, observers: tuple[AttentionObserver, ...] = (), draft_model=None,
               tokenizer=None) -> Plan:
@@ -143,9 +149,9 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     check_vocabulary(config, model.config.vocab_size)  # logit_bias's ids
     sampled = where not in ("score", "profile", "draft")  # the places that sample the text they make
     stops = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
+    if sampled:  # before the compile, so that the refusal names the call at hand
+        require_tokenizer(config, tokenizer, TOKENIZER_CALLS.get(where, TOKENIZER_CALLS["generate"]))
     guide = compile_guide(config, tokenizer, model.config.vocab_size, stops) if sampled else None
-    if sampled:
-        require_tokenizer(config, tokenizer)
     if where in ("score", "profile") and config.fused_decode == "auto":
         # score's chunked forward reads each weight once per chunk, not once per token; the profiler's
         # categories are torch's ops, which the fused step runs in one C call: both run the eager step

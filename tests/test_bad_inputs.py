@@ -310,6 +310,73 @@ def _():
     GenerationConfig(guided_backend="minigen")
 
 
+@case("text-setting-without-tokenizer")
+def _(tiny_model):
+    ids = torch.tensor([[1, 2, 3]])
+    for key, value in (("response_format", {"type": "json_object"}), ("guided_regex", "a+"),
+                       ("guided_grammar", 'start: "a"')):
+        with pytest.raises(errors.ConfigError, match=f"{key} read the text .* tokenizer=tok"):
+            minigen.generate(tiny_model, ids, max_new_tokens=2, **{key: value})
+    with pytest.raises(errors.ConfigError, match=r"generate\(model, prompts, config, tokenizer=tok\)"):
+        minigen.generate(tiny_model, [torch.tensor([1, 2]), torch.tensor([3])], stop=["x"], max_new_tokens=2)
+    minigen.generate(tiny_model, ids, stop=["\n"], max_new_tokens=2)
+
+
+@case("engine-text-setting-without-tokenizer")
+def _(tiny_model):
+    engine = Engine(tiny_model)
+    for key, value in (("stop", ["x"]), ("response_format", {"type": "json_object"})):
+        with pytest.raises(errors.ConfigError, match=r"Engine\(model, config, tokenizer=tok\)"):
+            engine.add_request([1, 2, 3], **{key: value})
+    assert not engine.requests  # refused before anything was queued
+    Engine(tiny_model, {"guided_regex": "a+"})
+
+
+ANYOF = {"type": "object", "properties": {"id": {"anyOf": [{"type": "integer"}, {"type": "string"}]}},
+         "required": ["id"], "additionalProperties": False}
+
+
+@case("schema-outside-subset")
+def _(smollm2):
+    model, tok = smollm2
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": ANYOF}}
+    minigen.generate(model, torch.tensor([[1, 2, 3]]), tokenizer=tok, response_format=fmt, max_new_tokens=2)  # llguidance
+    minigen.generate(model, torch.tensor([[1, 2, 3]]), tokenizer=tok, response_format=fmt, guided_backend="minigen",
+                     max_new_tokens=2)
+
+
+@case("schema-llguidance-refuses")
+def _(smollm2):
+    model, tok = smollm2
+    minigen.generate(model, torch.tensor([[1, 2, 3]]), tokenizer=tok, max_new_tokens=2,
+                     response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "bogus"}}})
+
+
+@case("regex-syntax-error")
+def _(smollm2):
+    model, tok = smollm2
+    with pytest.raises(errors.ConfigError, match="outside minigen's regex subset") as own:
+        minigen.generate(model, torch.tensor([[1, 2, 3]]), tokenizer=tok, guided_regex="(ab", guided_backend="minigen",
+                         max_new_tokens=2)
+    assert own.value.__cause__ is None and (own.value.__context__ is None or own.value.__suppress_context__)
+    minigen.generate(model, torch.tensor([[1, 2, 3]]), tokenizer=tok, guided_regex="(ab", max_new_tokens=2)
+
+
+@case("stop-parallel-sample")
+def _(smollm2):
+    model, tok = smollm2
+    minigen.parallel_sample(model, torch.tensor([[1, 2, 3]]), 3, do_sample=True, stop=["x"], tokenizer=tok)
+
+
+@case("text-settings-with-cuda-graphs")
+def _():
+    for key, value in (("response_format", {"type": "json_object"}), ("guided_regex", "a+"),
+                       ("guided_grammar", 'start: "a"')):
+        with pytest.raises(errors.ConfigError, match=f"{key}=.* and cuda_graphs=True do not combine.*or {key}=None"):
+            GenerationConfig(cuda_graphs=True, **{key: value})
+    GenerationConfig(cuda_graphs=True, stop=["x"])
+
+
 @case("config-seed-past-64-bits")
 def _():
     GenerationConfig(do_sample=True, seed=2**64)
@@ -504,6 +571,16 @@ def _():
         with pytest.raises(errors.ConfigError, match=r"num_beams=4 do not combine.*Fix: drop one: num_beams=1"):
             GenerationConfig(num_beams=4, **other)
     GenerationConfig(num_beams=4, cache_chunk_size=16)
+
+
+@case("beam-with-processing")
+def _():
+    for key, value in (("frequency_penalty", 0.5), ("presence_penalty", -0.5), ("logit_bias", {3: 1.0}),
+                       ("stop", ["x"]), ("response_format", {"type": "json_object"}), ("guided_regex", "a+"),
+                       ("guided_grammar", 'start: "a"')):
+        with pytest.raises(errors.ConfigError, match=f"{key}=.* and num_beams=2 do not combine.*Fix: num_beams=1"):
+            GenerationConfig(num_beams=2, **{key: value})
+    GenerationConfig(num_beams=2, repetition_penalty=1.2)
 
 
 @case("beam-ragged")

@@ -113,12 +113,14 @@ def grammar_text(spec: GuideSpec) -> str:
 
 
 def llguidance_error(kind: str, error: str) -> str:
-    """llguidance's message about a spec, without what refers to minigen's wrapper: for a schema or a
-    regex the position and the source excerpt (they point into `start: %json ...`), for a grammar
-    the excerpt's NO_FORCING line."""
+    """llguidance's message about a spec, on one line, without what refers to minigen's wrapper: for a
+    schema or a regex the position and the source excerpt (they point into `start: %json ...`), for
+    a grammar the excerpt's NO_FORCING line."""
     if kind == "grammar":
-        return re.sub(r"\n *\d+ \| %llguidance .*", "", error).strip()
-    return re.sub(r"^at \d+\(\d+\): ", "", error.split("\n   1 | ")[0]).strip()
+        error = re.sub(r"\n *\d+ \| %llguidance .*", "", error)
+    else:
+        error = re.sub(r"^at \d+\(\d+\): ", "", error.split("\n   1 | ")[0])
+    return " ".join(error.split())  # one line, as every ConfigError: the caret drawings' lines joined
 
 
 def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -197,7 +199,7 @@ class LlgGuide:
         if self.start.is_error():
             setting = SETTING[spec.kind]
             raise ConfigError(f"{setting}={shorten(spec.source)} cannot be compiled by llguidance: "
-                              f"{llguidance_error(spec.kind, self.start.get_error())}\nPass {SYNTAX[spec.kind]}")
+                              f"{llguidance_error(spec.kind, self.start.get_error())}. Pass {SYNTAX[spec.kind]}")
 
     def matcher(self) -> LlgMatcher:
         """A fresh row: a copy of the compiled start state (copies share the compiled grammar)."""
