@@ -14,7 +14,9 @@ For each schema and backend (llguidance on all 30; minigen's own automaton on th
   (allowed() + advance() for each token of the reply), and its share of the plain decode step; the
   own backend's masks are cached per DFA state by then, so first_visits_s adds what computing them
   cost the first time (a trie walk per state reached), once per schema.
-The reply must parse and follow its schema (jsonschema), or the run stops with the schema's name.
+A reply that ends must parse and follow its schema (jsonschema), or the run stops there; one that
+the model never ends (it may keep writing digits: tests/test_structured.py) is timed over
+--max-new-tokens and marked ended=false.
 """
 
 from __future__ import annotations
@@ -86,14 +88,14 @@ def measure(model, tokenizer, name: str, schema: dict, backend: str, repeats: in
         out = generate(model, ids, max_new_tokens=n, stop_token_ids=[])
         plain.append(step_median(out.stats))
     text = tokenizer.decode(reply, skip_special_tokens=True)
-    if reply[-1] not in eos:
-        raise SystemExit(f"{name} ({backend}): the reply did not end within {max_new} tokens: {text!r}")
-    jsonschema.validate(json.loads(text), schema)
+    ended = reply[-1] in eos  # a model may never stop (tests/test_structured.py: a bare number's digits)
+    if ended:
+        jsonschema.validate(json.loads(text), schema)
     m, p = statistics.median(masked), statistics.median(plain)
     first_visits_s = getattr(guide, "first_visit_s", 0.0)  # the own backend: masks computed as rows first reach states
     mask_us = statistics.median(replay_us(guide, reply) for _ in range(repeats))
     return {"schema": name, "backend": backend, "compile_s": compile_s, "first_visits_s": first_visits_s,
-            "reply_tokens": len(reply),
+            "reply_tokens": len(reply), "ended": ended,
             "masked_step_s": m, "plain_step_s": p, "overhead": m / p - 1,
             "mask_us": mask_us, "mask_share_of_step": mask_us * 1e-6 / p, "reply": text}
 
