@@ -2,10 +2,10 @@
 compiled once against the tokenizer by the backend it names, and shared by every row under it.
 
 guided_backend="auto" is llguidance: it takes the full JSON Schema, regexes and Lark grammars, and
-it measured faster than minigen's own automaton on SmolLM2's vocabulary (a compile in about a
-millisecond against tens to a hundred; a mask in about 0.1 ms a token, against a few milliseconds
-the first time a row reaches each state of the own DFA). guided_backend="minigen" runs the course's
-own automaton (automaton.py, schema.py, token_mask.py) on its subset, and refuses the rest by name.
+it compiles each of the 30 test schemas in milliseconds where minigen's own automaton takes up to a
+few hundred (docs/runs/mask_cost.json, scripts/mask_cost.py: compile times, and the mask's share of a
+decode step, per schema). guided_backend="minigen" runs the course's own automaton (automaton.py,
+schema.py, token_mask.py) on its subset, and refuses the rest by name.
 """
 
 from __future__ import annotations
