@@ -123,7 +123,8 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
                 for text, t, done in zip(texts, token.tolist(), finished.tolist()):
                     if not done:
                         text.push(t)
-                finished |= torch.tensor([text.matched for text in texts], device=finished.device)
+                if config.stop:  # only stop strings end a row on its text
+                    finished |= torch.tensor([text.matched for text in texts], device=finished.device)
             now = time.perf_counter()
             if i == 0:
                 stats.ttft_s = now - start

@@ -16,6 +16,7 @@ from typing import Any
 
 from ..checks import is_number
 from ..errors import ConfigError
+from .detokenize import MAX_STOPS
 
 LOGIT_BIAS_MAX = 100  # OpenAI's bound on a bias: -100 bans a token in effect, +100 all but forces it
 OPENAI_PENALTY_MAX = 2.0  # OpenAI's bound on |frequency_penalty| and |presence_penalty|
@@ -66,7 +67,6 @@ def check_vocabulary(c, vocab_size: int) -> None:
                           f"[0, {vocab_size - 1}]: use ids from the model's tokenizer")
 
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit, and vLLM's
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 GUIDED_BACKENDS = ("auto", "minigen", "llguidance")
 _FORMAT_SHAPE = ('{"type": "json_schema", "json_schema": {"name": "reply", "schema": {"type": "object", ...}}}, '
@@ -77,10 +77,10 @@ def check_text_settings(c) -> None:
     """stop, response_format, guided_regex, guided_grammar and guided_backend (chapter 2b)."""
     if c.stop is not None:
         if not isinstance(c.stop, tuple) or not all(isinstance(s, str) for s in c.stop):
-            raise ConfigError(f"stop={c.stop!r} is invalid: use a string or a list of up to {MAX_STOP_STRINGS} "
+            raise ConfigError(f"stop={c.stop!r} is invalid: use a string or a list of up to {MAX_STOPS} "
                               "strings, or None for no stop strings")
-        if not 1 <= len(c.stop) <= MAX_STOP_STRINGS or not all(c.stop):
-            raise ConfigError(f"stop={list(c.stop)!r} is invalid: use 1 to {MAX_STOP_STRINGS} non-empty strings "
+        if not 1 <= len(c.stop) <= MAX_STOPS or not all(c.stop):
+            raise ConfigError(f"stop={list(c.stop)!r} is invalid: use 1 to {MAX_STOPS} non-empty strings "
                               "(an empty string would match before any text), or None for no stop strings")
     fmt = c.response_format
     if fmt is not None:

@@ -27,6 +27,7 @@ import torch
 
 from .. import drafts
 from ..config import GenerationConfig
+from ..decoding.logits import LogitsProcessing
 from ..errors import BenchError
 from ..generate import generate
 from ..steps.choose import measurements
@@ -103,9 +104,8 @@ def exact(config: GenerationConfig) -> bool:
     lossy = {"quant_bits": None, "window_size": None, "sparse_top_k": None, "sparsity_threshold": 0,
              "kv_budget": None, "kv_dtype": "float32", "prefill_precision": "float32"}
     values = config.to_dict()
-    processed = (config.repetition_penalty != 1.0 or config.frequency_penalty != 0 or config.presence_penalty != 0
-                 or bool(config.logit_bias) or config.guide_spec() is not None)  # tokens of another distribution
-    return all(values.get(k) in (None, ok) for k, ok in lossy.items()) and not processed
+    # penalties, a bias or a mask sample another distribution than transformers' plain greedy
+    return all(values.get(k) in (None, ok) for k, ok in lossy.items()) and not LogitsProcessing.needed(config)
 
 
 @dataclass
