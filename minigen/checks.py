@@ -22,6 +22,8 @@ TRANSFORMERS_ONLY_KEYS = {
     "typical_p": "minigen has no typical sampling: use min_p, top_p or top_k",
     "max_length": "minigen counts new tokens only: use max_new_tokens",
     "eos_token_id": "minigen stops at stop_token_ids (None: the model's eos)",
+    "num_return_sequences": "minigen names it as vLLM and OpenAI do: n (samples a prompt)",
+    "output_scores": "minigen records each new token's log-probability and the top k with logprobs=k",
 }
 
 

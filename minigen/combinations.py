@@ -247,6 +247,13 @@ REFUSED_SETTINGS: list[tuple[str, str, Rule, str, str]] = [
       for key, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0), ("presence_penalty", 0.0),
                        ("logit_bias", None), ("stop", None), ("response_format", None), ("guided_regex", None),
                        ("guided_grammar", None))),
+    ("logprobs", "cuda_graphs", lambda c: c.cuda_graphs and c.logprobs is not None, "the captured step samples inside "
+     "its graph, and its logits never reach the host, where a token's log-probability is read",
+     "cuda_graphs=False (compile=True records them), or logprobs=None"),
+    ("logprobs", "num_beams", lambda c: c.num_beams > 1 and c.logprobs is not None, "beam search knows its tokens "
+     "only when it ends, and minigen's beams keep no per-token log-probabilities", "num_beams=1, or logprobs=None"),
+    ("n", "num_beams", lambda c: c.num_beams > 1 and c.n > 1, "beam search returns each prompt's best beam, and n "
+     "draws n samples of a prompt", "num_beams=1 with do_sample=True to draw n samples, or n=1"),
 ]
 
 

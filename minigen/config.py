@@ -92,6 +92,9 @@ class GenerationConfig:
     # who compiles the spec into a token mask: "minigen" (the course's own automaton, for a subset of JSON Schema
     # and regexes), "llguidance" (the full languages), "auto" (minigen's where the spec is in its subset)
     guided_backend: str = "auto"
+    # n samples a prompt, each its own row: output row b * n + j is prompt b's sample j (seeded seed + b * n + j)
+    n: int = 1
+    logprobs: int | None = None  # per new token, its logprob and the top k (0..20) from the raw logits (decoding/logprobs.py)
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
     # --- paged cache and offload (chapter 3) ---

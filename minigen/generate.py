@@ -34,6 +34,7 @@ from .model import Model
 from .run_plan import Plan, given_plan, make_plan
 from .decoding.detokenize import StopText
 from .decoding.guide import Guide
+from .decoding.logprobs import RowLogprobs, TokenLogprobs
 from .sampling import sample
 from .stats import GenerationStats, finish_timing, record_cache
 
@@ -45,6 +46,8 @@ class GenerationOutput:
     stats: GenerationStats
     # each row's new text (generate(..., tokenizer=tok)), cut before a stop string; None without a tokenizer
     texts: list[str] | None = None
+    # logprobs=k: each row's (logprob, top k [(id, logprob)]) per new token, up to its stop (decoding/logprobs.py)
+    logprobs: list[list[TokenLogprobs]] | None = None
 
 
 def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: GenerationConfig | None = None) -> None:
@@ -76,7 +79,7 @@ def check_prompt(model: Model, input_ids: Tensor, max_new_tokens: int, config: G
 def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, cache: Cache | None, policy,
               stats: GenerationStats, next_pos: Callable[[int, Tensor], Tensor], stop: bool = True,
               after_prefill: Callable[[Tensor], Tensor] | None = None,
-              texts: list[StopText] | None = None) -> Iterator[Tensor]:
+              texts: list[StopText] | None = None, logprobs: RowLogprobs | None = None) -> Iterator[Tensor]:
     """The loop itself: prefill input_ids [B, T] at input_pos, then sample and decode until
     max_new_tokens or (with `stop`) every row has produced a stop token. Yields the next tokens [B]
     and fills `stats` as it goes. `plan` holds the step, the config and the generators (run_plan.py).
@@ -89,7 +92,9 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     Penalties, logit_bias (and structured output) process each row's logits before it samples, from
     that row's own tokens (decoding/logits.py); a step that samples inside (speculative) reads the
     same state through step.processing. texts: each row's StopText (row_texts), which its live tokens
-    join; a row whose text reaches one of config.stop stops there.
+    join; a row whose text reaches one of config.stop stops there. logprobs: where each live row's
+    token's log-probabilities go, read from the raw logits it was sampled from (a speculative step
+    hands over those of the verify forward that accepted it).
     """
     step, config, generators = plan.step, plan.config, plan.generators
     n = config.max_new_tokens
@@ -117,6 +122,11 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
             else:  # each row's penalties, bias and mask first, from its own tokens (decoding/logits.py)
                 token = sample(processing(logits) if processing is not None else logits, config, generators)  # [B]
             token = torch.where(finished, torch.full_like(token, pad), token)
+            if logprobs is not None:  # the model's own view of each live row's token
+                if step.samples_inside and i > 0:
+                    logprobs.add(step.last_logprobs, (~finished).tolist())
+                else:
+                    logprobs.record(logits, token, (~finished).tolist())
             if processing is not None:  # the row's token joins its state (a stopped row's padding does not)
                 processing.advance(token, finished=finished)
             if texts is not None:  # and its text, where a stop string may end the row
@@ -192,7 +202,7 @@ def _start_batch(model: Model, input_ids: Tensor, config: GenerationConfig, obse
 
 
 def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: GenerationStats,
-                  texts: list[StopText] | None = None) -> Iterator[Tensor]:
+                  texts: list[StopText] | None = None, logprobs: RowLogprobs | None = None) -> Iterator[Tensor]:
     """A tensor batch [B, T]: every row at positions 0..T-1, then T, T + 1, ... in lockstep (the loop
     feeds the rows in lockstep; a speculative step's rows verify at their own positions)."""
     T = input_ids.shape[1]
@@ -201,7 +211,8 @@ def _stream_batch(model: Model, input_ids: Tensor, plan: Plan, stats: Generation
         policy = plan.make_policy(cache)
     input_pos = torch.arange(T, device=input_ids.device)
     yield from run_steps(model, plan, input_ids, input_pos, cache, policy, stats,
-                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), texts=texts)
+                         lambda i, finished: torch.tensor([T + i], device=input_ids.device), texts=texts,
+                         logprobs=logprobs)
 
 
 def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
@@ -222,34 +233,61 @@ def generate(model: Model, input_ids: Tensor, config: GenerationConfig | None = 
     returns it (a plan for it runs B x k rows).
     `tokenizer` (the model's): GenerationOutput.texts holds each row's new text; the settings that read
     text need it (stop strings, response_format, guided_regex, guided_grammar).
+    n=k > 1: k samples of each prompt, as k rows of one batch (each prompt's prefill runs k times: for
+    one prompt's blocks shared, see parallel_sample); output row b * k + j is prompt b's sample j,
+    seeded (seed + b * k + j), and a plan given for it holds B x k rows.
+    logprobs=k: GenerationOutput.logprobs (decoding/logprobs.py).
     """
     where = "ragged" if isinstance(input_ids, (list, tuple)) else "generate"
     config = given_plan(plan, config, overrides, where, observers=observers, draft_model=draft_model) \
         or resolve_config(config, overrides)
+    input_ids = each_n_times(input_ids, config.n)
     if where == "ragged":
         return _generate_ragged(model, input_ids, config, tuple(observers), draft_model, plan, tokenizer)
     stats = GenerationStats()
     plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan, tokenizer)
     if config.num_beams > 1:  # beam search (beam.py): the best of num_beams beams a prompt
         return GenerationOutput(tokens=beam_search(model, input_ids, plan, stats), stats=stats)
-    texts = row_texts(plan, list(input_ids))
-    new = list(_stream_batch(model, input_ids, plan, stats, texts))
+    texts, logprobs = row_texts(plan, list(input_ids)), row_logprobs(config, input_ids.shape[0])
+    new = list(_stream_batch(model, input_ids, plan, stats, texts, logprobs))
     tokens = torch.cat([input_ids, torch.stack(new, dim=1)], dim=1) if new else input_ids.clone()
-    return GenerationOutput(tokens=tokens, stats=stats, texts=[t.text() for t in texts] if texts else None)
+    return GenerationOutput(tokens=tokens, stats=stats, texts=[t.text() for t in texts] if texts else None,
+                            logprobs=logprobs.rows if logprobs is not None else None)
+
+
+def each_n_times(input_ids, n: int):
+    """Each prompt n times in a row ([B, T] -> [B * n, T], or a list of B prompts -> B * n): n samples a prompt."""
+    if n == 1 or not isinstance(input_ids, (Tensor, list, tuple)):
+        return input_ids
+    if isinstance(input_ids, Tensor):
+        return input_ids.repeat_interleave(n, dim=0) if input_ids.dim() == 2 else input_ids
+    return [p for p in input_ids for _ in range(n)]
+
+
+def row_logprobs(config: GenerationConfig, rows: int) -> RowLogprobs | None:
+    """Where a generation that asks for logprobs (config.logprobs=k) records them; None where it asks for none."""
+    if config.logprobs is None:
+        return None
+    return RowLogprobs(config.logprobs, rows)
 
 
 def stream(model: Model, input_ids: Tensor, config: GenerationConfig | None = None, *,
            observers: tuple[AttentionObserver, ...] = (), stats: GenerationStats | None = None,
            draft_model: Model | None = None, plan: Plan | None = None, tokenizer=None, **overrides) -> Iterator[Tensor]:
-    """Yield each new token [B] as soon as it is sampled; `stats`, when given, is filled as the
-    tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
+    """Yield each new token [B] (with n > 1: [B * n]) as soon as it is sampled; `stats`, when given, is
+    filled as the tokens come (the TTFT at the first, the decode rate and percentiles once the stream ends)."""
     config = given_plan(plan, config, overrides, "generate", observers=observers, draft_model=draft_model) \
         or resolve_config(config, overrides)
     if config.num_beams > 1:
         raise ConfigError(f"stream with num_beams={config.num_beams}: a beam search knows its tokens only when it ends "
                           "(a later step may drop the beam a token was on). Fix: generate(model, ids, num_beams=...) "
                           "in Python (`minigen generate` streams), or num_beams=1 to stream")
+    if config.logprobs is not None:
+        raise ConfigError(f"stream with logprobs={config.logprobs}: stream yields each step's tokens [B] alone. Fix: "
+                          "generate(model, ids, logprobs=k) (GenerationOutput.logprobs), or the serving engine's "
+                          "AsyncEngine.submit(ids, logprobs=k), whose stream carries them token by token")
     # Check here: a generator function would only raise at the first next(), far from the call.
+    input_ids = each_n_times(input_ids, config.n)  # n samples a prompt: rows b * n + j
     plan = _start_batch(model, input_ids, config, tuple(observers), draft_model, plan, tokenizer)
     return _stream_batch(model, input_ids, plan, stats if stats is not None else GenerationStats(),
                          row_texts(plan, list(input_ids)))
@@ -263,6 +301,7 @@ class ParallelSample:
     blocks_used: int  # physical blocks held at the end
     blocks_unshared: int  # blocks n separate caches would hold at the end
     shared_hit_rate: float  # block-table entries served by a shared block, at the end
+    logprobs: list[list[TokenLogprobs]] | None = None  # logprobs=k: each sample's, per new token (decoding/logprobs.py)
 
 
 def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationConfig | None = None, *,
@@ -278,8 +317,8 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     config = given_plan(plan, config, overrides, "parallel_sample") or resolve_config(config, overrides)
     if config.stop:
         raise ConfigError(f"stop={list(config.stop)} with parallel_sample: its n samples each run max_new_tokens, "
-                          "stop ids and strings alike ignored. Fix: generate(model, ids.expand(n, -1), config, "
-                          "do_sample=True, tokenizer=tok), whose rows stop at their own stop strings")
+                          "stop ids and strings alike ignored. Fix: generate(model, ids, config, n=n, do_sample=True, "
+                          "tokenizer=tok), whose rows stop at their own stop strings")
     check_prompt(model, input_ids, config.max_new_tokens, config)
     T, new = input_ids.shape[1], config.max_new_tokens
     # paged (the plan's blocks of 16 where the config names none): the eager step, which the table keeps
@@ -290,6 +329,7 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
     cache = plan.make_cache(model, rows=1, pool_rows=n)  # one row now, n after the fork
     policy = plan.make_policy(cache)
     forked: list[int] = []
+    logprobs = row_logprobs(config, n)
 
     def fork(logits: Tensor) -> Tensor:  # [1, V] -> [n, V]: one prompt, n rows sharing its blocks
         cache.fork(n)
@@ -298,10 +338,11 @@ def parallel_sample(model: Model, input_ids: Tensor, n: int, config: GenerationC
 
     tokens = list(run_steps(model, plan, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
                             GenerationStats(), lambda i, _: torch.tensor([T + i], device=input_ids.device),
-                            stop=False, after_prefill=fork))
+                            stop=False, after_prefill=fork, logprobs=logprobs))
     out = torch.cat([input_ids.expand(n, -1), torch.stack(tokens, dim=1)], dim=1) if tokens else input_ids.expand(n, -1)
     in_use = cache.blocks[0]
-    result = ParallelSample(out, forked[0] if forked else in_use, in_use, unshared, cache.shared_hit_rate)
+    result = ParallelSample(out, forked[0] if forked else in_use, in_use, unshared, cache.shared_hit_rate,
+                            logprobs.rows if logprobs is not None else None)
     cache.free()
     return result
 
@@ -363,8 +404,8 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
     def next_pos(i: int, finished: Tensor) -> Tensor:  # [B, 1]: each row after its own prompt; -1 once done
         return torch.where(finished, -1, row_lens + i)[:, None]
 
-    texts = row_texts(plan, list(prompts))
-    new = list(run_steps(model, plan, ids, pos, cache, policy, stats, next_pos, texts=texts))
+    texts, logprobs = row_texts(plan, list(prompts)), row_logprobs(config, B)
+    new = list(run_steps(model, plan, ids, pos, cache, policy, stats, next_pos, texts=texts, logprobs=logprobs))
     stop = set(config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids)
     out: list[list[int]] = [[] for _ in range(B)]
     for token in new:  # each row up to and including its own stop (a stop id, or the token its stop string ends in)
@@ -373,4 +414,5 @@ def _generate_ragged(model: Model, prompts, config: GenerationConfig, observers:
             if not out[b] or (out[b][-1] not in stop and len(out[b]) < n and not ended):
                 out[b].append(t)
     tokens = [torch.cat([p, torch.tensor(t, dtype=p.dtype, device=p.device)]) for p, t in zip(prompts, out)]
-    return GenerationOutput(tokens=tokens, stats=stats, texts=[t.text() for t in texts] if texts else None)
+    return GenerationOutput(tokens=tokens, stats=stats, texts=[t.text() for t in texts] if texts else None,
+                            logprobs=logprobs.rows if logprobs is not None else None)

@@ -10,6 +10,8 @@ machine's rules (run_rules.RUN_RULES) allow.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .combinations import describe, switch_off
 from .errors import ConfigError
 
@@ -62,7 +64,7 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
                            "set prefetch_depth=None"),
         "speculative_method": ("parallel_sample forks one prompt's blocks into n rows, and speculative decoding "
                                "verifies each row at its own positions", "set speculative_method=None, or "
-                               "generate(model, ids.expand(n, -1), config, do_sample=True)"),
+                               "generate(model, ids, config, n=n, do_sample=True)"),
         "num_beams": ("parallel_sample draws n samples of one prompt; a beam search keeps k beams and returns the best",
                       f"num_beams=1 ({_BEAMS})"),
     }),
@@ -78,10 +80,29 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     }),
 }
 
+# Settings (not cache features) that a place cannot run: where -> {key: (refuses, why, fix)}.
+_SAMPLES = "n samples a prompt are rows of generate's batch"
+_NO_TEXT = "it generates no text of its own, so there is no sample to repeat and no new token to record"
+SETTINGS_REFUSED: dict[str, dict[str, tuple[Callable, str, str]]] = {
+    "engine": {"n": (lambda c: c.n > 1, "the engine schedules one sequence per request, and " + _SAMPLES,
+                     "add n requests seeded seed + i (as minigen serve does), or generate(model, ids, n=...)")},
+    "parallel_sample": {"n": (lambda c: c.n > 1, "parallel_sample counts its samples with its own argument n",
+                              "parallel_sample(model, ids, n) with the config's n=1")},
+    **{where: {"n": (lambda c: c.n > 1, _NO_TEXT, "n=1"),
+               "logprobs": (lambda c: c.logprobs is not None, _NO_TEXT, "logprobs=None")}
+       for where in ("score", "profile")},
+}
+
+
 def check_where(c: "GenerationConfig", where: str) -> None:
-    """Refuse, with the key and the fix, a feature that `where` cannot run (WHERE_REFUSED)."""
+    """Refuse, with the key and the fix, a feature or setting that `where` cannot run (WHERE_REFUSED,
+    SETTINGS_REFUSED)."""
     if where not in WHERES:
         raise ConfigError(f"where={where!r} is not a place a plan runs: use one of {', '.join(map(repr, WHERES))}")
+    for key, (refuses, why, fix) in SETTINGS_REFUSED.get(where, {}).items():
+        if refuses(c):
+            place = WHERE_REFUSED.get(where, (where,))[0]
+            raise ConfigError(f"{key}={getattr(c, key)!r} does not combine with {place}: {why}. Fix: {fix}.")
     what, table = WHERE_REFUSED.get(where, ("", {}))
     for feature in c.features():
         if feature in table:

@@ -183,14 +183,15 @@ def describe(plan: Plan, model) -> dict[str, str]:
     k = plan.config.num_beams
     beams = {"beams": f"beam search (beam.py): {k} beams a prompt, {plan.batch} rows, the cache's rows reordered "
                       "every step"} if k > 1 else {}
-    text = {"text": _text_words(plan)} if plan.guide is not None or plan.config.stop else {}
+    c = plan.config
+    text = {"text": _text_words(plan)} if plan.guide is not None or c.stop or c.n > 1 or c.logprobs is not None else {}
     return {**beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
             "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
             "kernels": _kernel_words(plan), **text}
 
 
 def _text_words(plan: Plan) -> str:
-    """What reads the text: the structure's mask and its backend, the stop strings."""
+    """What reads or returns the text: the structure's mask and its backend, the stop strings, n, logprobs."""
     words = []
     if plan.guide is not None:
         spec = plan.config.guide_spec()
@@ -200,6 +201,11 @@ def _text_words(plan: Plan) -> str:
                      f"{plan.guide.compile_s * 1e3:.1f} ms), applied before each sample")
     if plan.config.stop:
         words.append(f"stop strings {list(plan.config.stop)} matched on each row's text")
+    n, k = plan.config.n, plan.config.logprobs
+    if n > 1:
+        words.append(f"n={n} samples a prompt: output row b * {n} + j is prompt b's sample j")
+    if k is not None:
+        words.append(f"logprobs: each new token's and the top {k}, from the raw logits")
     return "; ".join(words)
 
 

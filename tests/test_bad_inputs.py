@@ -24,12 +24,12 @@ import torch
 import minigen
 from conftest import tiny_hf
 from minigen import GenerationConfig, drafts, errors, loading
-from minigen.measure import bench, machine
+from minigen.measure import bench, machine, profiling
 from minigen.__main__ import build_parser
 from minigen.serving.batching import RequestQueue, group_by_length, pad_batch
 from minigen.serving.async_engine import AsyncEngine
 from minigen.serving.engine import Engine
-from minigen.serving.server import make_app
+from minigen.serving.server import make_app, serve
 from fastapi.testclient import TestClient
 from minigen.caches.contiguous import KVCache
 from minigen.caches.blocks import BlockAllocator
@@ -366,6 +366,65 @@ def _(smollm2):
 def _(smollm2):
     model, tok = smollm2
     minigen.parallel_sample(model, torch.tensor([[1, 2, 3]]), 3, do_sample=True, stop=["x"], tokenizer=tok)
+
+
+@case("config-n-below-one")
+def _():
+    for bad in (True, 2.0, -1):
+        with pytest.raises(errors.ConfigError, match=r"n=.* is invalid: use an integer >= 1"):
+            GenerationConfig(n=bad)
+    GenerationConfig(n=0)
+
+
+@case("config-logprobs-outside")
+def _():
+    for bad in (-1, True, 2.0):
+        with pytest.raises(errors.ConfigError, match=r"logprobs=.* is invalid: use an integer in 0\.\.20"):
+            GenerationConfig(logprobs=bad)
+    GenerationConfig(logprobs=21)
+
+
+@case("stream-logprobs")
+def _(tiny_model):
+    minigen.stream(tiny_model, torch.tensor([[1, 2, 3]]), logprobs=2)
+
+
+@case("samples-with-beams")
+def _():
+    with pytest.raises(errors.ConfigError, match="logprobs=2 and num_beams=4 do not combine"):
+        GenerationConfig(num_beams=4, logprobs=2)
+    GenerationConfig(num_beams=4, n=2)
+
+
+@case("logprobs-with-cuda-graphs")
+def _():
+    GenerationConfig(cuda_graphs=True, logprobs=2)
+
+
+@case("engine-n")
+def _(tiny_model):
+    engine = Engine(tiny_model)
+    with pytest.raises(errors.ConfigError, match="n=2 does not combine with the serving engine"):
+        engine.add_request([1, 2, 3], n=2, do_sample=True)
+    assert not engine.requests  # refused before anything was queued
+    Engine(tiny_model, {"n": 2})
+
+
+@case("samples-where-nothing-is-sampled")
+def _(tiny_model):
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(errors.ConfigError, match="logprobs=2 does not combine with score"):
+        minigen.score(tiny_model, ids, logprobs=2)
+    with pytest.raises(errors.ConfigError, match="logprobs=2 does not combine with the profiler"):
+        profiling.profile(tiny_model, ids, GenerationConfig(logprobs=2))
+    with pytest.raises(errors.ConfigError, match="n=2 does not combine with parallel_sample.*with the config's n=1"):
+        minigen.parallel_sample(tiny_model, ids, 3, GenerationConfig(n=2, do_sample=True))
+    minigen.score(tiny_model, ids, n=2)
+
+
+@case("serve-config-logprobs")
+def _():
+    serve("no-such-model-is-loaded", GenerationConfig(logprobs=2))
 
 
 @case("text-settings-with-cuda-graphs")

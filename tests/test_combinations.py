@@ -71,6 +71,10 @@ FIELDS = {
     "guided_regex": st.none(),
     "guided_grammar": st.none(),
     "guided_backend": st.just("auto"),
+    # n and logprobs change what generate returns, not what a forward computes (score refuses them):
+    # test_samples.py runs them through every step kind
+    "n": st.just(1),
+    "logprobs": st.none(),
     "use_cache": st.booleans(),
     "cache_chunk_size": maybe(st.sampled_from([1, 3, 4, 8, 16, 64])),
     "prefetch_depth": maybe(st.integers(0, 3)),

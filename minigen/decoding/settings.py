@@ -1,4 +1,4 @@
-"""The decoding settings' values, checked: min_p, the penalties and logit_bias, and the settings
+"""The decoding settings' values, checked: min_p, the penalties, n, logprobs and logit_bias, and the settings
 that read text (stop strings; what structured output constrains a reply to, response_format,
 guided_regex and guided_grammar, and who compiles it, guided_backend) (chapter 2b).
 
@@ -17,6 +17,7 @@ from typing import Any
 from ..checks import is_number
 from ..errors import ConfigError
 from .detokenize import MAX_STOPS
+from .logprobs import logprobs_count
 
 LOGIT_BIAS_MAX = 100  # OpenAI's bound on a bias: -100 bans a token in effect, +100 all but forces it
 OPENAI_PENALTY_MAX = 2.0  # OpenAI's bound on |frequency_penalty| and |presence_penalty|
@@ -32,7 +33,7 @@ def logit_bias_ids(bias: Any) -> Any:
 
 
 def check_decoding(c) -> None:
-    """Refuse a min_p, a penalty or a logit_bias out of its range, naming the key, the value and the range."""
+    """Refuse a min_p, a penalty, n, logprobs or a logit_bias out of its range, naming the key, the value and the range."""
     if c.min_p is not None and (not is_number(c.min_p) or not 0 <= c.min_p <= 1):
         raise ConfigError(f"min_p={c.min_p!r} is invalid: use a number in [0, 1] (keep the tokens at least min_p "
                           "times as likely as the top one; 0.05 is common), or None to keep every token")
@@ -44,6 +45,9 @@ def check_decoding(c) -> None:
         v = getattr(c, key)
         if not is_number(v) or not -OPENAI_PENALTY_MAX <= v <= OPENAI_PENALTY_MAX:
             raise ConfigError(f"{key}={v!r} is invalid: use a number in [-2, 2] (OpenAI's range; 0 is off)")
+    if not isinstance(c.n, int) or isinstance(c.n, bool) or c.n < 1:
+        raise ConfigError(f"n={c.n!r} is invalid: use an integer >= 1 (samples a prompt, each its own row)")
+    logprobs_count(c.logprobs)
     bias = c.logit_bias
     if bias is None:
         return

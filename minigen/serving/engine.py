@@ -57,9 +57,9 @@ from ..sampling import make_generator
 from ..caches.hybrid import HybridPagedKVCache
 from ..caches.paged import PagedKVCache
 from ..decoding.detokenize import StopText
+from ..decoding.logprobs import logprobs_count, token_logprobs
 from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds, blocks_for, can_admit,
-                        engine_metrics, forward_groups, logprobs_count, prompt_tokens, request_processing,
-                        token_logprobs)
+                        engine_metrics, forward_groups, prompt_tokens, request_processing)
 
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
@@ -170,10 +170,11 @@ class Engine:
         only (scheduler.REQUEST_KEYS: sampling, penalties, logit_bias, stop ids and strings, structure). `arrival_s`
         (seconds since t=0, finite and >= 0; default now) replays a workload: the request is not
         admitted before it. `logprobs=k` (0..20) records in `requests[id].logprobs`, per sampled token,
-        (its logprob, the top k (id, logprob)) of the model's raw fp32 logits (scheduler.token_logprobs);
-        None records nothing. A refused request raises before anything is queued: no id is used.
+        (its logprob, the top k (id, logprob)) of the model's raw fp32 logits (decoding/logprobs.py);
+        None: the config's logprobs (None: nothing). A refused request raises before anything is queued: no id is used.
         """
         config = self.config.replace(**overrides)  # unknown keys: ConfigError with the closest name
+        check_where(config, "engine")  # n > 1, say: add n requests
         cache_keys = sorted(k for k in overrides if k not in REQUEST_KEYS)
         if cache_keys:
             raise ConfigError(f"{', '.join(cache_keys)} cannot change per request: the engine's one pool sets "
@@ -181,7 +182,7 @@ class Engine:
                               f"{', '.join(REQUEST_KEYS)}")
         tokens = prompt_tokens(prompt_ids, self.model.config.vocab_size)
         arrival = arrival_seconds(arrival_s, self.now())
-        num_logprobs = logprobs_count(logprobs)
+        num_logprobs = logprobs_count(logprobs if logprobs is not None else config.logprobs)
         check_prompt(self.model, torch.tensor([tokens]), config.max_new_tokens, config)  # context, stop ids
         rid = self._next_id
         stop = config.stop_token_ids if config.stop_token_ids is not None else self.model.config.eos_token_ids

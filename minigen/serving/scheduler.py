@@ -43,7 +43,6 @@ from .metrics import latency_stats
 REQUEST_KEYS = ("max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids",
                 "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias", "stop",
                 "response_format", "guided_regex", "guided_grammar", "guided_backend")
-MAX_LOGPROBS = 20  # alternatives a request may ask for per token (OpenAI's API allows 0..20)
 PROMPTS_ACCEPTED = "a 1-D list or tuple of int token ids, or a 1-D integer tensor ([T] or [1, T])"
 
 
@@ -97,25 +96,6 @@ def arrival_seconds(arrival_s, now: float) -> float:
         raise ConfigError(f"arrival_s={reprlib.repr(arrival_s)} is invalid: use a finite number of seconds >= 0 "
                           "since the engine started (engine.now() is now), or None to arrive now")
     return float(arrival_s)
-
-
-def logprobs_count(logprobs) -> int | None:
-    """`add_request`'s logprobs -> the alternatives to record per token (None: record nothing);
-    ConfigError unless None or an int in 0..MAX_LOGPROBS."""
-    if logprobs is not None and (not isinstance(logprobs, numbers.Integral) or isinstance(logprobs, bool)
-                                 or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise ConfigError(f"logprobs={reprlib.repr(logprobs)} is invalid: use an integer in 0..{MAX_LOGPROBS} (the "
-                          "most likely tokens to record beside each sampled one), or None to record none")
-    return None if logprobs is None else int(logprobs)
-
-
-def token_logprobs(logits: Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """One row's raw logits [V] -> (the log-probability of `token`, the top k (id, log-probability) in
-    descending order). The distribution is the model's own, in fp32, before temperature, top-k or top-p
-    reshape it (vLLM's default), so a logprob does not depend on how the token was sampled."""
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [V]
-    top = torch.topk(logp, k)  # sorted: the most likely first
-    return float(logp[token]), list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int, max_batch_size: int) -> bool:

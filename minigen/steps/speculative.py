@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ..run_rules import FUSED_MAX_ROWS
 from ..config import GenerationConfig
+from ..decoding.logprobs import token_logprobs
 from ..errors import ConfigError
 from ..model import Model
 from ..sampling import Generators, draw, greedy, probabilities
@@ -229,6 +230,9 @@ class SpeculativeStep(EagerStep):
         self.prompt_lens: list[int] = []
         self.cached: list[int] = []  # positions of each row's text whose keys and values the target holds
         self.queue: list[deque] = []  # accepted tokens not yet handed to the loop
+        # logprobs=k: each queued token's (decoding/logprobs.py), from the verify forward that accepted it
+        self.logprob_queue: list[deque] = []
+        self.last_logprobs: list = []  # those of the tokens decode last handed out (None: a stopped row)
         # what GenerationStats reports (generate.py)
         self.draft_tokens = self.accepted_tokens = self.forwards = self.emitted = 0
         self.draft_s = self.verify_s = 0.0
@@ -243,6 +247,7 @@ class SpeculativeStep(EagerStep):
         self.prompt_lens = [len(t) for t in self.texts]
         self.cached = list(self.prompt_lens)
         self.queue = [deque() for _ in self.texts]
+        self.logprob_queue = [deque() for _ in self.texts]
         self.proposer.start(self.texts)
         return logits
 
@@ -263,6 +268,8 @@ class SpeculativeStep(EagerStep):
         if need:
             self._round(model, need, cache, policy, ops)
         out = [self.queue[b].popleft() if pos[b] >= 0 else 0 for b in range(B)]
+        if self.config.logprobs is not None:
+            self.last_logprobs = [self.logprob_queue[b].popleft() if pos[b] >= 0 else None for b in range(B)]
         return torch.tensor(out, device=tokens.device)
 
     def _round(self, model, rows: list[int], cache, policy, ops=None) -> None:
@@ -278,10 +285,13 @@ class SpeculativeStep(EagerStep):
         logits = self._verify(model, rows, proposals, cache, policy, ops)  # [len(rows), T, V]
         for i, (b, proposal, q) in enumerate(zip(rows, proposals, qs)):
             generator = self.generators[b] if self.generators is not None else None  # row b's own
-            verified = logits[i, :len(proposal) + 1]  # [len + 1, V]
+            raw = verified = logits[i, :len(proposal) + 1]  # [len + 1, V]
             if self.processing is not None:  # what the loop would sample from, had it taken the proposals
                 verified = self.processing.speculate(b, verified, proposal)
             emitted = self.rule(verified, proposal, q, self.config, generator)
+            if self.config.logprobs is not None:  # token j's distribution is the raw logits at position j
+                self.logprob_queue[b].extend(token_logprobs(raw[j], t, self.config.logprobs)
+                                             for j, t in enumerate(emitted))
             kept = len(emitted) - 1
             self.cached[b] += 1 + kept  # the fed token and the kept proposals; the rest is forgotten
             self.proposer.accepted(b, kept)
