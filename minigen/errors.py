@@ -51,3 +51,7 @@ class QueueFullError(MinigenError, RuntimeError):
 
 class RequestError(MinigenError, ValueError):
     """A serving engine's request id that is unknown, or already finished or cancelled."""
+
+
+class RankError(MinigenError, RuntimeError):
+    """A rank of a tensor-parallel group failed, died or ran past its timeout; the others were stopped."""

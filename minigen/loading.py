@@ -23,6 +23,7 @@ from .kernels import dispatch
 from .checkpoints import packaged
 from .checkpoints.hf_config import config_from_hf
 from .model import Model
+from .parallel.tensor import check_tp_size, shard_of
 from .checkpoints.model_config import ModelConfig
 from . import paths
 from .paths import bar, cache_dir, check_device, locked, read_digest, unwritable_dir, write_converted, write_digest
@@ -352,13 +353,16 @@ def load_tokenizer(folder: Path):
 
 
 def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
-         device: str | torch.device = "cpu", weight_bits: int | None = None):
+         device: str | torch.device = "cpu", weight_bits: int | None = None, tp_size: int = 1):
     """Load (model, tokenizer) from "smollm2-135m", "gemma3-270m" (when its optional package is
     installed: checkpoints/packaged.py), a local Hugging Face folder, or a hub id.
 
     dtype: torch.float32, torch.bfloat16 or torch.float16, or its name ("bfloat16").
     weight_bits: 8 or 4 quantizes the weights group-wise (weight_quant.py); None keeps them in dtype.
-    device: one this machine has (paths.devices()), else ConfigError."""
+    device: one this machine has (paths.devices()), else ConfigError.
+    tp_size: N > 1 keeps this rank's share of a model split over the N ranks of the torch.distributed
+    group it runs in (parallel/tensor.py; minigen.parallel.run_ranks starts them): every rank reads the
+    whole checkpoint, then frees what is not its own. ConfigError where N does not divide the heads."""
     if not isinstance(name_or_path, (str, os.PathLike)):  # os.fspath's TypeError, before anything
         raise ConfigError(f"name_or_path={name_or_path!r} is invalid: pass {DEFAULT_MODEL!r}, a local folder "
                           "(str or pathlib.Path) or a Hugging Face hub id (str)")
@@ -367,7 +371,11 @@ def load(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | s
     if weight_bits is not None:
         check_weight_bits(weight_bits)
     folder = resolve_folder(name_or_path)
-    model = build_model(read_config(folder), read_safetensors(folder), dtype, device)
+    cfg = read_config(folder)
+    check_tp_size(cfg, tp_size)  # before the weights are read
+    model = build_model(cfg, read_safetensors(folder), dtype, device)
+    if tp_size != 1:
+        shard_of(model, tp_size)
     if weight_bits is not None:
         quantize_weights(model, weight_bits)
     tokenizer = load_tokenizer(folder)

@@ -39,16 +39,21 @@ class Run:
     int8_product: bool | None = None  # an int8 product runs here (kernels/int8.py: minigen's C, oneDNN's or torch._int_mm)
     model_window: int | None = None  # the window the model's sliding layers were trained with; 0: none slides
     quantized: bool | None = None  # the linear weights are int4 / int8 codes (load's weight_bits)
+    tp_size: int | None = None  # ranks the model is split over (parallel/tensor.py); 1: the whole model here
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
-        return cls(arch=model_config.arch, head_dim=model_config.head_dim, model_window=model_config.own_window)
+        return cls(arch=model_config.arch, head_dim=model_config.head_dim, model_window=model_config.own_window,
+                   tp_size=model_config.tp_size)
 
 
 FUSED_WEIGHTS = ("float32", "bfloat16", "int8", "int4")  # int8 / int4: QuantizedWeight codes
 FUSED_MAX_ROWS = 16  # rows of one fused step: csrc/kernels.h's DECODE_MAX_ROWS (tests/test_combinations.py)
 FUSED_CACHE = ("float32", "bfloat16")
 _FUSED = "Fix: fused_decode=False."
+# A tensor-parallel model all-reduces after every attention and MLP (parallel/tensor.py): a step that runs
+# the layers where no Python hook runs, or that traces them, cannot make those calls.
+_TP = "a tensor-parallel model (tp_size={}) sums each attention's and MLP's output over its ranks, between the layers"
 
 
 def _group_fix(c: "GenerationConfig", r: Run) -> str:
@@ -99,6 +104,14 @@ RUN_RULES: tuple[RunRule, ...] = (
     ("fused_decode", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
      f"fused_decode=True attends every cached position in every layer; this model's sliding layers attend only the last "
      f"{r.model_window} (its own sliding_window). {_FUSED}"),
+    ("fused_decode", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"fused_decode=True runs every layer of a token in one C call, and {_TP.format(r.tp_size)}. {_FUSED}"),
+    ("compile", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"compile=True traces the decode step, and {_TP.format(r.tp_size)}: gloo's all-reduce breaks the graph at "
+     "each of them (not supported yet). Fix: compile=False"),
+    ("cuda_graphs", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"cuda_graphs=True captures the decode step, and {_TP.format(r.tp_size)}: capturing NCCL's collectives is "
+     "not supported yet. Fix: cuda_graphs=False"),
     ("window_size", ("model_window",), lambda c, r: c.window_size > r.model_window > 0, lambda c, r:
      f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}, which its sliding "
      f"layers were trained to see. Fix: window_size <= {r.model_window} (it then masks every layer, sinks included), "

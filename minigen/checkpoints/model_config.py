@@ -43,6 +43,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers ("local"); rope_theta: full ones
     rope_local_scaling: dict | None = None  # the sliding layers' RoPE scaling, as rope_scaling
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Tensor parallelism (parallel/tensor.py): this config is one of tp_size shards, and n_heads,
+    # n_kv_heads and hidden_dim are one rank's (the checkpoint's divided by tp_size). 1: the whole model.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.arch not in ("llama", "gemma3", "gpt2"):

@@ -40,7 +40,7 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
     kernel is built (once per machine) only where the fused step could run."""
     p = model.precision
     run = Run(arch=model.config.arch, head_dim=model.config.head_dim, model_window=model.config.own_window,
-              device=model.device.type,
+              device=model.device.type, tp_size=model.config.tp_size,
               fp32_compute=p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits,
               precision=p.describe(model.dtype), kv_dtype=config.kv_dtype or _name(model.dtype), batch=batch,
               observers=bool(observers),

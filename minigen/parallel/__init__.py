@@ -1,0 +1,15 @@
+"""Parallelism over torch.distributed: tensor parallelism (tensor.py) and the local process group
+that runs it (group.py). gloo on a CPU, NCCL on a GPU: the same code.
+
+    def work(rank, tp_size):                       # runs in each rank, inside the group
+        model, tok = minigen.load("smollm2-135m", tp_size=tp_size)
+        return minigen.generate(model, ids, max_new_tokens=32).tokens
+    tokens = minigen.parallel.run_ranks(work, 3)   # [rank 0's, rank 1's, rank 2's]: all equal
+
+docs/design/tensor_parallel.md says what each rank holds and what a sharded model refuses.
+"""
+
+from .group import run_ranks
+from .tensor import check_tp_size, local_config, shard_model, shard_of, working_sizes
+
+__all__ = ["check_tp_size", "local_config", "run_ranks", "shard_model", "shard_of", "working_sizes"]
