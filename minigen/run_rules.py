@@ -73,6 +73,14 @@ def _group_fix(c: "GenerationConfig", r: Run) -> str:
 RunRule = tuple[str, tuple[str, ...], Callable[["GenerationConfig", Run], bool],
                 Callable[["GenerationConfig", Run], str]]
 RUN_RULES: tuple[RunRule, ...] = (
+    ("fused_decode", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"fused_decode=True runs every layer of a token in one C call, and {_TP.format(r.tp_size)}. {_FUSED}"),
+    ("compile", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"compile=True traces the decode step, and {_TP.format(r.tp_size)}: gloo's all-reduce breaks the graph at "
+     "each of them (not supported yet). Fix: compile=False"),
+    ("cuda_graphs", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"cuda_graphs=True captures the decode step, and {_TP.format(r.tp_size)}: capturing NCCL's collectives is "
+     "not supported yet. Fix: cuda_graphs=False"),
     ("fused_decode", ("arch",), lambda c, r: r.arch != "llama", lambda c, r:
      f"fused_decode=True runs the Llama family (RMSNorm, RoPE, SwiGLU); this model is {r.arch!r}. {_FUSED}"),
     ("fused_decode", ("device",), lambda c, r: r.device != "cpu", lambda c, r:
@@ -104,14 +112,6 @@ RUN_RULES: tuple[RunRule, ...] = (
     ("fused_decode", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
      f"fused_decode=True attends every cached position in every layer; this model's sliding layers attend only the last "
      f"{r.model_window} (its own sliding_window). {_FUSED}"),
-    ("fused_decode", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
-     f"fused_decode=True runs every layer of a token in one C call, and {_TP.format(r.tp_size)}. {_FUSED}"),
-    ("compile", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
-     f"compile=True traces the decode step, and {_TP.format(r.tp_size)}: gloo's all-reduce breaks the graph at "
-     "each of them (not supported yet). Fix: compile=False"),
-    ("cuda_graphs", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
-     f"cuda_graphs=True captures the decode step, and {_TP.format(r.tp_size)}: capturing NCCL's collectives is "
-     "not supported yet. Fix: cuda_graphs=False"),
     ("window_size", ("model_window",), lambda c, r: c.window_size > r.model_window > 0, lambda c, r:
      f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}, which its sliding "
      f"layers were trained to see. Fix: window_size <= {r.model_window} (it then masks every layer, sinks included), "
