@@ -162,7 +162,8 @@ def test_smollm2_at_tp3_decodes_32_tokens_as_one_process(smollm2):
     model, tokenizer = smollm2
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with build.enabled(False):
-        want = minigen.generate(model, ids, max_new_tokens=32, do_sample=False).tokens
+        want = minigen.generate(model, ids, max_new_tokens=32, do_sample=False, stop_token_ids=()).tokens
+    assert want.shape[1] == ids.shape[1] + 32  # no stop token: all 32 new tokens compared
     got = run_ranks(tp_workers.smollm2, 3, args=(ids, 32), timeout=180)
     for tokens in got:
         assert torch.equal(tokens, want)

@@ -34,7 +34,7 @@ def smollm2(rank: int, tp_size: int, ids: torch.Tensor, new: int) -> torch.Tenso
     """Rank `rank`'s greedy tokens of SmolLM2-135M loaded with minigen.load(..., tp_size=tp_size)."""
     with build.enabled(False):
         model, _ = minigen.load("smollm2-135m", tp_size=tp_size)
-        return minigen.generate(model, ids, max_new_tokens=new, do_sample=False).tokens
+        return minigen.generate(model, ids, max_new_tokens=new, do_sample=False, stop_token_ids=()).tokens
 
 
 def down_sums(rank: int, tp_size: int, seed: int, rows: int, dim: int, width: int) -> dict:
