@@ -71,6 +71,9 @@ def cmd_generate(args) -> None:
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
+    if config.n > 1:
+        raise ConfigError(f"--set n={config.n}: minigen generate streams one text. Draw n samples in Python with "
+                          f"generate(model, ids, n={config.n}, do_sample=True), or with minigen serve (a request's n)")
     model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)
