@@ -63,6 +63,7 @@ def cmd_generate(args) -> None:
     from . import load
     from . import drafts
     from .errors import ConfigError, PromptError
+    from .decoding.detokenize import StopText
     from .generate import stream
     from .stats import GenerationStats
     from .run_plan import make_plan
@@ -71,6 +72,9 @@ def cmd_generate(args) -> None:
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
+    if config.n > 1:
+        raise ConfigError(f"--set n={config.n}: minigen generate streams one text. Draw n samples in Python with "
+                          f"generate(model, ids, n={config.n}, do_sample=True), or with minigen serve (a request's n)")
     model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)
@@ -86,20 +90,24 @@ def cmd_generate(args) -> None:
         raise ConfigError("--draft names the draft of speculative_method=draft, and needs it: set both "
                           "(--set speculative_method=draft --draft layers:20), or neither")
     draft = drafts.parse(args.draft, model) if args.draft is not None else None
-    plan = make_plan(model, config, ids.shape[0], max_len=ids.shape[1] + config.max_new_tokens, draft_model=draft)
+    plan = make_plan(model, config, ids.shape[0], max_len=ids.shape[1] + config.max_new_tokens, draft_model=draft,
+                     tokenizer=tok)  # stop strings and structured output read the text
     if args.explain:  # what runs, in words, before it runs
         print(plan, file=sys.stderr)
     stats = GenerationStats()
     new: list[int] = []
     printed = ""
     echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
+    cut = StopText(tok, ids[0].tolist(), config.stop) if config.stop else None  # text held back while a stop may begin
     for token in stream(model, ids, stats=stats, draft_model=draft, plan=plan):
         new.append(int(token[0]))
-        text = tok.decode(new, skip_special_tokens=True)
+        if cut is not None:
+            cut.push(new[-1])
+        text = tok.decode(new, skip_special_tokens=True) if cut is None else "".join(cut.parts)
         sys.stdout.write(echo + text[len(printed):])  # print only what this token added
         sys.stdout.flush()
         echo, printed = "", text
-    print(echo)
+    print(echo + (cut.text()[len(printed):] if cut is not None else ""))
     print(f"\n[{len(new)} tokens | prefill {stats.prefill_s * 1000:.0f} ms | TTFT {stats.ttft_s * 1000:.0f} ms | "
           f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
           f"{stats.step} step | {torch.get_num_threads()} threads]",

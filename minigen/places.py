@@ -82,7 +82,7 @@ WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
 
 # Settings (not cache features) that a place cannot run: where -> {key: (refuses, why, fix)}.
 _SAMPLES = "n samples a prompt are rows of generate's batch"
-_NO_TEXT = "it generates no text of its own, so there is no sample to repeat and no new token to record"
+_NO_TEXT = "it returns scores or timings, not text: no sample to repeat, no new token's log-probability to return"
 SETTINGS_REFUSED: dict[str, dict[str, tuple[Callable, str, str]]] = {
     "engine": {"n": (lambda c: c.n > 1, "the engine schedules one sequence per request, and " + _SAMPLES,
                      "add n requests seeded seed + i (as minigen serve does), or generate(model, ids, n=...)")},

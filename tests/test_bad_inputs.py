@@ -1119,6 +1119,18 @@ def _(tiny_folder, monkeypatch):
     cli("bench", "--model", str(tiny_folder), "--set", "do_sample=true")
 
 
+@case("bench-n")
+def _(tiny_folder, monkeypatch):
+    no_weights(monkeypatch)
+    cli("bench", "--model", str(tiny_folder), "--set", "n=2")
+
+
+@case("cli-generate-n")
+def _(monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    cli("generate", "hello", "--set", "n=2")
+
+
 @case("bench-decode-not-measurable")
 def _():
     def run(n: int):  # a 1-token run slower than the N-token one: a clock or a machine gone wrong

@@ -57,6 +57,18 @@ def test_no_cache_gives_the_same_text(cli):
     assert naive[0] == 0 and naive[1] == cached[1] and "naive step" in naive[2] and "naive step" not in cached[2]
 
 
+def test_stop_strings_and_structured_output_run_on_the_command_line(cli):
+    """The command passes its tokenizer to the plan: a stop string cuts the printed text before it
+    (also when it spans tokens), and response_format holds the reply to JSON."""
+    whole = cli("generate", PROMPT, "--max-new-tokens", "16")[1]
+    assert "2018-01" in whole  # SmolLM2 goes on "Paris.\n\nThe answer is: 2018-01..."
+    status, out, _ = cli("generate", PROMPT, "--max-new-tokens", "16", "--set", 'stop=["-01"]')
+    assert status == 0 and out.rstrip("\n") == whole[:whole.index("-01")].rstrip("\n")
+    status, out, _ = cli("generate", "A person as JSON:", "--max-new-tokens", "40", "--set",
+                         'response_format={"type": "json_object"}')
+    assert status == 0 and json.loads(out[len("A person as JSON:"):])
+
+
 def test_config_file_and_flag_override(cli, tmp_path):
     path = tmp_path / "generation_config.json"
     path.write_text(json.dumps({"max_new_tokens": 2}))

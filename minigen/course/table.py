@@ -7,6 +7,7 @@ from __future__ import annotations
 import string
 
 from ..combinations import APPLIED, FEATURES, REFUSED, REFUSED_SETTINGS, SWITCHES
+from ..places import SETTINGS_REFUSED, WHERE_REFUSED
 
 # A model trained with sliding layers (ModelConfig.layer_types: Mistral, Qwen2, Gemma 3) gets the
 # hybrid cache by default (caches/hybrid.py). What each feature does beside it: feature -> (applied,
@@ -74,6 +75,9 @@ def combination_table() -> str:
         needs.setdefault(switch, []).append(f"`{key}`")
     rows += [f"- {', '.join(keys)} only with `{switch}`: set to anything but the default without it, refused."
              for switch, keys in needs.items()]
+    rows += ["", "Settings a place cannot run (each place's cache features are refused in places.py):"]
+    rows += [f"- `{key}` in {WHERE_REFUSED.get(where, (where,))[0]}: refused: {why}; {fix}."
+             for where, table in SETTINGS_REFUSED.items() for key, (_, why, fix) in table.items()]
     rows += ["", "Models with their own sliding window (`ModelConfig.layer_types`: Mistral, Qwen2 with "
              "`use_sliding_window`, Gemma 3; chapter 5) get the hybrid cache, a ring per sliding layer and every position "
              "per full layer. Beside it:"]

@@ -187,6 +187,8 @@ def run_bench(model_name: str = "smollm2-135m", config: GenerationConfig | None 
     if config.do_sample:
         raise BenchError("bench times greedy decoding, on which minigen and transformers must agree token "
                          "for token: drop do_sample and the sampling settings")
+    if config.n > 1:
+        raise BenchError(f"bench times one greedy row a prompt, and n={config.n} would copy it {config.n} times: drop n")
     config = config.replace(max_new_tokens=new_tokens, stop_token_ids=[],
                             **({"response_format": response_format} if response_format else {}))
     folder = resolve_folder(model_name)
