@@ -63,8 +63,10 @@ def cmd_generate(args) -> None:
     from . import load
     from . import drafts
     from .errors import ConfigError, PromptError
-    from .decoding.detokenize import StopText
+    from .decoding.detokenize import echo_tokens
     from .generate import stream
+    from .loading import load_tokenizer, resolve_folder
+    from .parallel.launch import generate_over_ranks, ranks_line
     from .stats import GenerationStats
     from .run_plan import make_plan
     config = _config(args, max_new_tokens=args.max_new_tokens, use_cache=False if args.no_cache else None,
@@ -75,7 +77,13 @@ def cmd_generate(args) -> None:
     if config.n > 1:
         raise ConfigError(f"--set n={config.n}: minigen generate streams one text. Draw n samples in Python with "
                           f"generate(model, ids, n={config.n}, do_sample=True), or with minigen serve (a request's n)")
-    model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
+    if args.tp != 1 and (args.draft is not None or args.compute_dtype):
+        raise ConfigError("--tp runs the model's shards in their own processes, which load it as --dtype says: "
+                          "drop --draft and --compute-dtype, or --tp")
+    if args.tp != 1:  # the ranks load their shards; this process only needs the tokenizer
+        model, tok = None, load_tokenizer(resolve_folder(args.model))
+    else:
+        model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)
     if args.chat and tok.chat_template is None:
@@ -86,6 +94,19 @@ def cmd_generate(args) -> None:
                                       return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tok(args.prompt, return_tensors="pt").input_ids
+    echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
+
+    def write(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    if model is None:  # tensor parallel (chapter 17): the ranks generate, then this process prints
+        out = generate_over_ranks(args.model, ids, config, args.tp, dtype=args.dtype, weight_bits=args.weight_bits)
+        if args.explain:
+            print(out.ranks[0]["plan"], file=sys.stderr)
+        echo_tokens(out.tokens[0, ids.shape[1]:].tolist(), tok, ids[0].tolist(), config.stop, write, echo)
+        print()
+        print(f"\n{ranks_line(out)}", file=sys.stderr)
+        return
     if (args.draft is not None) != (config.speculative_method == "draft"):
         raise ConfigError("--draft names the draft of speculative_method=draft, and needs it: set both "
                           "(--set speculative_method=draft --draft layers:20), or neither")
@@ -95,20 +116,10 @@ def cmd_generate(args) -> None:
     if args.explain:  # what runs, in words, before it runs
         print(plan, file=sys.stderr)
     stats = GenerationStats()
-    new: list[int] = []
-    printed = ""
-    echo = "" if args.chat else args.prompt  # written with the first token: a refused run prints nothing
-    cut = StopText(tok, ids[0].tolist(), config.stop) if config.stop else None  # text held back while a stop may begin
-    for token in stream(model, ids, stats=stats, draft_model=draft, plan=plan):
-        new.append(int(token[0]))
-        if cut is not None:
-            cut.push(new[-1])
-        text = tok.decode(new, skip_special_tokens=True) if cut is None else "".join(cut.parts)
-        sys.stdout.write(echo + text[len(printed):])  # print only what this token added
-        sys.stdout.flush()
-        echo, printed = "", text
-    print(echo + (cut.text()[len(printed):] if cut is not None else ""))
-    print(f"\n[{len(new)} tokens | prefill {stats.prefill_s * 1000:.0f} ms | TTFT {stats.ttft_s * 1000:.0f} ms | "
+    tokens = (int(t[0]) for t in stream(model, ids, stats=stats, draft_model=draft, plan=plan))
+    count = echo_tokens(tokens, tok, ids[0].tolist(), config.stop, write, echo)
+    print()
+    print(f"\n[{count} tokens | prefill {stats.prefill_s * 1000:.0f} ms | TTFT {stats.ttft_s * 1000:.0f} ms | "
           f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
           f"{stats.step} step | {torch.get_num_threads()} threads]",
           file=sys.stderr)
@@ -255,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
     g.add_argument("--seed", type=int, help="seed of the sampler")
     g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
+    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel: split the model over N ranks, "
+                   "each its own process (gloo on 127.0.0.1; chapter 17); the text prints once they finish")
     g.add_argument("--explain", action="store_true", help="print the plan first: which step, prompt format, "
                    "attention and cache run here, and why")
     g.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "

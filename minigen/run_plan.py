@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 
 from .attention import AttentionObserver, AttentionPolicy
 from .caches.make import make_cache
@@ -146,6 +147,12 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     that read text need (stop strings; response_format, guided_regex, guided_grammar: compiled here)."""
     config = config or GenerationConfig()
     check_where(config, where)
+    if where == "engine" and model.config.tp_size > 1:
+        raise ConfigError(f"the serving engine does not run a tensor-parallel model (tp_size={model.config.tp_size}): its "
+                          "ranks must run the same forwards in the same order, and the engine schedules each step from "
+                          "its own clock and queue in one process (a scheduler in rank 0 that broadcasts each step's "
+                          "batch is not built). Fix: load the model with tp_size=1 for the engine, or generate in "
+                          "every rank (minigen.parallel.launch.generate_over_ranks)")
     check_vocabulary(config, model.config.vocab_size)  # logit_bias's ids
     sampled = where not in ("score", "profile", "draft")  # the places that sample the text they make
     stops = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
@@ -185,9 +192,19 @@ def describe(plan: Plan, model) -> dict[str, str]:
                       "every step"} if k > 1 else {}
     c = plan.config
     text = {"text": _text_words(plan)} if plan.guide is not None or c.stop or c.n > 1 or c.logprobs is not None else {}
-    return {**beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
+    parallel = {"parallel": _parallel_words(model)} if model.config.tp_size > 1 else {}
+    return {**parallel, **beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
             "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
             "kernels": _kernel_words(plan), **text}
+
+
+def _parallel_words(model) -> str:
+    """What this rank of a tensor-parallel model holds, and what its forwards exchange (parallel/tensor.py)."""
+    c, n = model.config, model.config.tp_size
+    backend = dist.get_backend() if dist.is_initialized() else "no process group yet"
+    return (f"tensor parallel over {n} ranks ({backend}): this rank holds {c.n_heads} of {c.n_heads * n} query heads, "
+            f"{c.n_kv_heads} of {c.n_kv_heads * n} key/value heads (its cache holds only these) and {c.hidden_dim} of "
+            f"{c.hidden_dim * n} MLP columns; 2 all-reduces a layer ({2 * c.n_layers} a forward) of [B, T, {c.dim}]")
 
 
 def _text_words(plan: Plan) -> str:

@@ -17,7 +17,7 @@ over several pieces, and holds back the text that might still become one.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..errors import ConfigError
 
@@ -186,3 +186,19 @@ class StopText:
             self.parts += [piece, self.cut.flush()]
         self.done = True
         return "".join(self.parts)
+
+
+def echo_tokens(tokens: Iterable[int], tokenizer, prompt_ids: Sequence[int], stops: Sequence[str] | None,
+                write: Callable[[str], None], first: str = "") -> int:
+    """Write each token's new text as it comes (`first` before it: the prompt's echo), cut before a stop
+    string, the text that may still begin one held back until it cannot (`minigen generate`'s output);
+    -> the tokens taken."""
+    text, sent, count = StopText(tokenizer, prompt_ids, stops), 0, 0
+    for token in tokens:
+        count += 1
+        text.push(int(token))
+        so_far = "".join(text.parts)
+        write(first + so_far[sent:])
+        first, sent = "", len(so_far)
+    write(first + text.text()[sent:])
+    return count
