@@ -22,8 +22,12 @@ import pytest
 import torch
 
 import minigen
+import minigen.parallel
+import tp_workers
 from conftest import tiny_hf
 from minigen import GenerationConfig, drafts, errors, loading
+from minigen.checkpoints.hf_config import config_from_hf
+from minigen.parallel import launch
 from minigen.measure import bench, machine, profiling
 from minigen.__main__ import build_parser
 from minigen.serving.batching import RequestQueue, group_by_length, pad_batch
@@ -1409,6 +1413,64 @@ def _(tiny_model, tmp_path, monkeypatch):
         path.parent.write_text("a file where the folder goes")
     notices = _fastpaths_case(tiny_model, tmp_path, monkeypatch, damage)
     assert any("could not keep the fast paths' measurements" in n for n in notices), notices
+
+
+# ---------------------------------------------------------------- parallelism
+TP_SPLITTABLE = dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=6, intermediate_size=96)
+
+
+def tiny_shard():
+    """Rank 0's shard of a tiny Llama split over 2 (no forward runs, so no process group is needed)."""
+    return minigen.parallel.shard_model(minigen.from_hf(tiny_hf("llama", **TP_SPLITTABLE)), 0, 2)
+
+
+@case("tp-size-does-not-divide")
+def _(smollm2, monkeypatch):
+    monkeypatch.setattr(loading, "read_safetensors", lambda *a, **k: pytest.fail("read the weights before the check"))
+    minigen.load("smollm2-135m", tp_size=2)
+
+
+@case("tp-outside-a-group")
+def _(smollm2):
+    minigen.load("smollm2-135m", tp_size=3)
+
+
+@case("tp-fused")
+def _():
+    sharded = tiny_shard()
+    for key in ("compile",):
+        with pytest.raises(errors.ConfigError, match=rf"{key}=True .*tensor-parallel model \(tp_size=2\)"):
+            minigen.make_plan(sharded, GenerationConfig(**{key: True}))
+    minigen.make_plan(sharded, GenerationConfig(fused_decode=True))
+
+
+@case("tp-engine")
+def _():
+    Engine(tiny_shard())
+
+
+@case("tp-rank-dies")
+def _():
+    hf = tiny_hf("llama", **TP_SPLITTABLE)
+    cfg, state = config_from_hf(hf.config.to_dict()), {k: v.clone() for k, v in hf.state_dict().items()}
+    start = time.monotonic()
+    try:
+        minigen.parallel.run_ranks(tp_workers.dies_mid_generation, 2, args=(cfg, state, torch.tensor([[1, 2, 3]]), 8, 1, 5),
+                                   timeout=60)
+    finally:
+        assert time.monotonic() - start < 60
+
+
+@case("cli-tp-not-dividing")
+def _(monkeypatch):
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("ranks started before the check"))
+    cli("generate", "hello", "--tp", "2")
+
+
+@case("cli-tp-with-draft")
+def _(monkeypatch):
+    monkeypatch.setattr(minigen, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    cli("generate", "hello", "--tp", "3", "--draft", "layers:20")
 
 
 # issue 25's cases live in their own module; importing it registers them before the rows run

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import RankError
+from ..errors import MinigenError, RankError
 
 GRACE_S = 10.0  # seconds the other ranks get to report their own error once one has failed
 POLL_S = 0.1  # how often the parent looks at its ranks while it waits
@@ -75,8 +75,9 @@ def rank_main(rank: int, tp_size: int, store_file: str, timeout: float, env: dic
         join_group(rank, tp_size, store_file, timeout)
         answer = (rank, True, packed(fn(rank, tp_size, *args)))
     except BaseException as e:  # reported, never swallowed: the parent raises it as a RankError
-        lines = traceback.format_exception(e)
-        answer = (rank, False, f"{type(e).__name__}: {e}\n{''.join(lines[-6:])}")
+        if not isinstance(e, MinigenError):  # a bug, not a refusal: its whole trace in this rank's stderr
+            traceback.print_exc()
+        answer = (rank, False, f"{type(e).__name__}: {e}")
     answers.put(answer)
     answers.close()
     answers.join_thread()  # the answer is in the pipe before the process ends
@@ -120,11 +121,11 @@ def run_ranks(fn: Callable, tp_size: int, args: tuple = (), timeout: float = 120
             answers.close()
     if failures:
         first, *others = failures
-        rank, why = first
-        said = "".join(f"\n  rank {r}: {w.splitlines()[0]}" for r, w in others)
-        raise RankError(f"rank {rank} of {tp_size} failed: {why}" +
-                        (f"\nthe other ranks then said:{said}" if said else "") +
-                        "\nevery rank of the group was stopped")
+        rank, why = first  # one line each, as every minigen error: the rank's own traceback stays in its stderr
+        said = "; ".join(f"rank {r}: {w.splitlines()[0]}" for r, w in others)
+        raise RankError(f"rank {rank} of {tp_size} failed: {why.splitlines()[0]}" +
+                        (f"; the other ranks then said: {said}" if said else "") +
+                        "; every rank of the group was stopped")
     return [unpacked(results[rank]) for rank in range(tp_size)]
 
 
