@@ -1,7 +1,7 @@
 """The one GPU acceptance script: run it on a CUDA machine, get one JSON file (and a figure) naming
 the hardware, under figures/gpu/.
 
-    python scripts/gpu_check.py [--only decode offload kernel prefill] [--out figures/gpu]
+    python scripts/gpu_check.py [--only decode offload kernel prefill fastpaths parallel] [--out figures/gpu]
     python scripts/gpu_check.py --smoke     # the same code on tiny shapes on the CPU (CI runs this)
 
 No network: the models are Llama-family models with the real shapes of SmolLM2-135M, Llama-3.2-1B
@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -393,8 +394,20 @@ def check_fastpaths(device: str, smoke: bool) -> dict:
             "stands_aside": m.stands_aside}
 
 
+def check_parallel(device: str, smoke: bool) -> dict:
+    """Tensor parallelism through NCCL, one GPU a rank (tests/test_parallel_gpu.py, pytest -m gpu) where this
+    machine has 2 or more GPUs; with fewer (or --smoke) it says so and runs nothing."""
+    gpus = torch.cuda.device_count()
+    if smoke or gpus < 2:
+        return {"gpus": gpus, "skipped": "needs 2 or more GPUs" if not smoke else "smoke run"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:randomly",
+                          str(ROOT / "tests" / "test_parallel_gpu.py")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    return {"gpus": gpus, "tp_size": gpus, "passed": run.returncode == 0, "output": run.stdout[-2000:]}
+
+
 CHECKS = {"decode": check_decode, "offload": check_offload, "kernel": check_kernel, "prefill": check_prefill,
-          "fastpaths": check_fastpaths}
+          "fastpaths": check_fastpaths, "parallel": check_parallel}
 
 
 def plot(report: dict, path: Path) -> None:

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..errors import MinigenError, RankError
+from ..errors import ConfigError, MinigenError, RankError
 
 GRACE_S = 10.0  # seconds the other ranks get to report their own error once one has failed
 POLL_S = 0.1  # how often the parent looks at its ranks while it waits
@@ -44,11 +44,14 @@ def loopback_interface() -> str:
     return names[0] if names else "lo"
 
 
-def join_group(rank: int, tp_size: int, store_file: str, timeout: float) -> None:
-    """Join the gloo group of `tp_size` ranks that meet at `store_file` (a FileStore), as `rank`;
-    collectives raise after `timeout` seconds without their peers."""
+def join_group(rank: int, tp_size: int, store_file: str, timeout: float, backend: str = "gloo") -> None:
+    """Join the group of `tp_size` ranks that meet at `store_file` (a FileStore), as `rank`; collectives
+    raise after `timeout` seconds without their peers. backend "nccl": rank r runs on GPU r."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # connections on 127.0.0.1 only
-    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=tp_size,
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", loopback_interface())  # NCCL's bootstrap too
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=tp_size,
                             timeout=timedelta(seconds=timeout))
 
 
@@ -66,13 +69,13 @@ def unpacked(data: bytes):
 
 
 def rank_main(rank: int, tp_size: int, store_file: str, timeout: float, env: dict[str, str], threads: int,
-              fn: Callable, args: tuple, answers) -> None:
+              fn: Callable, args: tuple, answers, backend: str = "gloo") -> None:
     """One rank's process: join the group, run fn(rank, tp_size, *args), put (rank, ok, answer) on
     `answers` (the result packed, or the error in words), and leave."""
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
-        join_group(rank, tp_size, store_file, timeout)
+        join_group(rank, tp_size, store_file, timeout, backend)
         answer = (rank, True, packed(fn(rank, tp_size, *args)))
     except BaseException as e:  # reported, never swallowed: the parent raises it as a RankError
         if not isinstance(e, MinigenError):  # a bug, not a refusal: its whole trace in this rank's stderr
@@ -95,22 +98,28 @@ def died(exitcode: int) -> str:
 
 
 def run_ranks(fn: Callable, tp_size: int, args: tuple = (), timeout: float = 120.0, env: dict[str, str] | None = None,
-              threads: int = 1, grace: float = GRACE_S) -> list:
+              threads: int = 1, grace: float = GRACE_S, backend: str = "gloo") -> list:
     """Run fn(rank, tp_size, *args) in `tp_size` new processes that form a gloo group on 127.0.0.1
     -> [rank 0's result, ..., rank N-1's]. `fn` and `args` must pickle (a module-level function);
     each result is packed by torch.save (tensors, numbers, strings, and their containers).
 
     env: variables set in each rank before `fn` runs (after the imports its unpickling needs);
-    threads: torch's intra-op threads per rank. RankError when a rank raises, dies, or the group runs
-    past `timeout` seconds; every rank is stopped before run_ranks returns or raises."""
-    if not isinstance(tp_size, int) or tp_size < 1:
-        raise ValueError(f"tp_size={tp_size!r} is invalid: the number of ranks, a positive int")
+    threads: torch's intra-op threads per rank. backend: "gloo" (CPUs) or "nccl" (rank r on GPU r: the same
+    code through NVIDIA's collectives). RankError when a rank raises, dies, or the group runs past
+    `timeout` seconds; every rank is stopped before run_ranks returns or raises."""
+    if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+        raise ConfigError(f"tp_size={tp_size!r} is invalid: the number of ranks, a positive int")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"backend={backend!r} is invalid: use \"gloo\" (CPUs) or \"nccl\" (one GPU a rank)")
+    if backend == "nccl" and torch.cuda.device_count() < tp_size:
+        raise ConfigError(f"backend='nccl' runs one GPU a rank, and this machine has {torch.cuda.device_count()} for "
+                          f"{tp_size} ranks: use backend='gloo', or tp_size <= {torch.cuda.device_count()}")
     ctx = multiprocessing.get_context("spawn")
     answers = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="minigen-tp-") as folder:
         store_file = os.path.join(folder, "store")
         procs = [ctx.Process(target=rank_main, args=(rank, tp_size, store_file, timeout, env or {}, threads, fn,
-                                                     args, answers), name=f"minigen-rank-{rank}", daemon=True)
+                                                     args, answers, backend), name=f"minigen-rank-{rank}", daemon=True)
                  for rank in range(tp_size)]
         try:
             for p in procs:
