@@ -111,8 +111,11 @@ def generate_over_ranks(model_name: str, input_ids: Tensor, config: GenerationCo
                         timeout: float = RANKS_TIMEOUT_S) -> RanksOutput:
     """Start `tp_size` gloo ranks on 127.0.0.1, each generating with its shard of `model_name`, and
     return their tokens and reports; RankError when a rank fails or the ranks disagree. A tp_size that
-    does not split the model is refused (ConfigError) before any rank starts."""
+    does not split the model is refused (ConfigError) before any rank starts. Sampling without a seed
+    draws one here, for every rank (each rank samples its own copy of the same logits)."""
     check_tp_size(read_config(resolve_folder(model_name)), tp_size)
+    if config.do_sample and config.seed is None:  # one seed for every rank, drawn here: each rank samples alike
+        config = config.replace(seed=int(torch.randint(0, 2**63 - 1, ()).item()))
     reports = run_ranks(rank_generate, tp_size, args=(model_name, input_ids, config.to_dict(),
                                                       {"dtype": dtype, "weight_bits": weight_bits}), timeout=timeout)
     for report in reports[1:]:
