@@ -185,7 +185,12 @@ def describe(plan: Plan, model) -> dict[str, str]:
                       "every step"} if k > 1 else {}
     c = plan.config
     text = {"text": _text_words(plan)} if plan.guide is not None or c.stop or c.n > 1 or c.logprobs is not None else {}
-    return {**beams, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
+    cfg = model.config
+    parallel = {"parallel": f"tensor parallel, one of {cfg.tp_size} ranks (parallel/tensor.py): {cfg.n_heads} query "
+                            f"heads, {cfg.n_kv_heads} key/value heads (its cache's) and {cfg.hidden_dim} of the MLP "
+                            f"width here, an all-reduce after each attention and MLP ({2 * cfg.n_layers} a "
+                            "forward); the embedding and the head whole on every rank"} if cfg.tp_size > 1 else {}
+    return {**beams, **parallel, "decode": _decode_words(plan, model), "prompt": _prompt_words(plan, model),
             "attention": _attention_words(plan, model), "KV": _kv_words(plan, model),
             "kernels": _kernel_words(plan), **text}
 

@@ -137,6 +137,7 @@ def test_greedy_tokens_equal_one_process(kind, tp_size):
         scale = want_logits.abs().max()
         assert (rank["logits"] - want_logits).abs().max() <= 1e-4 * scale
         assert torch.equal(rank["logits"], ranks[0]["logits"])  # the replicated head: the same bits everywhere
+        assert f"one of {tp_size} ranks" in rank["plan"] and f"{12 // tp_size} query heads" in rank["plan"]
 
 
 @pytest.mark.parametrize("tp_size", [2, 3])
