@@ -170,12 +170,14 @@ def test_smollm2_at_tp3_decodes_32_tokens_as_one_process(smollm2):
         assert torch.equal(tokens, want)
 
 
-def test_fused_compiled_and_graphed_steps_are_refused_with_the_reason():
+def test_fused_compiled_and_heavy_hitter_runs_are_refused_with_the_reason():
     cfg, state = tiny("llama")
     model = shard_model(build_model(cfg, state, copy=True), 0, 2)  # no forward runs: no group needed
-    for key in ("fused_decode", "compile"):
+    for key in ("fused_decode", "compile", "cuda_graphs"):
         with pytest.raises(ConfigError, match=f"{key}=True .*tensor-parallel model \\(tp_size=2\\)"):
             minigen.make_plan(model, minigen.GenerationConfig(**{key: True}))
+    with pytest.raises(ConfigError, match="kv_budget=8 .*sees only its own heads"):
+        minigen.make_plan(model, minigen.GenerationConfig(kv_budget=8))
     refusals = run_refusals(minigen.GenerationConfig(), Run(tp_size=2), "fused_decode")
     assert refusals and "one C call" in refusals[0]  # so "auto" never picks the fused step for a shard
     with build.enabled(False):  # (no measurement of the kernels at the shard's shapes)
