@@ -40,7 +40,7 @@ from .decoding.settings import check_vocabulary
 from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
-from .sampling import Generators, make_generators, sample
+from .sampling import Generators, greedy, make_generators, sample
 from .steps.choose import block_bits, choose_step, int8_activations, measurements, ops_for, run_of
 from .steps import graphs, speculative
 from .steps.eager import EagerStep
@@ -163,6 +163,10 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     speculative.check_draft(config, model, draft_model)
     draft = (make_plan(draft_model, speculative.draft_config(config), batch, "draft", max_len=max_len)
              if config.speculative_method == "draft" else None)
+    if model.config.tp_size > 1 and not greedy(config) and config.seed is None:
+        raise ConfigError(f"do_sample=True with seed=None on a tensor-parallel model (tp_size={model.config.tp_size}): "
+                          "every rank samples its own copy of the logits, and fresh entropy in each would draw "
+                          "different tokens. Fix: set seed (every rank then draws the same tokens)")
     generators = make_generators(config, batch, model.device)  # row r: seed + r
     run = run_of(model, config, batch, tuple(observers))
     decode_i8, prompt_i8 = int8_activations(model, config, run)  # int4 / int8 codes times int8 activations

@@ -140,6 +140,26 @@ def test_greedy_tokens_equal_one_process(kind, tp_size):
         assert f"one of {tp_size} ranks" in rank["plan"] and f"{12 // tp_size} query heads" in rank["plan"]
 
 
+def test_sampled_tokens_with_a_seed_are_the_same_on_every_rank_and_as_one_process():
+    """Every rank samples its own copy of the (bitwise equal) logits with generators seeded alike. Against
+    one process: probabilities ~1e-6 apart flip a draw only when its uniform number falls within ~1e-6 of a
+    boundary, about 16 x 1e-6 for 16 tokens; the seed is fixed, so the test is deterministic."""
+    cfg, state = tiny("llama")
+    ids, settings = prompt(), dict(do_sample=True, temperature=1.0, seed=7)
+    with build.enabled(False):
+        want = minigen.generate(build_model(cfg, state, copy=True), ids, max_new_tokens=NEW, **settings).tokens
+    ranks = run_ranks(tp_workers.greedy, 2, args=(cfg, state, ids, NEW, settings), timeout=GROUP_TIMEOUT)
+    for rank in ranks:
+        assert torch.equal(rank["tokens"], want)
+
+
+def test_sampling_without_a_seed_is_refused_on_a_shard():
+    cfg, state = tiny("llama")
+    model = shard_model(build_model(cfg, state, copy=True), 0, 2)  # no forward runs: no group needed
+    with pytest.raises(ConfigError, match="seed=None on a tensor-parallel model.*Fix: set seed"):
+        minigen.make_plan(model, minigen.GenerationConfig(do_sample=True))
+
+
 @pytest.mark.parametrize("tp_size", [2, 3])
 def test_row_parallel_sum_is_within_the_reduction_order_bound(tp_size):
     """o and down are row-parallel: y = sum_j h_j W_ij over n = F (or H Dh) products. One process sums
