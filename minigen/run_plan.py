@@ -41,7 +41,7 @@ from .decoding.settings import check_vocabulary
 from .kernels import build as kernel_build
 from .kernels import fastpaths
 from .places import check_where
-from .sampling import Generators, make_generators, sample
+from .sampling import Generators, greedy, make_generators, sample
 from .steps.choose import block_bits, choose_step, int8_activations, measurements, ops_for, run_of
 from .steps import graphs, speculative
 from .steps.eager import EagerStep
@@ -170,6 +170,10 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     speculative.check_draft(config, model, draft_model)
     draft = (make_plan(draft_model, speculative.draft_config(config), batch, "draft", max_len=max_len)
              if config.speculative_method == "draft" else None)
+    if model.config.tp_size > 1 and not greedy(config) and config.seed is None:
+        raise ConfigError(f"do_sample=True with seed=None on a tensor-parallel model (tp_size={model.config.tp_size}): "
+                          "every rank samples its own copy of the logits, and fresh entropy in each would draw "
+                          "different tokens. Fix: set seed (every rank then draws the same tokens)")
     generators = make_generators(config, batch, model.device)  # row r: seed + r
     run = run_of(model, config, batch, tuple(observers))
     decode_i8, prompt_i8 = int8_activations(model, config, run)  # int4 / int8 codes times int8 activations
@@ -202,9 +206,10 @@ def _parallel_words(model) -> str:
     """What this rank of a tensor-parallel model holds, and what its forwards exchange (parallel/tensor.py)."""
     c, n = model.config, model.config.tp_size
     backend = dist.get_backend() if dist.is_initialized() else "no process group yet"
-    return (f"tensor parallel over {n} ranks ({backend}): this rank holds {c.n_heads} of {c.n_heads * n} query heads, "
-            f"{c.n_kv_heads} of {c.n_kv_heads * n} key/value heads (its cache holds only these) and {c.hidden_dim} of "
-            f"{c.hidden_dim * n} MLP columns; 2 all-reduces a layer ({2 * c.n_layers} a forward) of [B, T, {c.dim}]")
+    return (f"tensor parallel, one of {n} ranks ({backend}; parallel/tensor.py): this rank holds {c.n_heads} of "
+            f"{c.n_heads * n} query heads, {c.n_kv_heads} of {c.n_kv_heads * n} key/value heads (its cache holds only "
+            f"these) and {c.hidden_dim} of {c.hidden_dim * n} MLP columns, the embedding and the head whole; an "
+            f"all-reduce of [B, T, {c.dim}] after each attention and MLP ({2 * c.n_layers} a forward)")
 
 
 def _text_words(plan: Plan) -> str:

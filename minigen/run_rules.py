@@ -112,6 +112,10 @@ RUN_RULES: tuple[RunRule, ...] = (
     ("fused_decode", ("model_window",), lambda c, r: r.model_window > 0, lambda c, r:
      f"fused_decode=True attends every cached position in every layer; this model's sliding layers attend only the last "
      f"{r.model_window} (its own sliding_window). {_FUSED}"),
+    ("kv_budget", ("tp_size",), lambda c, r: r.tp_size > 1, lambda c, r:
+     f"kv_budget={c.kv_budget} evicts the tokens that all heads together attended least (caches/h2o.py), and each "
+     f"rank of a tensor-parallel model (tp_size={r.tp_size}) sees only its own heads: the ranks would evict "
+     "different tokens. Fix: kv_budget=None, or tp_size=1"),
     ("window_size", ("model_window",), lambda c, r: c.window_size > r.model_window > 0, lambda c, r:
      f"window_size={c.window_size} is larger than this model's own sliding_window={r.model_window}, which its sliding "
      f"layers were trained to see. Fix: window_size <= {r.model_window} (it then masks every layer, sinks included), "

@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "minigen"
 # The layers, inside out. The core: the generator and everything it runs on.
-CORE_PACKAGES = {"caches", "numerics", "kernels", "steps", "checkpoints", "decoding"}
+CORE_PACKAGES = {"caches", "numerics", "kernels", "steps", "checkpoints", "decoding", "parallel"}
 # The outer layers: they may import the core, never the other way round.
 OUTER_PACKAGES = {"serving", "measure", "course", "production"}
 FACES = {"__init__", "__main__"}  # the public face and the CLI: they may import anything

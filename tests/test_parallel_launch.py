@@ -46,7 +46,7 @@ def test_ranks_agree_with_one_process_and_exchange_what_was_predicted(folder):
         assert r["decode_steps"] == 5 and r["new_tokens"] == 6
         assert (r["n_heads"], r["n_kv_heads"], r["hidden_dim"]) == (6, 3, 48)
         assert r["kv_cache_bytes"] * 2 == alone.stats.kv_cache_bytes
-        assert "tensor parallel over 2 ranks (gloo)" in r["plan"] and "6 of 12 query heads" in r["plan"]
+        assert "one of 2 ranks (gloo" in r["plan"] and "6 of 12 query heads" in r["plan"]
     assert "12 all-reduces a token" not in launch.ranks_line(out) and "4 all-reduces a token" in launch.ranks_line(out)
 
 

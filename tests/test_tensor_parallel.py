@@ -137,6 +137,27 @@ def test_greedy_tokens_equal_one_process(kind, tp_size):
         scale = want_logits.abs().max()
         assert (rank["logits"] - want_logits).abs().max() <= 1e-4 * scale
         assert torch.equal(rank["logits"], ranks[0]["logits"])  # the replicated head: the same bits everywhere
+        assert f"one of {tp_size} ranks" in rank["plan"] and f"{12 // tp_size} of 12 query heads" in rank["plan"]
+
+
+def test_sampled_tokens_with_a_seed_are_the_same_on_every_rank_and_as_one_process():
+    """Every rank samples its own copy of the (bitwise equal) logits with generators seeded alike. Against
+    one process: probabilities ~1e-6 apart flip a draw only when its uniform number falls within ~1e-6 of a
+    boundary, about 16 x 1e-6 for 16 tokens; the seed is fixed, so the test is deterministic."""
+    cfg, state = tiny("llama")
+    ids, settings = prompt(), dict(do_sample=True, temperature=1.0, seed=7)
+    with build.enabled(False):
+        want = minigen.generate(build_model(cfg, state, copy=True), ids, max_new_tokens=NEW, **settings).tokens
+    ranks = run_ranks(tp_workers.greedy, 2, args=(cfg, state, ids, NEW, settings), timeout=GROUP_TIMEOUT)
+    for rank in ranks:
+        assert torch.equal(rank["tokens"], want)
+
+
+def test_sampling_without_a_seed_is_refused_on_a_shard():
+    cfg, state = tiny("llama")
+    model = shard_model(build_model(cfg, state, copy=True), 0, 2)  # no forward runs: no group needed
+    with pytest.raises(ConfigError, match="seed=None on a tensor-parallel model.*Fix: set seed"):
+        minigen.make_plan(model, minigen.GenerationConfig(do_sample=True))
 
 
 @pytest.mark.parametrize("tp_size", [2, 3])
@@ -169,12 +190,14 @@ def test_smollm2_at_tp3_decodes_32_tokens_as_one_process(smollm2):
         assert torch.equal(tokens, want)
 
 
-def test_fused_compiled_and_graphed_steps_are_refused_with_the_reason():
+def test_fused_compiled_and_heavy_hitter_runs_are_refused_with_the_reason():
     cfg, state = tiny("llama")
     model = shard_model(build_model(cfg, state, copy=True), 0, 2)  # no forward runs: no group needed
-    for key in ("fused_decode", "compile"):
+    for key in ("fused_decode", "compile", "cuda_graphs"):
         with pytest.raises(ConfigError, match=f"{key}=True .*tensor-parallel model \\(tp_size=2\\)"):
             minigen.make_plan(model, minigen.GenerationConfig(**{key: True}))
+    with pytest.raises(ConfigError, match="kv_budget=8 .*sees only its own heads"):
+        minigen.make_plan(model, minigen.GenerationConfig(kv_budget=8))
     refusals = run_refusals(minigen.GenerationConfig(), Run(tp_size=2), "fused_decode")
     assert refusals and "one C call" in refusals[0]  # so "auto" never picks the fused step for a shard
     with build.enabled(False):  # (no measurement of the kernels at the shard's shapes)

@@ -19,11 +19,13 @@ from minigen.loading import build_model
 from minigen.parallel import shard_model
 
 
-def greedy(rank: int, tp_size: int, cfg, hf_state: dict, ids: torch.Tensor, new: int) -> dict:
-    """Rank `rank`'s greedy tokens [B, T+new], prompt logits [B, T, V], cache bytes and local KV heads."""
+def greedy(rank: int, tp_size: int, cfg, hf_state: dict, ids: torch.Tensor, new: int,
+           settings: dict | None = None) -> dict:
+    """Rank `rank`'s greedy tokens [B, T+new] (or those `settings` choose: generate's overrides), prompt
+    logits [B, T, V], cache bytes, local KV heads and the plan in words."""
     with build.enabled(False):
         model = shard_model(build_model(cfg, hf_state), rank, tp_size)
-        out = minigen.generate(model, ids, max_new_tokens=new, do_sample=False)
+        out = minigen.generate(model, ids, max_new_tokens=new, **(settings or {"do_sample": False}))
         with torch.inference_mode():
             logits = model(ids, torch.arange(ids.shape[1]))
     return {"tokens": out.tokens, "logits": logits, "kv_bytes": out.stats.kv_cache_bytes,
