@@ -34,6 +34,9 @@ function of minigen's or of an installed library by reference, any other value p
 cannot travel is left out, and a NameError in the rank names it. The namespace starts with torch,
 torch.distributed as dist, torch.nn.functional as F, math and Tensor, which your own globals override.
 Define the answer with `def` (a lambda has no source of its own).
+
+`verdicts(answers)` checks several answers in one group (one start of the ranks, ~5 s, for them all)
+and returns each one's message ("" where it passes): the chapter shows its planted mistakes that way.
 """
 
 from __future__ import annotations
@@ -124,6 +127,11 @@ def _partial(x: Tensor, w_gate_up: Tensor, w_down: Tensor, rows: Tensor, cols: T
     return F.linear(hidden, w_down[:, cols])
 
 
+_EARLY = ("the all-reduce came before the down projection: it summed the hidden units [B, T, F'] of different "
+          "ranks, which are different units. Project each rank's own hidden units with its w_down columns, then "
+          "all-reduce the partial output [B, T, D]")
+
+
 def _mistakes(x: Tensor, w_gate_up: Tensor, w_down: Tensor, rank: int, world_size: int) -> list[tuple[Tensor, str]]:
     """(what a usual mistake returns on `rank`, its hint)."""
     width = w_down.shape[1]
@@ -147,9 +155,7 @@ def _mistakes(x: Tensor, w_gate_up: Tensor, w_down: Tensor, rank: int, world_siz
         (mixed, "gate and up are mixed: the first 2F/N rows of w_gate_up are not this rank's gate and up. "
                 "Its gate rows are w_gate_up[:F][r F', (r+1) F'] and its up rows the same rows of "
                 "w_gate_up[F:], F rows further on (GatedMLP splits the product in two halves)"),
-        (early, "the all-reduce came before the down projection: it summed the hidden units [B, T, F'] "
-                "of different ranks, which are different units. Project each rank's own hidden units "
-                "with its w_down columns, then all-reduce the partial output [B, T, D]"),
+        (early, _EARLY),
         (whole * world_size, "every rank computed the whole layer and the all-reduce added N copies: "
                              "keep only this rank's slices"),
     ]
@@ -162,13 +168,13 @@ def _close(got: Tensor, want: Tensor) -> bool:
 def _hint(case: tuple, rank: int, got: Tensor, reduces: list[tuple[str, list[int]]]) -> str:
     """The usual mistake that explains `got` on `rank`, or ""."""
     _, x, w_gate_up, w_down = case
-    D, width = w_down.shape
+    width = w_down.shape[1]
     for op, shape in reduces:
         if op != "SUM":
             return (f"all_reduce with op={op}: the ranks' partial outputs add up to the layer's output, so "
                     "op=dist.ReduceOp.SUM (the default)")
         if shape and shape[-1] == width // RANKS:
-            return _mistakes(x, w_gate_up, w_down, rank, RANKS)[4][1]  # before the down projection
+            return _EARLY
     for wrong, hint in _mistakes(x, w_gate_up, w_down, rank, RANKS):
         if _close(got, wrong):
             return hint
@@ -240,8 +246,11 @@ def _pack(fn: Callable) -> dict:
             if isinstance(value, types.FunctionType):
                 module = sys.modules.get(value.__module__ or "")
                 if module is None or value.__module__ == "__main__" or not _installed(module):
-                    add(value)  # a function of yours: by its source, too
-                    continue
+                    try:
+                        add(value)  # a function of yours: by its source, too
+                        continue
+                    except ExerciseFailed:  # a lambda: it may still pickle (it does not from a notebook)
+                        seen.discard(id(value))
             try:
                 payload["values"][name] = pickle.dumps(value)
             except Exception as e:
@@ -275,10 +284,15 @@ def _unpack(payload: dict) -> Callable:
         namespace[name] = importlib.import_module(module)
     for name, data in payload["values"].items():
         namespace[name] = pickle.loads(data)
+    known: dict[str, list[str]] = {}  # a file's lines as far as its functions that travelled show them
     for file, first, source in payload["sources"]:
+        lines = known.setdefault(file, [])
+        snippet = source.splitlines(True)
+        lines.extend("\n" for _ in range(first - 1 + len(snippet) - len(lines)))
+        lines[first - 1:first - 1 + len(snippet)] = snippet
+        if not os.path.exists(file):  # a notebook cell: tracebacks in the rank show its lines
+            linecache.cache[file] = (sum(map(len, lines)), None, list(lines), file)
         padded = "\n" * (first - 1) + source
-        if not os.path.exists(file):
-            linecache.cache[file] = (len(padded), None, padded.splitlines(True), file)
         exec(compile(_without_defaults(ast.parse(padded, file)), file, "exec"), namespace)
     for name, data in payload["defaults"].items():
         f = namespace.get(name)
