@@ -9,6 +9,8 @@ and a tied output head is the embedding itself, not a copy. q/k/v are fused into
 gate/up into another, so a decode step launches fewer ops.
 The model knows nothing about files: `loading.py` turns checkpoints into a `ModelConfig`
 (checkpoints/model_config.py) and a state dict in this module's names.
+Rotary positions (RoPE) are computed in rope.py; a pipeline's stages run the forward's three parts
+(embed_tokens, run_blocks, logits_of) apart (parallel/pipeline.py).
 
 This file is the math, in plain torch. The ops a kernel may run instead (a product, a norm,
 attention) go through `ops` (Model.forward's `ops=`, else `model.ops`): `TorchOps` below, the
@@ -32,6 +34,7 @@ from .numerics import int8_act, w8a8
 from .numerics.copies import WeightCopies
 from .numerics.precision import FP32, Precision, PromptFormat
 from .numerics.weight_quant import QuantizedWeight
+from .rope import apply_rope, rope_frequencies, rope_tables
 
 
 # ---------------------------------------------------------------- norms
@@ -79,38 +82,6 @@ class GemmaRMSNorm(nn.Module):
         if fp32 or x.dtype == torch.float32:
             return ops.rms_norm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), 1.0 + self.weight.to(x.dtype), self.eps)  # left in 16 bits
-
-
-# ---------------------------------------------------------------- rotary positions
-def rope_frequencies(cfg: ModelConfig, local: bool = False) -> Tensor:
-    """Inverse frequencies [Dh/2] of RoPE (Su et al. 2021), with the checkpoint's scaling.
-    local=True: those of Gemma 3's sliding layers, which have their own base (and scaling)."""
-    theta, scaling = (cfg.rope_local_theta, cfg.rope_local_scaling) if local else (cfg.rope_theta, cfg.rope_scaling)
-    inv_freq = 1.0 / theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim)
-    scaling = scaling or {}
-    kind = scaling.get("rope_type", "default")
-    if kind == "linear":  # positions divided by `factor` (Chen et al. 2023, position interpolation)
-        inv_freq = inv_freq / scaling["factor"]
-    elif kind == "llama3":  # Llama 3.1: slow down only the low frequencies, blend in between
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_ctx = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_ctx / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen > old_ctx / low, inv_freq / factor,
-                               torch.where(wavelen < old_ctx / high, inv_freq, blended))
-    elif kind != "default":
-        raise ValueError(f"rope_type={kind!r} is not supported: minigen knows default, linear, llama3")
-    return inv_freq.float()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
-    """Rotate pairs (i, i + Dh/2) of x [B, T, heads, Dh] by the angles of their positions.
-
-    HF checkpoints pair dimension i with i + Dh/2 ("rotate_half"): x * cos + [-x2, x1] * sin.
-    Rolling x by Dh/2 gives [x2, x1], so with `sin_signed` = [-sin, sin] the rotation is one
-    multiply and one fused multiply-add. cos and sin_signed are [T, 1, Dh] (or [B, T, 1, Dh])."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 # ---------------------------------------------------------------- the ops a kernel may run
@@ -378,19 +349,32 @@ class Model(nn.Module):
         `self.precision` (precision.py); `ops` runs every op (None: `self.ops`)."""
         assert tokens.dim() == 2 and input_pos.shape in ((tokens.shape[1],), tuple(tokens.shape)), \
             f"tokens must be [B, T] and input_pos [T] or [B, T], got {tuple(tokens.shape)} and {tuple(input_pos.shape)}"
-        p, ops = self.precision, self.ops if ops is None else ops
+        ops = self.ops if ops is None else ops
+        x = self.run_blocks(self.embed_tokens(tokens, input_pos), input_pos, cache, policy, ops)
+        return self.logits_of(x[:, -1:] if last_only else x, ops)
+
+    # The forward's three parts, which a pipeline's stages run apart (parallel/pipeline.py).
+    def embed_tokens(self, tokens: Tensor, input_pos: Tensor) -> Tensor:
+        """tokens [B, T] at input_pos [T] or [B, T] -> the first block's input [B, T, D], in precision.compute."""
         x = self.embed[tokens]  # [B, T, D]
         if self.embed_scale is not None:  # Gemma: sqrt(D), rounded to the weights' dtype first
             x = x * self.embed_scale.to(x.dtype)
-        x = x.to(p.compute)
+        x = x.to(self.precision.compute)
+        if self.pos_embed is not None:  # GPT-2's learned positions (padding: any position will do)
+            x = x + self.pos_embed[input_pos.clamp(min=0)].to(self.precision.compute)
+        return x
+
+    def run_blocks(self, x: Tensor, input_pos: Tensor, cache=None, policy: AttentionPolicy | None = None,
+                   ops: TorchOps | None = None) -> Tensor:
+        """x [B, T, D] at input_pos through every block of this model (the cache's layers) -> [B, T, D]."""
+        p, ops = self.precision, self.ops if ops is None else ops
         at = input_pos.clamp(min=0) if input_pos.dim() == 2 else input_pos  # padding: any position will do
         if self.pos_embed is not None:
-            x = x + self.pos_embed[at].to(p.compute)
             ropes = dict.fromkeys(self.layer_types)  # GPT-2: no rotation
         else:  # one rotation for every layer; Gemma 3's sliding layers have their own
-            ropes = dict.fromkeys(self.layer_types, self._rope(at, self.inv_freq, x.dtype))
+            ropes = dict.fromkeys(self.layer_types, rope_tables(at, self.inv_freq, x.dtype))
             if self.config.arch == "gemma3" and "sliding_attention" in ropes:
-                ropes["sliding_attention"] = self._rope(at, self.inv_freq_local, x.dtype)
+                ropes["sliding_attention"] = rope_tables(at, self.inv_freq_local, x.dtype)
         # Masks come from positions, never from counters: query t sees slot s when it holds a position
         # <= input_pos[t]. `prepare` says, once for all layers, which position each slot holds
         # (caches/contract.py): {layer type: [S] or [B, S]}, or {ANY_LAYER: ...} for every layer.
@@ -402,19 +386,13 @@ class Model(nn.Module):
         plans: dict = {}  # what the layers share beyond the masks, planned by the first (Attention.forward)
         for block, kind in zip(self.blocks, self.layer_types):
             x = block(x, ropes[kind], masks[kind], cache, ops, policy, p, plans)
-        if last_only:
-            x = x[:, -1:]
+        return x
+
+    def logits_of(self, x: Tensor, ops: TorchOps | None = None) -> Tensor:
+        """The last block's output x [B, T, D] -> logits [B, T, V], fp32: the final norm, then the head."""
+        p, ops = self.precision, self.ops if ops is None else ops
         logits_dtype = torch.float32 if p.fp32_logits else p.compute
         logits = ops.linear(self.norm(x, ops, p.fp32_norms), self.head, logits_dtype).float()  # [B, T, V]
         if (cap := self.config.final_logit_softcapping) is not None:  # Gemma: squashed into (-cap, cap)
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    @staticmethod
-    def _rope(at: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """cos and signed sin of positions `at` [T] (or [B, T]): [T, 1, Dh] (or [B, T, 1, Dh]) each,
-        broadcast over heads; see apply_rope for the signs."""
-        angles = at.float()[..., None] * inv_freq  # [T, Dh/2] or [B, T, Dh/2]
-        cos, sin = angles.cos(), angles.sin()
-        return (torch.cat((cos, cos), dim=-1)[..., None, :].to(dtype),
-                torch.cat((-sin, sin), dim=-1)[..., None, :].to(dtype))

@@ -1,5 +1,5 @@
-"""Parallelism over torch.distributed: tensor parallelism (tensor.py) and the local process group
-that runs it (group.py). gloo on a CPU, NCCL on a GPU: the same code.
+"""Parallelism over torch.distributed: tensor parallelism (tensor.py), pipeline parallelism (pipeline.py)
+and the local process group that runs them (group.py). gloo on a CPU, NCCL on a GPU: the same code.
 
     def work(rank, tp_size):                       # runs in each rank, inside the group
         model, tok = minigen.load("smollm2-135m", tp_size=tp_size)
@@ -10,6 +10,10 @@ docs/design/tensor_parallel.md says what each rank holds and what a sharded mode
 """
 
 from .group import run_ranks
+from .pipeline import (PipelineOutput, Stage, StageTimes, bubble, check_stages, make_stage, pipeline_generate,
+                       pipeline_worker, stage_layers, stage_of)
 from .tensor import check_tp_size, local_config, shard_model, shard_of, working_sizes
 
-__all__ = ["check_tp_size", "local_config", "run_ranks", "shard_model", "shard_of", "working_sizes"]
+__all__ = ["PipelineOutput", "Stage", "StageTimes", "bubble", "check_stages", "check_tp_size", "local_config",
+           "make_stage", "pipeline_generate", "pipeline_worker", "run_ranks", "shard_model", "shard_of",
+           "stage_layers", "stage_of", "working_sizes"]
