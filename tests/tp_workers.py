@@ -32,6 +32,11 @@ def greedy(rank: int, tp_size: int, cfg, hf_state: dict, ids: torch.Tensor, new:
             "kv_heads": model.config.n_kv_heads, "plan": out.stats.plan}
 
 
+def greedy_each(rank: int, tp_size: int, cases: list[tuple]) -> list[dict]:
+    """greedy for each (cfg, hf_state, ids, new) of `cases`, in one group: one start for several models."""
+    return [greedy(rank, tp_size, *case) for case in cases]
+
+
 def smollm2(rank: int, tp_size: int, ids: torch.Tensor, new: int) -> torch.Tensor:
     """Rank `rank`'s greedy tokens of SmolLM2-135M loaded with minigen.load(..., tp_size=tp_size)."""
     with build.enabled(False):
