@@ -16,6 +16,7 @@ EPILOG = """examples:
   python -m minigen generate "The capital of France is" --max-new-tokens 20
   python -m minigen generate "Tell me a joke" --chat --do-sample --temperature 0.7 --seed 0
   python -m minigen generate "Once upon a time" --config generation_config.json --set quant_bits=8
+  python -m minigen generate "The capital of France is" --tp 3   # SmolLM2 split over 3 processes
   python -m minigen bench --prompt-len 64 --new-tokens 128 --json bench.json
   python -m minigen profile --set cache_chunk_size=32 --steps 8 --json profile.json
   python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
@@ -71,6 +72,8 @@ def cmd_generate(args) -> None:
                      top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: pass some text, e.g. \"The capital of France is\"")
+    if args.tp > 1:
+        return _generate_over_ranks(args, config)
     model, tok = load(args.model, dtype=args.dtype, weight_bits=args.weight_bits)
     if args.compute_dtype:
         model.precision = model.precision.replace(compute=args.compute_dtype)
@@ -104,6 +107,25 @@ def cmd_generate(args) -> None:
           f"decode {stats.decode_tokens_per_s:.1f} tok/s | KV cache {stats.kv_cache_bytes / 2**20:.2f} MiB | "
           f"{stats.step} step | {torch.get_num_threads()} threads]",
           file=sys.stderr)
+
+
+def _generate_over_ranks(args, config) -> None:
+    """generate --tp N: N local ranks, each holding 1/N of the model (parallel/generate.py); printed at the end."""
+    from .errors import ConfigError
+    from .loading import load_tokenizer, resolve_folder
+    from .parallel.generate import generate_over_ranks
+    if args.draft is not None or args.chat:
+        raise ConfigError(f"--tp {args.tp} does not take --draft or --chat yet: drop them, or run with --tp 1")
+    tok = load_tokenizer(resolve_folder(args.model))
+    ids = tok(args.prompt, return_tensors="pt").input_ids
+    out = generate_over_ranks(args.model, ids, config, args.tp, args.dtype, args.weight_bits, args.compute_dtype)
+    if args.explain:
+        print(out["plan"], file=sys.stderr)
+    new = out["tokens"][0, ids.shape[1]:].tolist()
+    print(args.prompt + tok.decode(new, skip_special_tokens=True))
+    print(f"\n[{len(new)} tokens | {args.tp} ranks | prefill {out['prefill_s'] * 1000:.0f} ms | decode "
+          f"{out['decode_tokens_per_s']:.1f} tok/s | KV cache {out['kv_cache_bytes'] / 2**20:.2f} MiB a rank | "
+          f"{out['step']} step]", file=sys.stderr)
 
 
 def cmd_serve(args) -> None:
@@ -247,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
     g.add_argument("--seed", type=int, help="seed of the sampler")
     g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
+    g.add_argument("--tp", type=positive_int, default=1, help="split the model over N local processes "
+                   "(tensor parallelism: each holds 1/N of the heads and MLP; gloo on 127.0.0.1); default 1")
     g.add_argument("--explain", action="store_true", help="print the plan first: which step, prompt format, "
                    "attention and cache run here, and why")
     g.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "

@@ -239,3 +239,23 @@ def test_a_rank_that_raises_names_its_error_and_the_others_stop():
     with pytest.raises(RankError, match="rank 1 of 2 failed: ValueError: rank 1 found something wrong"):
         run_ranks(tp_workers.raises, 2, timeout=GROUP_TIMEOUT, grace=2)
     assert time.monotonic() - start < GROUP_TIMEOUT
+
+
+# ---------------------------------------------------------------- python -m minigen generate --tp N
+def test_cli_refuses_a_tp_that_does_not_split_the_model_before_starting_ranks(smollm2, capsys):
+    from minigen.__main__ import main
+    assert main(["generate", "The capital of France is", "--tp", "2"]) == 2
+    assert "tp_size that work: 1, 3" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cli_generate_over_3_ranks_prints_what_one_process_prints(smollm2, capsys):
+    """The CLI's ranks run the C kernels as the one-process CLI does (no build.enabled(False) here)."""
+    from minigen.__main__ import main
+    prompt_text = ["generate", "The capital of France is", "--max-new-tokens", "12", "--set", "stop_token_ids=[]"]
+    assert main(prompt_text) == 0
+    want = capsys.readouterr().out.strip()
+    assert main(prompt_text + ["--tp", "3", "--explain"]) == 0
+    got = capsys.readouterr()
+    assert got.out.strip() == want and "one of 3 ranks" in got.err and "3 ranks" in got.err
