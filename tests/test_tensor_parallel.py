@@ -241,6 +241,15 @@ def test_a_rank_that_raises_names_its_error_and_the_others_stop():
     assert time.monotonic() - start < GROUP_TIMEOUT
 
 
+
+def test_a_rank_that_hangs_fails_the_group_after_its_timeout_never_a_hang():
+    """Rank 1 never reaches the barrier: rank 0's collective times out (torch.distributed's timeout, the
+    group's), or the parent's deadline passes first; either way both are stopped within timeout + grace."""
+    start = time.monotonic()
+    with pytest.raises(RankError, match="every rank of the group was stopped"):
+        run_ranks(tp_workers.hangs, 2, timeout=8, grace=2)
+    assert time.monotonic() - start < 8 + 2 + 5  # + 5: stopping and reaping the processes
+
 # ---------------------------------------------------------------- python -m minigen generate --tp N
 def test_cli_refuses_a_tp_that_does_not_split_the_model_before_starting_ranks(smollm2, capsys):
     from minigen.__main__ import main

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -78,5 +79,13 @@ def raises(rank: int, tp_size: int) -> int:
     """Rank 1 raises before any collective; the others wait in a barrier that it never reaches."""
     if rank == 1:
         raise ValueError("rank 1 found something wrong")
+    dist.barrier()
+    return rank
+
+
+def hangs(rank: int, tp_size: int) -> int:
+    """Rank 1 hangs (sleeps far past the group's timeout) before a barrier that rank 0 waits in."""
+    if rank == 1:
+        time.sleep(300)
     dist.barrier()
     return rank
