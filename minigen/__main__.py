@@ -16,6 +16,7 @@ EPILOG = """examples:
   python -m minigen generate "The capital of France is" --max-new-tokens 20
   python -m minigen generate "Tell me a joke" --chat --do-sample --temperature 0.7 --seed 0
   python -m minigen generate "Once upon a time" --config generation_config.json --set quant_bits=8
+  python -m minigen generate "The capital of France is" --tp 3   # SmolLM2 split over 3 processes
   python -m minigen bench --prompt-len 64 --new-tokens 128 --json bench.json
   python -m minigen profile --set cache_chunk_size=32 --steps 8 --json profile.json
   python -m minigen plan --batch 8 --context 4096 --budget-bytes 2000000000
@@ -266,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="sample among the smallest set with probability >= p")
     g.add_argument("--seed", type=int, help="seed of the sampler")
     g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
-    g.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel: split the model over N ranks, "
+    g.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallel: split the model over N ranks, "
                    "each its own process (gloo on 127.0.0.1; chapter 17); the text prints once they finish")
     g.add_argument("--explain", action="store_true", help="print the plan first: which step, prompt format, "
                    "attention and cache run here, and why")

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SPLITTABLE = dict(hidden_size=48, num_attention_heads=12, num_key_value_heads=6, intermediate_size=96)
 PROMPT, NEW = 9, 16
-GROUP_TIMEOUT = 60  # seconds a group may take; a tiny model's takes about 4
+GROUP_TIMEOUT = 60  # seconds a group may take; a tiny model's takes about 4 (4 models: about 8)
 
 
 def tiny(kind: str):
@@ -117,13 +117,29 @@ def test_each_rank_keeps_query_heads_that_read_its_own_key_value_heads(tp_size):
 
 
 # ---------------------------------------------------------------- ranks against one process
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "gemma3"])
-@pytest.mark.parametrize("tp_size", [2, 3])
-def test_greedy_tokens_equal_one_process(kind, tp_size):
-    cfg, state = tiny(kind)
+KINDS = ("llama", "qwen2", "mistral", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def split_runs() -> dict:
+    """{(kind, tp_size): (one process's (tokens, logits, cache bytes), each rank's greedy answer)}: every
+    family's tiny model at tp_size 2 and 3, one group start per tp_size (starting ranks costs seconds)."""
+    models = {kind: tiny(kind) for kind in KINDS}
     ids = prompt()
-    want, want_logits, want_kv = one_process(cfg, state, ids, NEW)
-    ranks = run_ranks(tp_workers.greedy, tp_size, args=(cfg, state, ids, NEW), timeout=GROUP_TIMEOUT)
+    cases = [(cfg, state, ids, NEW) for cfg, state in models.values()]
+    runs = {}
+    for tp_size in (2, 3):
+        ranks = run_ranks(tp_workers.greedy_each, tp_size, args=(cases,), timeout=GROUP_TIMEOUT)
+        for i, kind in enumerate(KINDS):
+            runs[kind, tp_size] = (one_process(*models[kind], ids, NEW), [answers[i] for answers in ranks])
+    return runs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tp_size", [2, 3])
+def test_greedy_tokens_equal_one_process(split_runs, kind, tp_size):
+    cfg, _ = tiny(kind)
+    (want, want_logits, want_kv), ranks = split_runs[kind, tp_size]
     for rank in ranks:
         assert torch.equal(rank["tokens"], want)
         # every rank holds only its own key/value heads: 1/tp_size of the cache (Gemma's hybrid cache also
@@ -223,3 +239,12 @@ def test_a_rank_that_raises_names_its_error_and_the_others_stop():
     with pytest.raises(RankError, match="rank 1 of 2 failed: ValueError: rank 1 found something wrong"):
         run_ranks(tp_workers.raises, 2, timeout=GROUP_TIMEOUT, grace=2)
     assert time.monotonic() - start < GROUP_TIMEOUT
+
+
+def test_a_rank_that_hangs_fails_the_group_after_its_timeout_never_a_hang():
+    """Rank 1 never reaches the barrier: rank 0's collective times out (torch.distributed's timeout, the
+    group's), or the parent's deadline passes first; either way both are stopped within timeout + grace."""
+    start = time.monotonic()
+    with pytest.raises(RankError, match="every rank of the group was stopped"):
+        run_ranks(tp_workers.hangs, 2, timeout=8, grace=2)
+    assert time.monotonic() - start < 8 + 2 + 5  # + 5: stopping and reaping the processes

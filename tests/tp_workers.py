@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,11 @@ def greedy(rank: int, tp_size: int, cfg, hf_state: dict, ids: torch.Tensor, new:
             logits = model(ids, torch.arange(ids.shape[1]))
     return {"tokens": out.tokens, "logits": logits, "kv_bytes": out.stats.kv_cache_bytes,
             "kv_heads": model.config.n_kv_heads, "plan": out.stats.plan}
+
+
+def greedy_each(rank: int, tp_size: int, cases: list[tuple]) -> list[dict]:
+    """greedy for each (cfg, hf_state, ids, new) of `cases`, in one group: one start for several models."""
+    return [greedy(rank, tp_size, *case) for case in cases]
 
 
 def smollm2(rank: int, tp_size: int, ids: torch.Tensor, new: int) -> torch.Tensor:
@@ -73,5 +79,13 @@ def raises(rank: int, tp_size: int) -> int:
     """Rank 1 raises before any collective; the others wait in a barrier that it never reaches."""
     if rank == 1:
         raise ValueError("rank 1 found something wrong")
+    dist.barrier()
+    return rank
+
+
+def hangs(rank: int, tp_size: int) -> int:
+    """Rank 1 hangs (sleeps far past the group's timeout) before a barrier that rank 0 waits in."""
+    if rank == 1:
+        time.sleep(300)
     dist.barrier()
     return rank
