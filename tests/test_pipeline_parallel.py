@@ -27,7 +27,8 @@ from minigen.checkpoints.hf_config import config_from_hf
 from minigen.errors import ConfigError, RankError
 from minigen.kernels import build
 from minigen.loading import build_model
-from minigen.parallel import bubble, check_stages, make_stage, pipeline_generate, run_ranks, stage_layers
+from minigen.parallel import (bubble, check_stages, make_stage, pipeline_generate, run_ranks, stage_layers,
+                              stage_of)
 from minigen.parallel.pipeline import micro_batch_rows
 from test_gemma3 import tiny_gemma3
 
@@ -143,6 +144,9 @@ def test_settings_a_pipeline_does_not_run_are_refused():
     stage = make_stage(build_model(*tiny("llama"), copy=True), 0, 1)
     with pytest.raises(ConfigError, match="drop repetition_penalty=1.3"):
         pipeline_generate(stage, prompts(), repetition_penalty=1.3)
+    with pytest.raises(ConfigError, match="n_stages=2, but 1 processes run: start one per stage"):
+        stage_of(build_model(*tiny("llama"), copy=True), 2)  # outside a group
+    assert stage_of(build_model(*tiny("llama"), copy=True), 1).layers == range(LAYERS)
 
 
 # ---------------------------------------------------------------- stages in processes
