@@ -162,6 +162,9 @@ def bubble(times: list[dict], rows: int, from_step: int = 1) -> dict:
     a stage is busy for the sum of its work there. -> {"busy": [per stage], "window_s", "tok_per_s"}
     (rows x decode steps / window)."""
     works = [t["work"][t["work"][:, 0] >= from_step] for t in times]
+    if any(len(w) == 0 for w in works):
+        raise ValueError(f"no work of step {from_step} or later to measure: generate at least {from_step + 1} "
+                         "new tokens (step 0 is the prompt)")
     start = min(float(w[:, 2].min()) for w in works)
     end = max(float(w[:, 3].max()) for w in works)
     steps = int(works[-1][:, 0].max()) - from_step + 1
