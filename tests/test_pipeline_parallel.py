@@ -27,7 +27,8 @@ from minigen.checkpoints.hf_config import config_from_hf
 from minigen.errors import ConfigError, RankError
 from minigen.kernels import build
 from minigen.loading import build_model
-from minigen.parallel import bubble, check_stages, make_stage, pipeline_generate, run_ranks, stage_layers
+from minigen.parallel import (bubble, check_stages, make_stage, pipeline_generate, run_ranks, stage_layers,
+                              stage_of)
 from minigen.parallel.pipeline import micro_batch_rows
 from test_gemma3 import tiny_gemma3
 
@@ -139,10 +140,28 @@ def test_stop_tokens_end_rows_as_generate_ends_them():
     assert torch.equal(got, want)
 
 
+def test_bubble_of_a_drawn_schedule():
+    """Two equal stages, 1 s a piece of work, steps 1 and 2. m = 1: stage 0 works, then stage 1, so each is
+    busy half the window; m = 2 round the ring: each works 4 s of the window's 5, idle only while the pipe
+    fills (stage 1's first second) or drains (stage 0's last)."""
+    def times(pieces):  # [(step, micro-batch, start, end)] of one stage
+        return {"work": torch.tensor(pieces, dtype=torch.float64)}
+    one = [times([(1, 0, 0, 1), (2, 0, 2, 3)]), times([(1, 0, 1, 2), (2, 0, 3, 4)])]
+    assert bubble(one, rows=4) == {"busy": [0.5, 0.5], "window_s": 4.0, "tok_per_s": 2.0}
+    two = [times([(1, 0, 0, 1), (1, 1, 1, 2), (2, 0, 2, 3), (2, 1, 3, 4)]),
+           times([(1, 0, 1, 2), (1, 1, 2, 3), (2, 0, 3, 4), (2, 1, 4, 5)])]
+    assert bubble(two, rows=4) == {"busy": [0.8, 0.8], "window_s": 5.0, "tok_per_s": 1.6}
+    with pytest.raises(ValueError, match="generate at least 2 new tokens"):
+        bubble([times([(0, 0, 0, 1)])], rows=4)
+
+
 def test_settings_a_pipeline_does_not_run_are_refused():
     stage = make_stage(build_model(*tiny("llama"), copy=True), 0, 1)
     with pytest.raises(ConfigError, match="drop repetition_penalty=1.3"):
         pipeline_generate(stage, prompts(), repetition_penalty=1.3)
+    with pytest.raises(ConfigError, match="n_stages=2, but 1 processes run: start one per stage"):
+        stage_of(build_model(*tiny("llama"), copy=True), 2)  # outside a group
+    assert stage_of(build_model(*tiny("llama"), copy=True), 1).layers == range(LAYERS)
 
 
 # ---------------------------------------------------------------- stages in processes

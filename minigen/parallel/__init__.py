@@ -6,6 +6,12 @@ and the local process group that runs them (group.py). gloo on a CPU, NCCL on a 
         return minigen.generate(model, ids, max_new_tokens=32).tokens
     tokens = minigen.parallel.run_ranks(work, 3)   # [rank 0's, rank 1's, rank 2's]: all equal
 
+Pipeline parallelism splits the layers instead (pipeline.py); its ranks' work is a function of this
+package, so a notebook can start them too:
+
+    answers = run_ranks(pipeline_worker, 2, args=("smollm2-135m", ids, 4))   # 2 stages, 4 micro-batches
+    bubble([a["times"] for a in answers], rows=ids.shape[0])["busy"]          # each stage's busy fraction
+
 docs/design/tensor_parallel.md says what each rank holds and what a sharded model refuses.
 """
 

@@ -162,6 +162,9 @@ def bubble(times: list[dict], rows: int, from_step: int = 1) -> dict:
     a stage is busy for the sum of its work there. -> {"busy": [per stage], "window_s", "tok_per_s"}
     (rows x decode steps / window)."""
     works = [t["work"][t["work"][:, 0] >= from_step] for t in times]
+    if any(len(w) == 0 for w in works):
+        raise ValueError(f"no work of step {from_step} or later to measure: generate at least {from_step + 1} "
+                         "new tokens (step 0 is the prompt)")
     start = min(float(w[:, 2].min()) for w in works)
     end = max(float(w[:, 3].max()) for w in works)
     steps = int(works[-1][:, 0].max()) - from_step + 1
@@ -197,22 +200,24 @@ def pipeline_generate(stage: Stage, input_ids: Tensor, micro_batches: int = 1, c
     check_settings(config)
     model, B, T, n = stage.model, input_ids.shape[0], input_ids.shape[1], config.max_new_tokens
     check_prompt(model, input_ids, n, config)
+    device = model.device  # gloo sends CPU tensors, NCCL CUDA ones: every buffer lives beside the weights
+    input_ids = input_ids.to(device)
     parts = micro_batch_rows(B, micro_batches)
     caches = [KVCache.for_model(model, p.stop - p.start, T + n) for p in parts]  # this stage's layers only
     stop_list = config.stop_token_ids if config.stop_token_ids is not None else model.config.eos_token_ids
     pad = stop_list[0] if stop_list else 0  # a finished row is fed its stop token, as generate does
-    stop_ids = torch.tensor(stop_list, dtype=torch.long)
-    generators = make_generators(config, B, input_ids.device) if stage.last else None
-    new = torch.full((B, n), pad, dtype=torch.long)  # [B, n] the new tokens (the last stage fills them)
-    finished = torch.zeros(B, dtype=torch.bool)
-    kept = torch.zeros(B, n, model.config.vocab_size) if logits and stage.last else None
+    stop_ids = torch.tensor(stop_list, dtype=torch.long, device=device)
+    generators = make_generators(config, B, device) if stage.last else None
+    new = torch.full((B, n), pad, dtype=torch.long, device=device)  # [B, n] the new tokens (the last stage's)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    kept = torch.zeros(B, n, model.config.vocab_size, device=device) if logits and stage.last else None
     times, pending = StageTimes(stage.index), []  # pending: sends not yet known to be done
     before, after = (stage.index - 1) % stage.n_stages, (stage.index + 1) % stage.n_stages
     if dist.is_initialized():
         dist.barrier()  # every stage starts its clock together
     with torch.inference_mode():
         for i in range(n):  # step 0: the prompt; step i: the token of step i - 1
-            input_pos = torch.arange(T) if i == 0 else torch.tensor([T + i - 1])
+            input_pos = torch.arange(T, device=device) if i == 0 else torch.tensor([T + i - 1], device=device)
             for j, rows in enumerate(parts):
                 b, t0 = rows.stop - rows.start, time.perf_counter()
                 if stage.first and i == 0:
@@ -220,10 +225,10 @@ def pipeline_generate(stage: Stage, input_ids: Tensor, micro_batches: int = 1, c
                 elif stage.first and stage.last:  # one stage: its own tokens of the last step
                     x = new[rows, i - 1:i]
                 elif stage.first:  # the last stage's tokens of the last step
-                    x = received(torch.empty(b, dtype=torch.long), before, j)[:, None]  # [b, 1]
+                    x = received(torch.empty(b, dtype=torch.long, device=device), before, j)[:, None]  # [b, 1]
                 else:  # the stage before's activations
-                    x = received(torch.empty(b, len(input_pos), model.config.dim, dtype=model.precision.compute),
-                                 before, j)  # [b, T or 1, D]
+                    x = received(torch.empty(b, len(input_pos), model.config.dim, dtype=model.precision.compute,
+                                             device=device), before, j)  # [b, T or 1, D]
                 t1 = time.perf_counter()
                 if stage.first:
                     x = model.embed_tokens(x, input_pos)  # [b, T or 1, D]
@@ -242,7 +247,7 @@ def pipeline_generate(stage: Stage, input_ids: Tensor, micro_batches: int = 1, c
                 if stage.n_stages > 1 and not stage.last:
                     pending.append(dist.isend(x.contiguous(), after, tag=j))
                 elif stage.n_stages > 1 and i < n - 1:  # the token goes back to stage 0 for the next step
-                    pending.append(dist.isend(token.clone(), after, tag=j))
+                    pending.append(dist.isend(token, after, tag=j))
                 pending = [w for w in pending if not w.is_completed()]
         for w in pending:
             w.wait()
