@@ -7,7 +7,8 @@ streams the tokens) of the same prompt: the decode rate, the all-reduces per dec
 bytes, against the prediction 2 x layers x B x D x 4 bytes for fp32 activations) and their time (a
 rank's all-reduce time includes waiting for the slowest rank), and each rank's memory (weights, KV
 cache, peak resident set). tp_size 1 runs in one rank process too (no all-reduce), at one thread as
-every rank does, and again at one thread per core (the machine's whole compute in one process).
+every rank does (with the fused C step it picks, and with the eager step a shard runs), and again at one
+thread per core (the machine's whole compute in one process).
 """
 
 from __future__ import annotations
@@ -64,11 +65,11 @@ def main() -> None:
     del model
     cores = os.cpu_count() or 1
     rows = []
-    for tp_size, threads in ((1, 1), (1, cores), (3, 1)):
-        runs = [one(args.model, ids, config, tp_size, threads) for _ in range(args.repeats)]
+    for tp_size, threads, fused in ((1, 1, "auto"), (1, 1, False), (1, cores, "auto"), (3, 1, "auto")):
+        runs = [one(args.model, ids, config.replace(fused_decode=fused), tp_size, threads) for _ in range(args.repeats)]
         best = max(runs, key=lambda r: r["decode_tokens_per_s"])
         rows.append(best)
-        print(f"tp_size {tp_size}, {threads} thread(s) a rank: {best['decode_tokens_per_s']:5.1f} tok/s | "
+        print(f"tp_size {tp_size}, {threads} thread(s) a rank, {best['step']} step: {best['decode_tokens_per_s']:5.1f} tok/s | "
               f"{best['all_reduces_per_step']:.0f} all-reduces a step, {best['all_reduce_bytes_per_step']:,.0f} bytes "
               f"(predicted {predicted if tp_size > 1 else 0:,}), {best['all_reduce_ms_per_step']:.2f} ms "
               f"({best['all_reduce_share_of_step']:.0%} of a step) | a rank: {best['param_bytes_per_rank'] / 2**20:.0f} MiB "
