@@ -94,15 +94,20 @@ SETTINGS_REFUSED: dict[str, dict[str, tuple[Callable, str, str]]] = {
 }
 
 
+def check_settings(c: "GenerationConfig", where: str) -> None:
+    """Refuse, with the key and the fix, a setting (not a cache feature) that `where` cannot run (SETTINGS_REFUSED)."""
+    for key, (refuses, why, fix) in SETTINGS_REFUSED.get(where, {}).items():
+        if refuses(c):
+            place = WHERE_REFUSED.get(where, (where,))[0]
+            raise ConfigError(f"{key}={getattr(c, key)!r} does not combine with {place}: {why}. Fix: {fix}.")
+
+
 def check_where(c: "GenerationConfig", where: str) -> None:
     """Refuse, with the key and the fix, a feature or setting that `where` cannot run (WHERE_REFUSED,
     SETTINGS_REFUSED)."""
     if where not in WHERES:
         raise ConfigError(f"where={where!r} is not a place a plan runs: use one of {', '.join(map(repr, WHERES))}")
-    for key, (refuses, why, fix) in SETTINGS_REFUSED.get(where, {}).items():
-        if refuses(c):
-            place = WHERE_REFUSED.get(where, (where,))[0]
-            raise ConfigError(f"{key}={getattr(c, key)!r} does not combine with {place}: {why}. Fix: {fix}.")
+    check_settings(c, where)
     what, table = WHERE_REFUSED.get(where, ("", {}))
     for feature in c.features():
         if feature in table:

@@ -50,7 +50,7 @@ from ..config import GenerationConfig, resolve_config
 from ..errors import CacheFullError, ConfigError, PromptError, RequestError
 from ..generate import check_prompt
 from ..paths import check_fits
-from ..places import check_where
+from ..places import check_settings, check_where
 from ..run_plan import make_plan
 from ..numerics.precision import DTYPES
 from ..sampling import make_generator
@@ -174,7 +174,7 @@ class Engine:
         None: the config's logprobs (None: nothing). A refused request raises before anything is queued: no id is used.
         """
         config = self.config.replace(**overrides)  # unknown keys: ConfigError with the closest name
-        check_where(config, "engine")  # n > 1, say: add n requests
+        check_settings(config, "engine")  # n > 1: add n requests (the features are the pool's, below)
         cache_keys = sorted(k for k in overrides if k not in REQUEST_KEYS)
         if cache_keys:
             raise ConfigError(f"{', '.join(cache_keys)} cannot change per request: the engine's one pool sets "

@@ -389,7 +389,7 @@ def serve(model_name: str, config: GenerationConfig, *, host: str = "127.0.0.1",
           max_num_batched_tokens: int | None = None, max_waiting: int = 256, weight_bits: int | None = None,
           grace_s: float = 30.0, dtype: str = "float32", compute_dtype: str | None = None) -> None:
     """Load the model, build the Engine and its AsyncEngine, and serve until SIGTERM or Ctrl-C."""
-    if config.logprobs is not None:  # before the load: each request asks for its own
+    if config is not None and config.logprobs is not None:  # before the load: each request asks for its own
         raise ConfigError(f"logprobs={config.logprobs} in minigen serve's config: a request asks for its own "
                           "(logprobs / top_logprobs in its body). Fix: logprobs=None")
     bound_onednn_caches()  # before any oneDNN call: a prompt's new row count must not grow RSS for good
