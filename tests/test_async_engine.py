@@ -263,10 +263,11 @@ def test_a_failed_step_ends_every_stream_with_error(tiny_llama):
     engine = AsyncEngine(Engine(model, CONFIG, max_batch_size=2, num_blocks=32))
     step, calls = engine.engine.step, []
 
-    def failing():  # the third step fails, as a CUDA error or a bug in a kernel would
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected step failure")
+    def failing():  # the third step once all three requests are in fails, as a CUDA error or a kernel's bug would
+        if len(engine.engine.requests) == 3:  # (counted from then: a loaded machine may step before the last submit)
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected step failure")
         return step()
     engine.engine.step = failing
 
