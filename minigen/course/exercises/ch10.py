@@ -3,22 +3,29 @@
 1. `group(lengths, max_batch_size)`: cut requests into static batches of at most max_batch_size
    that waste no more padding than the article's grouping by length (batching.group_by_length),
    losing and repeating no request. Prompts longer than the cap of 256 run alone.
-2. `can_admit(blocks_needed, free_blocks, reserved_blocks, running, max_batch_size)`: the Engine's
-   admission rule. Does a waiting request join this step's batch? It needs a batch slot, and the
-   blocks its prompt takes must fit in the free blocks that the running sequences' next tokens
-   have not already reserved. Checked against the Engine's own rule, scheduler.can_admit.
+2. `schedule(waiting, running, free_blocks, max_batch_size) -> (preempted, admitted)`: the start of
+   the Engine's step, admission with preemption. The running sequences' next tokens take their
+   blocks first; while they do not fit, the newest running sequence is preempted (its blocks go
+   back, it returns to the front of the queue). Then waiting requests join, first come first served,
+   while a batch slot and their blocks are free. The checker replays a seeded workload through a
+   real Engine (replay.record_choices), hands your function what the Engine saw at each step, and
+   compares your choices with the Engine's, naming the first step where they differ.
 
-Each checker fails an answer that calls minigen's own piece (batching.group_by_length,
-scheduler.can_admit, or this module's worked solution): the exercise is to build it.
+Each checker fails an answer that calls minigen's own piece (batching.group_by_length, the Engine's
+step or scheduler.can_admit, or this module's worked solution): the exercise is to build it.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 
 from ...serving import batching, scheduler
+from ...serving.engine import Engine
+from ...config import GenerationConfig
+from ..distributions import tiny_llama
+from ..replay import Choice, Running, Waiting, record_choices
 from ...serving.batching import PAD_CAP, group_by_length, padding_waste
-from ...serving.scheduler import can_admit as engine_can_admit
 from . import ExerciseFailed, forbidding, known_mistake
 
 
@@ -70,39 +77,137 @@ def check_group(fn) -> bool:
     return True
 
 
-# ---------------------------------------------------------------- 2. the admission rule
-def solution_can_admit(blocks_needed: int, free_blocks: int, reserved_blocks: int, running: int,
-                       max_batch_size: int) -> bool:
-    """A free batch slot, and the prompt's blocks within what the running sequences left free."""
-    return running < max_batch_size and blocks_needed <= free_blocks - reserved_blocks
+# ---------------------------------------------------------------- 2. admission with preemption
+def solution_schedule(waiting: list[Waiting], running: list[Running], free_blocks: int,
+                      max_batch_size: int) -> tuple[list[int], list[int]]:
+    """The start of Engine.step -> (ids preempted, in order; ids admitted, in order).
+
+    1. The running sequences' next tokens take their blocks, all together. While they do not fit,
+       preempt the newest (the last admitted): its blocks go back to the pool, and it goes to the
+       front of the queue, needing its blocks and its next token's to come back.
+    2. Admit from the front of the queue while a batch slot is free and the request's blocks fit in
+       what the running sequences left; stop at the first that does not (first come, first served)."""
+    running, queue, preempted = list(running), [(w.id, w.blocks) for w in waiting], []
+    while running and sum(r.next_blocks for r in running) > free_blocks:
+        victim = running.pop()
+        free_blocks += victim.blocks
+        preempted.append(victim.id)
+        queue.insert(0, (victim.id, victim.blocks + victim.next_blocks))
+    free_blocks -= sum(r.next_blocks for r in running)
+    admitted = []
+    for rid, blocks in queue:
+        if len(running) + len(admitted) >= max_batch_size or blocks > free_blocks:
+            break
+        admitted.append(rid)
+        free_blocks -= blocks
+    return preempted, admitted
 
 
-def check_can_admit(fn) -> bool:
-    """fn(blocks_needed, free_blocks, reserved_blocks, running, max_batch_size) -> bool, as the Engine decides."""
-    cases = []
-    for need, free, reserved, running, b in ((1, 10, 0, 0, 8), (4, 4, 0, 3, 8), (4, 4, 1, 3, 8), (3, 4, 1, 3, 8),
-                                             (2, 10, 0, 8, 8), (2, 10, 0, 7, 8), (0, 0, 0, 0, 1), (5, 9, 5, 1, 4),
-                                             (4, 9, 5, 1, 4), (1, 1, 1, 0, 1), (6, 6, 0, 0, 1), (1, 50, 3, 1, 1)):
-        cases.append((f"need {need} blocks, {free} free, {reserved} reserved, {running} running, batch of {b}",
-                      (need, free, reserved, running, b), engine_can_admit(need, free, reserved, running, b)))
+def _rule(waiting, running, free, max_batch_size, victim="newest", reserve=True, fifo=True, slots="<",
+          fits="<=", give_back=True, requeue=True, repeat=True) -> tuple[list[int], list[int]]:
+    """The worked solution with one usual mistake switched on (the defaults: no mistake)."""
+    running, queue, preempted = list(running), [(w.id, w.blocks) for w in waiting], []
+    while running and sum(r.next_blocks for r in running) > free and (repeat or not preempted):
+        v = running.pop(-1 if victim == "newest" else 0)
+        free += v.blocks if give_back else 0
+        preempted.append(v.id)
+        if requeue:
+            queue.insert(0, (v.id, v.blocks + v.next_blocks))
+    free -= sum(r.next_blocks for r in running) if reserve else 0
+    admitted = []
+    for rid, blocks in queue:
+        full = len(running) + len(admitted) >= max_batch_size if slots == "<" else \
+            len(running) + len(admitted) > max_batch_size if slots == "<=" else False
+        if full or (blocks > free if fits == "<=" else blocks >= free):
+            if fifo or full:
+                break
+            continue
+        admitted.append(rid)
+        free -= blocks
+    return preempted, admitted
 
-    def hints(args, got, expected):
-        need, free, reserved, running, b = args
-        return known_mistake(bool(got), [
-            (running < b and need <= free,
-             "the running sequences' next tokens have reserved some free blocks: count only free - reserved"),
-            (need <= free - reserved, "a request also needs a batch slot: running < max_batch_size"),
-            (running <= b and need <= free - reserved, "running == max_batch_size means the batch is full"),
-            (running < b and need < free - reserved, "a prompt that exactly fits the blocks left is admitted (<=)"),
-        ]) if bool(got) != expected else ""
 
-    forbidden = [scheduler.can_admit] + ([solution_can_admit] if fn is not solution_can_admit else [])
-    for label, args, expected in cases:
+MISTAKES = [  # (the mistake, as _rule's switch; the hint the checker gives)
+    ({"victim": "oldest"}, "preempt the newest running sequence (the last in `running`), not the oldest: the "
+                           "oldest has done the most work, and it keeps its place"),
+    ({"reserve": False}, "the running sequences' next tokens take their blocks first: admit only into the free "
+                         "blocks left after them (else the next step must preempt what this one admitted)"),
+    ({"fifo": False}, "first come, first served: stop at the first waiting request that does not fit; a smaller "
+                      "one behind it does not jump the queue"),
+    ({"slots": None}, "a request also needs a batch slot: running + admitted must stay below max_batch_size"),
+    ({"slots": "<="}, "a batch of max_batch_size sequences is full: admit while running + admitted < max_batch_size"),
+    ({"fits": "<"}, "a request whose blocks exactly fill what is left is admitted (blocks <= free)"),
+    ({"give_back": False}, "a preempted sequence gives its blocks back: add them to the free blocks before "
+                           "deciding whether another must go"),
+    ({"requeue": False}, "a preempted sequence goes back to the front of the queue, and admission is first come "
+                         "first served: in the step that preempts it, nobody behind it is admitted"),
+    ({"repeat": False}, "preempt again, newest first, while the other running sequences' next tokens still do "
+                        "not fit"),
+]
+
+# The replayed workload: SEED's requests arrive over ARRIVAL_STEPS steps at a tiny random Llama's Engine
+# of BATCH rows and a pool of POOL blocks of BLOCK tokens, small enough that every usual mistake above
+# differs from the Engine at some step (check_schedule verifies it before it checks an answer).
+SEED, N_REQUESTS, ARRIVAL_STEPS, BATCH, POOL, BLOCK = 3, 20, 30, 4, 12, 4
+
+
+def workload(seed: int = SEED) -> dict[int, list[tuple[list[int], int]]]:
+    """Step -> the (prompt, max_new_tokens) pairs arriving before it. Each prompt opens with its own
+    token, so no two share a prefix block: a waiting request's blocks are its tokens' blocks."""
+    rng = random.Random(seed)
+    arrivals: dict[int, list[tuple[list[int], int]]] = {}
+    for i in range(N_REQUESTS):
+        step = rng.randrange(ARRIVAL_STEPS)
+        prompt = [i + 1] + [rng.randrange(64) for _ in range(rng.randint(1, 12))]
+        arrivals.setdefault(step, []).append((prompt, rng.randint(2, 16)))
+    return arrivals
+
+
+@functools.lru_cache(maxsize=4)
+def recorded(seed: int = SEED) -> tuple[Choice, ...]:
+    """The Engine's real choices on the seeded workload (a tiny random model: greedy, no stop token, so
+    the schedule depends on the lengths alone)."""
+    engine = Engine(tiny_llama(vocab_size=64, seed=0), GenerationConfig(stop_token_ids=[], cache_chunk_size=BLOCK),
+                    max_batch_size=BATCH, num_blocks=POOL)
+    return tuple(record_choices(engine, workload(seed)))
+
+
+def _call(fn, c: Choice):
+    return fn(list(c.waiting), list(c.running), c.free_blocks, c.max_batch_size)
+
+
+def _seen(c: Choice) -> str:
+    return (f"waiting {[(w.id, w.blocks) for w in c.waiting]} (id, blocks), running "
+            f"{[(r.id, r.blocks, r.next_blocks) for r in c.running]} (id, blocks, next_blocks), "
+            f"{c.free_blocks} free blocks, batches of {c.max_batch_size}")
+
+
+def check_schedule(fn) -> bool:
+    """fn(waiting, running, free_blocks, max_batch_size) -> (preempted ids, admitted ids), as the Engine's
+    step decides, at every step of a replayed workload."""
+    choices = recorded()
+    for switches, hint in MISTAKES:  # the replay must be able to tell each usual mistake from the rule
+        if all(_call(lambda *a: _rule(*a, **switches), c) == (list(c.preempted), list(c.admitted)) for c in choices):
+            raise RuntimeError(f"check_schedule: the replayed workload cannot catch the mistake {switches}")
+    forbidden = [Engine.step, scheduler.can_admit, _rule] + ([solution_schedule] if fn is not solution_schedule else [])
+    for c in choices:
         with forbidding(*forbidden):
-            got = fn(*args)
-        if got is None or bool(got) != expected:
-            hint = hints(args, got, expected) if got is not None else "return True or False"
-            raise ExerciseFailed(f"can_admit: for {label} the Engine says {expected}, yours {got}"
+            got = _call(fn, c)
+        try:
+            preempted, admitted = (list(map(int, ids)) for ids in got)
+        except (TypeError, ValueError):
+            raise ExerciseFailed(f"schedule: at step {c.step} your function returned {got!r}: return two lists of "
+                                 "request ids, (preempted, admitted)") from None
+        want = (list(c.preempted), list(c.admitted))
+        if (preempted, admitted) != want:
+            hint = known_mistake((preempted, admitted), [(_call(lambda *a, s=s: _rule(*a, **s), c), h)
+                                                         for s, h in MISTAKES])
+            if not hint and sorted(preempted) == sorted(want[0]) and preempted != want[0]:
+                hint = "list the preempted in the order the Engine preempts them: the newest first"
+            raise ExerciseFailed(f"schedule: at step {c.step} the Engine saw {_seen(c)}; it preempted {want[0]} and "
+                                 f"admitted {want[1]}, yours preempted {preempted} and admitted {admitted}"
                                  + (f". Hint: {hint}" if hint else ""))
-    print(f"✓ can_admit: all {len(cases)} cases agree with the Engine's rule (scheduler.can_admit)")
+    print(f"✓ schedule: your choices equal the Engine's at all {len(choices)} steps of the replayed workload "
+          f"({sum(map(len, (c.preempted for c in choices)))} preemptions, "
+          f"{sum(map(len, (c.admitted for c in choices)))} admissions)")
     return True

@@ -1,0 +1,137 @@
+"""Chapter 10's admission-with-preemption exercise (issue 46): the checker replays a seeded workload through
+a real Engine and compares an answer's choices with the Engine's, step by step. The worked solution passes;
+the usual mistakes fail naming the step and the mistake; an answer that calls the Engine's own step or
+scheduler.can_admit (or the worked solution) fails."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from minigen.course.exercises import ExerciseFailed, ch10
+from minigen.course.replay import Waiting
+from minigen.serving import scheduler
+from minigen.serving.engine import Engine
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_worked_solution_makes_the_engines_choices_at_every_step():
+    assert ch10.check_schedule(ch10.solution_schedule)
+    choices = ch10.recorded()
+    assert sum(len(c.preempted) for c in choices) >= 3 and any(len(c.preempted) > 1 for c in choices)
+    assert any(len(c.running) + len(c.admitted) == c.max_batch_size and c.waiting for c in choices)
+
+
+def test_the_replay_reads_the_engine_not_the_solution():
+    """Another seed, recorded from a real Engine: the solution still agrees (the recording is the Engine's)."""
+    for c in ch10.recorded(1):
+        assert ch10.solution_schedule(list(c.waiting), list(c.running), c.free_blocks, c.max_batch_size) == \
+            (list(c.preempted), list(c.admitted)), c
+
+
+def preempt_oldest(waiting, running, free, b):
+    running, preempted = list(running), []
+    while running and sum(r.next_blocks for r in running) > free:
+        v = running.pop(0)  # the usual mistake: the oldest
+        free += v.blocks
+        preempted.append(v.id)
+    if preempted:
+        return preempted, []
+    free -= sum(r.next_blocks for r in running)
+    admitted = []
+    for w in waiting:
+        if len(running) + len(admitted) >= b or w.blocks > free:
+            break
+        admitted.append(w.id)
+        free -= w.blocks
+    return preempted, admitted
+
+
+def no_room_for_next_token(waiting, running, free, b):
+    running, preempted = list(running), []
+    while running and sum(r.next_blocks for r in running) > free:
+        v = running.pop()
+        free += v.blocks
+        preempted.append(v.id)
+    if preempted:
+        return preempted, []
+    admitted = []  # the usual mistake: the running sequences' next blocks are not taken out of `free`
+    for w in waiting:
+        if len(running) + len(admitted) >= b or w.blocks > free:
+            break
+        admitted.append(w.id)
+        free -= w.blocks
+    return preempted, admitted
+
+
+@pytest.mark.parametrize("answer, hint", [
+    (preempt_oldest, "preempt the newest running sequence"),
+    (no_room_for_next_token, "next tokens take their blocks first"),
+])
+def test_the_usual_mistakes_fail_naming_the_step_and_the_mistake(answer, hint):
+    with pytest.raises(ExerciseFailed, match=rf"at step \d+ the Engine saw .*Hint:.*{hint}"):
+        ch10.check_schedule(answer)
+
+
+@pytest.mark.parametrize("switches, hint", ch10.MISTAKES)
+def test_every_listed_mistake_is_caught_with_its_hint(switches, hint):
+    def answer(waiting, running, free, b):
+        # the solution's logic, written out again (the checker forbids _rule itself)
+        running, queue, preempted = list(running), [(w.id, w.blocks) for w in waiting], []
+        while running and sum(r.next_blocks for r in running) > free and (switches.get("repeat", True) or not preempted):
+            v = running.pop(-1 if switches.get("victim", "newest") == "newest" else 0)
+            free += v.blocks if switches.get("give_back", True) else 0
+            preempted.append(v.id)
+            if switches.get("requeue", True):
+                queue.insert(0, (v.id, v.blocks + v.next_blocks))
+        free -= sum(r.next_blocks for r in running) if switches.get("reserve", True) else 0
+        admitted, slots = [], switches.get("slots", "<")
+        for rid, blocks in queue:
+            n = len(running) + len(admitted)
+            full = n >= b if slots == "<" else n > b if slots == "<=" else False
+            if full or (blocks > free if switches.get("fits", "<=") == "<=" else blocks >= free):
+                if switches.get("fifo", True) or full:
+                    break
+                continue
+            admitted.append(rid)
+            free -= blocks
+        return preempted, admitted
+    with pytest.raises(ExerciseFailed, match="Hint:.*" + re.escape(hint.split(":")[0][:40])):
+        ch10.check_schedule(answer)
+
+
+def test_an_answer_that_calls_minigens_scheduler_fails():
+    def uses_can_admit(waiting, running, free, b):
+        preempted, admitted = [], []
+        for w in waiting:
+            if not scheduler.can_admit(w.blocks, free, sum(r.next_blocks for r in running), len(running) + len(admitted), b):
+                break
+            admitted.append(w.id)
+            free -= w.blocks
+        return preempted, admitted
+
+    def uses_the_engine(waiting, running, free, b):
+        Engine.step(None)
+
+    for cheat, name in ((uses_can_admit, "can_admit"), (uses_the_engine, "step"),
+                        (lambda *a: ch10.solution_schedule(*a), "solution_schedule"), (lambda *a: ch10._rule(*a), "_rule")):
+        with pytest.raises(ExerciseFailed, match=f"calls minigen's own .*{name}"):
+            ch10.check_schedule(cheat)
+    assert scheduler.can_admit(1, 2, 0, 0, 1)  # restored after
+
+
+def test_a_malformed_answer_is_named():
+    with pytest.raises(ExerciseFailed, match="return two lists"):
+        ch10.check_schedule(lambda *a: None)
+    with pytest.raises(ExerciseFailed, match="preempted .* admitted"):
+        ch10.check_schedule(lambda *a: ([], []))
+    assert Waiting(0, 1).blocks == 1
