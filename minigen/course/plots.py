@@ -256,6 +256,9 @@ def plot_timeline(metrics: dict, ax=None, title: str = ""):
             if end > start:
                 ax.broken_barh([(start, end - start)], (r["request_id"] - 0.4, 0.8), color=PHASE_COLORS[phase])
     from matplotlib.patches import Patch
+    spans = [(start, end) for r in metrics["requests"] for _, start, end in r["phases"]]
+    if spans:  # the same span as plot_kv_usage's, so that the two panels of one run line up
+        ax.set_xlim(min(a for a, _ in spans), max(b for _, b in spans))
     ax.set_xlabel("time (s)")
     ax.set_ylabel("request id")
     ax.invert_yaxis()
@@ -268,15 +271,28 @@ def plot_timeline(metrics: dict, ax=None, title: str = ""):
 def plot_kv_usage(metrics: dict, ax=None):
     """The fraction of KV blocks in use at each step (left axis) and the batch size (right axis)."""
     ax = _axes(ax)
-    t = [s["t_s"] for s in metrics["steps"]]
-    ax.step(t, [100 * u for u in metrics["kv_usage"]], where="post", color="C2", label="KV blocks in use")
+    # A step's usage is counted when it ends (its finished requests' blocks given back) and holds until the
+    # next step ends; its batch size holds while it runs. The last values reach the run's end (the last step's
+    # end or request's finish), so the panel spans the whole timeline, as plot_timeline's does.
+    steps = metrics["steps"]
+    t = [s["t_s"] for s in steps]
+    done = [s["t_s"] + s["step_s"] for s in steps]
+    ends = done + [b for r in metrics["requests"] for _, _, b in r["phases"]]
+    starts = t + [a for r in metrics["requests"] for _, a, _ in r["phases"]]
+    usage, batch = list(metrics["kv_usage"]), list(metrics["batch_size"])
+    if steps:
+        done, t = done + [max(ends)], t + [max(ends)]
+        usage, batch = usage + usage[-1:], batch + batch[-1:]
+    ax.step(done, [100 * u for u in usage], where="post", color="C2", label="KV blocks in use")
+    if starts:
+        ax.set_xlim(min(starts), max(ends))
     if not any(u == u for u in metrics["kv_usage"]):  # all NaN: the engine has no block pool to report
         ax.text(0.5, 0.5, "KV usage not recorded\n(no block pool)", transform=ax.transAxes, ha="center", fontsize=8)
     ax.set_ylim(0, 105)
     ax.set_ylabel("KV blocks in use (%)", color="C2")
     ax.set_xlabel("time (s)")
     right = ax.twinx()
-    right.step(t, metrics["batch_size"], where="post", color="C0", lw=0.8, alpha=0.7)
+    right.step(t, batch, where="post", color="C0", lw=0.8, alpha=0.7)
     right.set_ylabel("batch size (sequences)", color="C0")
     right.set_ylim(0, max(metrics["batch_size"], default=1) + 1)
     ax.set_title(f"KV usage and batch size per step ({metrics.get('num_blocks', '?')} blocks)", fontsize=9)
