@@ -135,3 +135,27 @@ def test_a_malformed_answer_is_named():
     with pytest.raises(ExerciseFailed, match="preempted .* admitted"):
         ch10.check_schedule(lambda *a: ([], []))
     assert Waiting(0, 1).blocks == 1
+
+
+def test_static_batches_on_minigen_generate_match_the_engine_and_wait_for_the_longest():
+    """course/replay.py's static baseline: same tokens as the Engine (same model code), every row of a
+    batch decoded until the batch's longest reply, a burst at t = 0 filling the batch."""
+    import minigen
+    from minigen.course.distributions import tiny_llama
+    from minigen.course.replay import StaticGenerate, with_burst
+    from minigen.serving.workload import LengthDist, make_workload, replay
+
+    model = tiny_llama(vocab_size=64, seed=0)
+    work = with_burst(make_workload(6, 50.0, seed=0, prompt_tokens=LengthDist(6, 0.5, 2, 12),
+                                    output_tokens=LengthDist(5, 0.5, 2, 9), vocab=(1, 64)), 4)
+    assert [r.arrival_s for r in work.requests[:4]] == [0.0] * 4 and work.requests[4].arrival_s > 0
+    static = StaticGenerate(model, max_batch_size=4)
+    m = replay(static, work, clock=static.now)
+    engine = minigen.Engine(model, minigen.GenerationConfig(stop_token_ids=[], cache_chunk_size=4), max_batch_size=4,
+                            num_blocks=64)
+    replay(engine, work, clock=engine.now)
+    got, want = static.run(), engine.run()
+    assert all(torch.equal(got[i], want[i]) for i in range(6))
+    assert m["batch_size"][0] == 4 and [r["output_tokens"] for r in m["requests"]] == [r.max_new_tokens for r in work.requests]
+    first = max(r.max_new_tokens for r in work.requests[:4])
+    assert sum(s["decode_tokens"] for s in m["steps"][:first]) == 4 * (first - 1)
