@@ -159,9 +159,16 @@ def test_dashboard_draws_a_hand_made_metrics_dict(tmp_path, monkeypatch):
     ax = plots.plot_timeline(m)
     bars = [c for c in ax.collections]
     assert len(bars) == 7  # 3 requests x 3 phases; the two of zero length (request 0 queued, request 2 decode) left out
+    span = ax.get_xlim()
     plt.close(ax.figure)
     ax = plots.plot_kv_usage(m)
-    assert list(ax.lines[0].get_ydata()) == pytest.approx([100 * s["kv_usage"] for s in STEPS])
+    usage = [100 * s["kv_usage"] for s in STEPS]
+    assert list(ax.lines[0].get_ydata()) == pytest.approx(usage + usage[-1:])  # the last value held to the end
+    # issue 46: the usage panel spans the timeline's whole span, each value from the end of its step
+    end = max(b for r in HAND for _, _, b in r["phases"])
+    assert ax.get_xlim() == pytest.approx(span) and ax.lines[0].get_xdata()[-1] == pytest.approx(max(
+        end, max(s["t_s"] + s["step_s"] for s in STEPS)))
+    assert list(ax.lines[0].get_xdata()[:-1]) == pytest.approx([s["t_s"] + s["step_s"] for s in STEPS])
     plt.close(ax.figure)
     fig = plots.plot_dashboard(m, title="hand-made")
     monkeypatch.setenv("MINIGEN_FIGURES", str(tmp_path))
