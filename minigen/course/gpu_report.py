@@ -22,6 +22,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.figure import Figure
 
 from ..measure.roofline import GPUS, Ceiling
 
@@ -68,7 +69,7 @@ def _fail(path: Path, why: str) -> GPUReportError:  # one line, naming the file
     return GPUReportError(f"{path}: not a scripts/gpu_check.py report: {why}")
 
 
-def _require(d, keys, where: str, path: Path) -> None:
+def _require(d: object, keys: tuple[str, ...], where: str, path: Path) -> None:
     if not isinstance(d, dict):
         raise _fail(path, f"{where} is {type(d).__name__}, not an object")
     missing = [k for k in keys if k not in d]
@@ -193,7 +194,7 @@ def decode_findings(report: Report, model: str = "Llama-3.2-1B") -> str:
                    if hf else " This report holds no transformers row.")
 
 
-def plot_decode(report: Report):
+def plot_decode(report: Report) -> Figure:
     """Decode tok/s per shape and mode (log scale), each bar labelled with its share of the roofline."""
     rows = [r for r in decode_rows(report) if r["tok_s"]]
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -252,7 +253,7 @@ def kernel_findings(report: Report) -> str:
             + "; ".join(parts) + "." + slower)
 
 
-def plot_kernel(report: Report):
+def plot_kernel(report: Report) -> Figure:
     """Left: ms per call in each format at each context, kernel solid, gather + SDPA dashed.
     Right: the kernel's speed over gather + SDPA's, with the line where they tie."""
     rows, (fig, (left, right)) = kernel_rows(report), plt.subplots(1, 2, figsize=(11, 4))
@@ -327,7 +328,7 @@ def prefill_findings(report: Report) -> str:
     return text
 
 
-def plot_prefill(report: Report):
+def plot_prefill(report: Report) -> Figure:
     """TFLOP/s against the prompt's length: SDPA's flash kernel, the Triton kernel in bf16 and int4."""
     rows = prefill_rows(report)
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -400,7 +401,7 @@ def roofline_table(report: Report) -> str:
     return table(report, rows, columns, f"Measured steps as roofline points{roof}")
 
 
-def plot_roofline(report: Report):
+def plot_roofline(report: Report) -> Figure:
     """Log-log roofline of the report's GPU with its measured steps as points, one marker per kind."""
     rows, ceiling = roofline_rows(report), gpu_ceiling(report)
     fig, ax = plt.subplots(figsize=(9, 5))
