@@ -47,7 +47,7 @@ def test_what_counts_as_a_reference():
     text = ("`minigen/caches/contiguous.py`, `csrc/rows_s8.c`, `model.py`, `deploy/`, `minigen.generate`, "
             "`minigen.load(\"smollm2-135m\", tp_size=N)`, and not: `minigen serve`, `/metrics`, `max_new_tokens`, "
             "`nvidia.com/gpu`, `HuggingFaceTB/SmolLM2-135M`, `~/.cache/minigen/`, `figures/gpu/<device>.json`, "
-            "`block_size / 2`, `x.y`, `exercises/chNN.py`, `minigen::matvec`, `Qwen/Qwen2.5-0.5B`")
+            "`block_size / 2`, `x.y`, `exercises/chNN.py`, `figures/NAME.json`, `minigen::matvec`, `Qwen/Qwen2.5-0.5B`")
     assert path_references(text) == [
         Reference("file", "minigen/caches/contiguous.py"), Reference("file", "csrc/rows_s8.c"),
         Reference("file", "model.py"), Reference("folder", "deploy/"), Reference("name", "minigen.generate"),

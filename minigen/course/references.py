@@ -61,6 +61,7 @@ def prose_of_notebook(path: Path, root: Path) -> list[Prose]:
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 DOTTED = re.compile(r"minigen(?:\.[A-Za-z_]\w*)+(?![\w.])")  # then "(" of a call, or nothing
 PATHLIKE = re.compile(r"[\w.-]+(?:/[\w.-]+)*/?")
+PLACEHOLDER = re.compile(r"NN|(?<![A-Za-z])(?:NAME|N|X)(?![A-Za-z])")  # `exercises/chNN.py`, `figures/NAME.json`
 EXTENSION = re.compile(r"\.[A-Za-z][A-Za-z0-9]{0,5}$")
 # A bare file name (no folder) is a reference only with one of these extensions; `x.y` alone is
 # more often a config key or an attribute than a file.
@@ -87,7 +88,7 @@ def _classify(span: str) -> Reference | None:
     span = span.strip()
     if (m := DOTTED.match(span)) and (len(span) == m.end() or span[m.end()] in "(["):
         return Reference("name", m.group(0))
-    if not PATHLIKE.fullmatch(span) or span.startswith((".", "-")) or "NN" in span:
+    if not PATHLIKE.fullmatch(span) or span.startswith((".", "-")) or PLACEHOLDER.search(span):
         return None
     if span.endswith("/"):
         return Reference("folder", span)
