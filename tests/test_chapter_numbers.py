@@ -1,8 +1,8 @@
 """Chapter numbers and titles said in prose match book.toml (issue 46, guard 3).
 
 Each chapter's title line is "# N · Title" with its notebook's number and book.toml's title; every
-"chapter N", "chapters N and M", "ch NN" and "chNN" in the chapters, the README, docs/ and the
-package names a chapter that exists; where the prose gives a title or links a notebook beside the
+"chapter N", "chapters N and M", "ch NN" and "chNN" in the chapters, the Markdown pages, the
+package and scripts/ names a chapter that exists; where the prose gives a title or links a notebook beside the
 number, they agree. (The README's generated chapter list is checked against book.toml by
 tests/test_packaging.py; its links are checked here too.) The checks are in
 minigen/course/references.py; chapter_number_refs is also what renumbering rewrites.
@@ -21,8 +21,9 @@ from minigen.course.references import (Prose, chapter_number_refs, chapter_ref_p
 
 ROOT = Path(__file__).resolve().parent.parent
 # docs/CHANGELOG.md is history: it names chapters by the numbers they had on its dates
-DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p.name != "CHANGELOG.md")]
-PACKAGE = sorted((ROOT / "minigen").rglob("*.py"))
+DOCS = [p for p in (*sorted(ROOT.glob("*.md")), *sorted((ROOT / "docs").rglob("*.md")),
+                    *sorted((ROOT / "deploy").rglob("*.md"))) if p.name != "CHANGELOG.md"]
+PACKAGE = [*sorted((ROOT / "minigen").rglob("*.py")), *sorted((ROOT / "scripts").glob("*.py"))]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 
 A chapter that names `minigen.exercises.ch01` after the exercises moved to minigen.course.exercises,
 or `cache.py` after the cache became a folder, sends the reader to nothing. The checks read each
-chapter's markdown cells and its code cells' comments, the README and docs/*.md; what counts as a
+chapter's markdown cells and its code cells' comments, and every Markdown page (README, docs/, deploy/); what counts as a
 reference and how it resolves is minigen/course/references.py. All failures are reported at once.
 """
 
@@ -17,7 +17,8 @@ from minigen.course.references import (Prose, Reference, missing_reference, path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+# the README, CONTRIBUTING.md, docs/ and deploy/README.md: every Markdown page a reader opens
+DOCS = [*sorted(ROOT.glob("*.md")), *sorted((ROOT / "docs").rglob("*.md")), *sorted((ROOT / "deploy").rglob("*.md"))]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +38,10 @@ def test_every_reference_in_a_chapter_exists(paths):
                      + "\n  ".join(bad))
 
 
-def test_every_reference_in_the_readme_and_docs_exists(paths):
+def test_every_reference_in_the_readme_docs_and_deploy_pages_exists(paths):
     prose = [Prose(p.relative_to(ROOT).as_posix(), p.read_text(encoding="utf-8")) for p in DOCS]
     bad = unresolved(prose, paths)
-    assert not bad, f"{len(bad)} references in README.md and docs/ name nothing that exists:\n  " + "\n  ".join(bad)
+    assert not bad, f"{len(bad)} references in the Markdown pages name nothing that exists:\n  " + "\n  ".join(bad)
 
 
 def test_what_counts_as_a_reference():
