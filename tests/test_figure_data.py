@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from minigen.course import plots  # noqa: E402
-from minigen.course.figure_data import FigureDataError, compare, fingerprint, rounded  # noqa: E402
+from minigen.course.figure_data import (MACHINE_NAMES, FigureDataError, compare, fingerprint, masked,  # noqa: E402
+                                        rounded)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,6 +69,12 @@ def test_a_measured_value_that_moved_is_ignored_unless_the_figure_is_exact():
 def test_a_changed_label_or_number_of_bars_is_caught_in_every_figure():
     assert compare(prints(), prints(ylabel="verdicts")) == "structure.axes[0].ylabel: 'claims' -> 'verdicts'"
     assert compare(prints(), prints(counts=(3, 4, 17, 1))) == "structure.axes[0].xticks: 3 items -> 4"
+
+
+def test_labels_keep_their_words_without_numbers_or_this_machines_name():
+    assert masked("fit: ∝ N^2.01, p50 0.123 s, C2b") == "fit: ∝ N^#, p# # s, C#b"
+    for name in MACHINE_NAMES:  # "measured on <CPU>" is the same figure drawn on another machine
+        assert masked(f"measured on {name}, 1 thread") == "measured on <cpu>, # thread"
 
 
 def test_floats_keep_three_significant_digits():

@@ -9,7 +9,8 @@ longer matches what its chapter's run draws (issue 46: compare the data, not the
 two parts apart:
 - structure, compared on every run: the axes, their titles and axis labels, legend labels, the tick
   labels of categorical axes, and how many lines and patches (bars) each axes draws. Numbers inside
-  these texts are masked ("fit: ∝ N^2.01" is "fit: ∝ N^#"), since labels often carry measurements.
+  these texts are masked ("fit: ∝ N^2.01" is "fit: ∝ N^#"), since labels often carry measurements,
+  and so is this machine's CPU name ("measured on <cpu>").
 - values, compared only for a figure saved with exact=True (its data is deterministic: counts,
   tokens, steps, bytes): every line's x and y, every bar, every text, every collection and image,
   floats rounded to 3 significant digits. Timings vary from run to run, so a figure of timings is
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import platform
 import re
 from pathlib import Path
 from typing import Any
@@ -37,8 +39,26 @@ class FigureDataError(MinigenError, AssertionError):
     """A chapter drew a figure whose data differs from the committed figures/NAME.json."""
 
 
+def machine_names() -> list[str]:
+    """This machine's CPU names as /proc/cpuinfo and platform say them: a title "measured on <CPU>"
+    names the machine that drew it, which is no change in the figure."""
+    names = [platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            names += [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")][:1]
+    except OSError:  # not Linux: platform's name only
+        pass
+    return sorted({n for n in names if len(n) > 3}, key=len, reverse=True)
+
+
+MACHINE_NAMES = machine_names()
+
+
 def masked(text: str) -> str:
-    """A label with its numbers replaced by '#': the part of a label that does not depend on a run."""
+    """A label with this machine's name replaced by '<cpu>' and its numbers by '#': the part of a
+    label that does not depend on the run or the machine."""
+    for name in MACHINE_NAMES:
+        text = text.replace(name, "<cpu>")
     return NUMBER.sub("#", text)
 
 
