@@ -5,6 +5,7 @@ figures/NAME.json fails naming the figure and the first difference. See minigen/
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -127,3 +128,23 @@ def test_save_figure_fails_naming_the_figure_when_the_committed_data_differs(fol
 def test_every_committed_figure_has_its_data_beside_it():
     missing = [p.name for p in sorted((ROOT / "figures").glob("*.png")) if not p.with_suffix(".json").is_file()]
     assert not missing, f"figures without their NAME.json (run make figures): {missing}"
+
+
+def saved_names() -> set[str]:
+    """The figure names the chapters pass to save_figure as plain strings (f-strings left out)."""
+    names = set()
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+            names.update(re.findall(r"save_figure\([^,()]+(?:\([^()]*\))?,\s*[\"']([\w.-]+)[\"']", source))
+    return names
+
+
+def test_every_committed_figure_is_drawn_by_a_chapter():
+    orphans = sorted(p.stem for p in (ROOT / "figures").glob("*.png") if p.stem not in saved_names())
+    assert not orphans, f"figures/ holds figures no chapter draws (remove them, or rename the save_figure call): {orphans}"
+
+
+def test_every_figure_a_chapter_draws_is_committed():
+    missing = sorted(n for n in saved_names() if not (ROOT / "figures" / f"{n}.png").is_file())
+    assert not missing, f"chapters draw figures that figures/ lacks (run make figures and commit them): {missing}"
