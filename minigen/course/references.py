@@ -44,14 +44,17 @@ def code_comments(source: str) -> str:
         return "\n".join(line.split("#", 1)[1] for line in source.splitlines() if "#" in line)
 
 
-def prose_of_notebook(path: Path, root: Path) -> list[Prose]:
-    """A chapter's prose: each markdown cell whole, and the comments of each code cell."""
+def prose_of_notebook(path: Path, root: Path, whole_code: bool = False) -> list[Prose]:
+    """A chapter's prose: each markdown cell whole, and the comments of each code cell (its whole
+    source with `whole_code`: the sentences a cell prints are prose too)."""
     name = path.resolve().relative_to(root.resolve()).as_posix()
     out = []
     for i, cell in enumerate(json.loads(path.read_text(encoding="utf-8"))["cells"]):
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if cell["cell_type"] == "markdown":
             out.append(Prose(f"{name} cell {i} (markdown)", source))
+        elif cell["cell_type"] == "code" and whole_code:
+            out.append(Prose(f"{name} cell {i} (code)", source))
         elif cell["cell_type"] == "code" and "#" in source:
             out.append(Prose(f"{name} cell {i} (code comment)", code_comments(source)))
     return out
@@ -85,6 +88,8 @@ class Reference:
 
 
 def _classify(span: str) -> Reference | None:
+    """What a backticked span (or a link target) refers to, or None when it is code, a command, a
+    route, a model id or a placeholder rather than a file, folder or name of this repository."""
     span = span.strip()
     if (m := DOTTED.match(span)) and (len(span) == m.end() or span[m.end()] in "(["):
         return Reference("name", m.group(0))
