@@ -17,7 +17,7 @@ import pytest
 
 from minigen.course.book import Book, Chapter, load_book
 from minigen.course.references import (Prose, chapter_number_refs, chapter_ref_problems, prose_of_notebook,
-                                       title_problem)
+                                       renumber, title_problem)
 
 ROOT = Path(__file__).resolve().parent.parent
 # docs/CHANGELOG.md is history: it names chapters by the numbers they had on its dates
@@ -66,6 +66,13 @@ def test_chapter_number_refs_finds_each_number_and_its_digits():
     assert [n for n, _ in refs] == ["03", "02b", "05", "06", "03", "04", "05", "05", "06", "12", "04", "09", "17"]
     assert [text[a:b] for _, (a, b) in refs] == ["3", "2b", "5", "6", "3", "4", "5", "5", "6", "12", "04", "09", "17"]
     assert [n for n, _ in chapter_number_refs("chapter 4 and 12 layers")] == ["04"]  # a list needs "chapters"
+
+
+def test_renumber_keeps_the_form_each_number_was_written_in():
+    text = "chapter 3, chapters 2b and 12, ch03, exercises/ch12.py, chapter 5"
+    assert renumber(text, {"03": "04", "02b": "03", "12": "09"}) == \
+        "chapter 4, chapters 3 and 9, ch04, exercises/ch09.py, chapter 5"
+    assert renumber("chapter 9", {"09": "10"}) == "chapter 10" and renumber("ch09", {"09": "02b"}) == "ch02b"
 
 
 def fake_book() -> Book:

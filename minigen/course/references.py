@@ -4,6 +4,7 @@
     path_references(text)       -> the backticked files, folders and `minigen.x.y` names a text mentions
     missing_reference(ref, ...) -> why a reference does not resolve ("" when it does)
     chapter_number_refs(text)   -> every "chapter N", "chapters N and M", "ch NN", "chNN": (number, span)
+    renumber(text, {"03": "04"}) -> the text with those chapter numbers rewritten, each as it was written
     chapter_ref_problems(...)   -> the chapter numbers a text names that book.toml lacks, or names with
                                    another chapter's title or notebook
 
@@ -201,6 +202,18 @@ def chapter_number_refs(text: str) -> list[tuple[str, tuple[int, int]]]:
             out += [(normalize(n.group(0)), (start + n.start(), start + n.end()))
                     for n in NUMBER_IN_LIST.finditer(m.group("list"))]
     return out
+
+
+def renumber(text: str, new_numbers: dict[str, str]) -> str:
+    """`text` with each chapter number that `new_numbers` maps ("03" -> "04") rewritten, in the form it
+    was written: "chapter 3" -> "chapter 4", "ch03" -> "ch04", "chapter 2b" -> "chapter 3"."""
+    for number, (start, end) in reversed(chapter_number_refs(text)):
+        if number in new_numbers:
+            new = new_numbers[number]
+            padded = text[start] == "0" or re.search(r"(?<![A-Za-z])[Cc]h\.?\s?$", text[:start])  # "ch03", "ch12"
+            written = new if padded else new.lstrip("0") or "0"
+            text = text[:start] + written + text[end:]
+    return text
 
 
 STOPWORDS = {"the", "and", "its", "with", "from", "into", "what", "that", "this", "their", "one", "how"}
