@@ -67,9 +67,17 @@ def test_a_measured_value_that_moved_is_ignored_unless_the_figure_is_exact():
     assert "lines[0].y[0]: 1.0 -> 1.1" in compare(prints(exact=True), prints(exact=True, line=(1.1, 2.2)))
 
 
-def test_a_changed_label_or_number_of_bars_is_caught_in_every_figure():
-    assert compare(prints(), prints(ylabel="verdicts")) == "structure.axes[0].ylabel: 'claims' -> 'verdicts'"
-    assert compare(prints(), prints(counts=(3, 4, 17, 1))) == "structure.axes[0].xticks: 3 items -> 4"
+def test_a_changed_axis_is_caught_in_every_figure():
+    assert compare(prints(), prints(ylabel="verdicts")) == "axes[0].ylabel: 'claims' -> 'verdicts'"
+    assert compare(prints(exact=True), prints(exact=True, ylabel="verdicts")) == \
+        "structure.axes[0].ylabel: 'claims' -> 'verdicts'"
+
+
+def test_a_changed_number_of_bars_is_caught_in_an_exact_figure_only():
+    """A figure of measurements may draw a bar more on a CPU with another kernel: only its axes must hold."""
+    assert compare(prints(exact=True), prints(exact=True, counts=(3, 4, 17, 1))) == \
+        "structure.axes[0].xticks: 3 items -> 4"
+    assert compare(prints(), prints(counts=(3, 4, 17, 1))) == ""
 
 
 def test_labels_keep_their_words_without_numbers_or_this_machines_name():

@@ -7,8 +7,9 @@ longer matches what its chapter's run draws (issue 46: compare the data, not the
 
 `save_figure` (plots.py) writes the fingerprint beside each PNG as NAME.json. The fingerprint keeps
 two parts apart:
-- structure, compared on every run: the axes, their titles and axis labels, legend labels, the tick
-  labels of categorical axes, and how many lines and patches (bars) each axes draws. Numbers inside
+- structure: the axes, their titles and axis labels, legend labels, the tick labels of categorical
+  axes, and how many lines and patches (bars) each axes draws. A figure of measurements is compared on
+  its panels' axes alone (another CPU may name other kernels or draw a bar more); an exact one whole. Numbers inside
   these texts are masked ("fit: ∝ N^2.01" is "fit: ∝ N^#"), since labels often carry measurements,
   and so is this machine's CPU name ("measured on <cpu>").
 - values, compared only for a figure saved with exact=True (its data is deterministic: counts,
@@ -169,12 +170,24 @@ def first_difference(old: Any, new: Any, where: str = "") -> str:
     return "" if old == new else f"{where}: {old!r} -> {new!r}"
 
 
+# What a figure of measurements must keep on any machine: its panels and what their axes measure. Its
+# titles, legends, ticks and artist counts may name this CPU's kernels ("AVX2" against "AVX-512") or
+# draw a bar only where a kernel runs, so they are compared only for exact figures, as are the values.
+AXES_KEPT = ("xlabel", "ylabel", "xscale", "yscale")
+
+
+def loose(structure: dict | None) -> list:
+    """The part of a figure of measurements that must match on every machine: each panel's axes."""
+    return [{k: ax.get(k) for k in AXES_KEPT} for ax in (structure or {}).get("axes", [])]
+
+
 def compare(committed: dict, fresh: dict) -> str:
-    """The first difference that matters: structure always, values when either side is exact."""
-    found = first_difference(committed.get("structure"), fresh["structure"], "structure")
-    if not found and (committed.get("exact") or fresh["exact"]):
-        found = first_difference(committed.get("values"), fresh["values"], "values")
-    return found
+    """The first difference that matters: an exact figure's whole structure and values; a figure of
+    measurements' panels and axes (loose)."""
+    if committed.get("exact") or fresh["exact"]:
+        return (first_difference(committed.get("structure"), fresh["structure"], "structure")
+                or first_difference(committed.get("values"), fresh["values"], "values"))
+    return first_difference(loose(committed.get("structure")), loose(fresh["structure"]), "axes")
 
 
 def write(path: Path, data: dict) -> None:
