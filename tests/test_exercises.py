@@ -1,6 +1,6 @@
 """The chapters' exercises: each worked solution passes its checker, common wrong answers fail it
-with their hint, and the package formulas the checkers trust match an independent count (chapters
-1-2 in depth; chapters 3-6 through their checkers, which call the package's caches and attention)."""
+with their hint, and the package formulas the checkers trust match an independent count (chapter
+1 in depth; chapters 3-6 through their checkers, which call the package's caches and attention)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import minigen.model
-from minigen.course.exercises import ExerciseFailed, ch01, ch02, ch03, ch04, ch05, ch06
+from minigen.course.exercises import ExerciseFailed, ch01, ch03, ch04, ch05, ch06
 from minigen.model import Model, rope_frequencies
 from minigen.checkpoints.model_config import ModelConfig
 
@@ -72,7 +72,6 @@ def copy_of(solution):
 
 
 naive_flops, crossover = copy_of(ch01.solution_naive_step_flops), copy_of(ch01.solution_crossover_length)
-kv_bytes = copy_of(ch02.solution_kv_cache_bytes)
 
 
 def test_naive_step_flops_solution_passes():
@@ -110,28 +109,7 @@ def test_crossover_length():
         ch01.check_crossover_length(lambda cfg: 1.05 * crossover(cfg))
 
 
-# ---------------------------------------------------------------- chapter 2
-def test_kv_cache_bytes():
-    assert ch02.check_kv_cache_bytes(ch02.solution_kv_cache_bytes)
-    # Llama-2-7B, fp16: 2 x 32 layers x 32 heads x 128 x 2 bytes = 512 KiB per token (a known figure).
-    assert ch02.solution_kv_cache_bytes(ch02.LLAMA2_7B, 1) == 512 * 1024
-    with pytest.raises(ExerciseFailed, match="factor 2"):
-        ch02.check_kv_cache_bytes(lambda cfg, t, b, e: kv_bytes(cfg, t, b, e) // 2)
-    with pytest.raises(ExerciseFailed, match="n_kv_heads"):
-        ch02.check_kv_cache_bytes(lambda cfg, t, b, e: 2 * cfg.n_layers * cfg.n_heads * cfg.head_dim * e * t * b)
-
-
-def test_max_cached_tokens():
-    assert ch02.check_max_cached_tokens(ch02.solution_max_cached_tokens)
-    with pytest.raises(ExerciseFailed, match="round down"):
-        ch02.check_max_cached_tokens(
-            lambda cfg, m, b, e: m / (b * kv_per_token(cfg, e)))
-    with pytest.raises(ExerciseFailed, match="divide by batch"):
-        ch02.check_max_cached_tokens(lambda cfg, m, b, e: m // kv_per_token(cfg, e))
-
-
-def kv_per_token(cfg, e):  # written out: the checkers forbid the package's kv_bytes_per_token
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * e
+# chapter 2's exercise (the learner's KV cache): tests/test_exercise_ch02.py
 
 
 # ---------------------------------------------------------------- chapter 0
@@ -581,25 +559,6 @@ def test_ch01_crossover_checker_refuses_the_packages_count():
             ch01.check_crossover_length(cheat)
     with pytest.raises(ExerciseFailed, match="per-token"):  # planted: half of it
         ch01.check_crossover_length(lambda cfg: crossover(cfg) / 2)
-
-
-def test_ch02_checkers_refuse_the_packages_count_and_name_planted_mistakes():
-    for cheat in (lambda cfg, t, b, e: cfg.kv_bytes_per_token(e) * t * b,
-                  lambda cfg, t, b, e: ch02.solution_kv_cache_bytes(cfg, t, b, e)):
-        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
-            ch02.check_kv_cache_bytes(cheat)
-    for cheat in (lambda cfg, m, b, e: m // (b * cfg.kv_bytes_per_token(e)),
-                  lambda cfg, m, b, e: m // ch02.solution_kv_cache_bytes(cfg, 1, b, e),
-                  lambda cfg, m, b, e: ch02.solution_max_cached_tokens(cfg, m, b, e)):
-        with pytest.raises(ExerciseFailed, match="calls minigen's own"):
-            ch02.check_max_cached_tokens(cheat)
-    for wrong, hint in ((lambda cfg, t, b, e: kv_per_token(cfg, e) * t, "every sequence"),  # batch forgotten
-                        (lambda cfg, t, b, e: kv_per_token(cfg, e) * t * b * 8, "not bits"),
-                        (lambda cfg, t, b, e: kv_per_token(cfg, e) * t * b // cfg.n_layers, "every layer")):
-        with pytest.raises(ExerciseFailed, match=hint):
-            ch02.check_kv_cache_bytes(wrong)
-    with pytest.raises(ExerciseFailed, match="round down, not up"):  # planted: off by one
-        ch02.check_max_cached_tokens(lambda cfg, m, b, e: m // (b * kv_per_token(cfg, e)) + 1)
 
 
 def ch03_write(variant):

@@ -1,6 +1,7 @@
 """The chapters' figures and display helpers (the course's layer: the core never imports this).
 
-    save_figure(fig, "01_step_time")   -> _build/figures/01_step_time.png ($MINIGEN_FIGURES/ if set)
+    save_figure(fig, "01_step_time")   -> _build/figures/01_step_time.png ($MINIGEN_FIGURES/ if set), and
+                                          01_step_time.json, the data behind it, checked against figures/
     fit_power_law(n, seconds)          -> exponent p and coefficient c of seconds ≈ c·n^p
     plot_power_law(ax, n, seconds)     -> the points and their fitted line, p in the legend
     plot_bench(results)                -> the bars of `python -m minigen bench --json`
@@ -24,6 +25,7 @@ from types import ModuleType
 import numpy as np
 
 from ..serving.metrics import request_latencies
+from .figure_data import check_against, fingerprint, write
 
 
 # ---------------------------------------------------------------- files
@@ -42,10 +44,23 @@ def figures_dir() -> Path:
     return folder
 
 
-def save_figure(fig, name: str, dpi: int = 110) -> Path:
-    """Write `fig` to figures_dir()/<name>.png and return the path; name starts with the chapter: "01_..."."""
-    path = figures_dir() / f"{name}.png"
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+# The figures committed with the course (`make figures` writes them), in a checkout
+COMMITTED_FIGURES = Path(__file__).resolve().parents[2] / "figures"
+
+
+def save_figure(fig, name: str, dpi: int = 110, exact: bool = False) -> Path:
+    """Write `fig` to figures_dir()/<name>.png and return the path; name starts with the chapter: "01_...".
+    Beside it goes <name>.json, the data the figure shows (figure_data.fingerprint). A run that writes
+    anywhere but the committed figures/ (make test, a chapter run) raises FigureDataError when the
+    figure no longer matches figures/<name>.json: its axes, labels and number of lines and bars, and,
+    for `exact=True` (a figure of counts, tokens or steps, the same on every run), every value."""
+    folder = figures_dir()
+    path = folder / f"{name}.png"
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")  # drawn first: tick labels exist only once drawn
+    data = fingerprint(fig, exact)
+    write(path.with_suffix(".json"), data)
+    if folder != COMMITTED_FIGURES.resolve():
+        check_against(COMMITTED_FIGURES / f"{name}.json", data, name)
     return path
 
 

@@ -1,98 +1,225 @@
-"""Chapter 2 exercises: what the KV cache costs in memory.
+"""Chapter 2 exercise: build the KV cache.
 
-1. `kv_cache_bytes(cfg, tokens, batch, bytes_per_element)`: the bytes a cache holding `tokens`
-   positions for `batch` sequences takes, keys and values of every layer, at `bytes_per_element`
-   bytes per number (2 for fp16/bf16, 4 for fp32).
-2. `max_cached_tokens(cfg, budget_bytes, batch, bytes_per_element)`: the most positions per
-   sequence whose cache fits in `budget_bytes` (a whole number of tokens).
+Write the two methods of a contiguous cache, on a class that derives from `ContiguousShell` (which
+allocates `self.k` and `self.v`, [L, B, Hkv, S, Dh] zeros, `self.max_len` = S, and keeps the rest of
+the cache contract, minigen/caches/contract.py):
 
-The checkers run your function with `ModelConfig.kv_bytes_per_token` (the package's count) and the
-worked solutions patched to raise: write the count from the architecture's numbers.
+    prepare(input_pos [T]) -> {ANY_LAYER: positions [S]}   once per forward, before the first layer:
+        remember where this step writes, and say which position every slot holds after the write.
+        In a contiguous cache slot s holds position s (unwritten slots are masked: their position
+        lies after every query).
+    update(layer, k, v) -> (keys, values)                  in every layer: write k, v [B, Hkv, T, Dh]
+        at this step's positions in this layer's storage, and return the layer's whole storage
+        [B, Hkv, S, Dh].
+
+The checker first probes your class with keys that encode their layer and position, then runs
+greedy generation of SmolLM2 (prefill, then one decode step per token, twice with one cache: the
+second prompt starts again at position 0) and demands the very tokens of minigen's `KVCache`. While
+your class runs, `KVCache.update` and `KVCache.prepare` raise, so a cache that hands its work to
+minigen's fails, naming it. The usual mistakes are named: positions off by one, a missing layer index
+(every layer writing one buffer), and writing in storage order (a counter of tokens written) instead
+of at `input_pos`.
 """
 
 from __future__ import annotations
 
-from ...checkpoints.model_config import ModelConfig
-from . import compare, forbidding, known_mistake
-from .ch01 import GPT2_SMALL, LLAMA2_7B, SMOLLM2_135M
+import torch
+from torch import Tensor
 
-# Llama-2-70B (config.json on the hub): grouped-query attention with 8 KV heads for 64 query heads.
-LLAMA2_70B = ModelConfig(arch="llama", vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                         head_dim=128, hidden_dim=28672, max_seq_len=4096)
-CONFIGS = {"SmolLM2-135M": SMOLLM2_135M, "Llama-2-7B": LLAMA2_7B, "Llama-2-70B": LLAMA2_70B,
-           "GPT-2 small": GPT2_SMALL}
+from ...caches.contiguous import KVCache
+from ...caches.contract import ANY_LAYER, key_positions
+from ...config import GenerationConfig
+from ...model import Model
+from ...sampling import sample
+from ...steps.eager import decode_step, prefill
+from . import ExerciseFailed, forbidding
 
-
-def answers(fn, cases):
-    """fn(*args) for each case, with the package's byte count and the worked solutions (but the one
-    fn is) patched to raise; the checker then compares them, hints included, outside the patch."""
-    forbidden = [ModelConfig.kv_bytes_per_token] + [s for s in (solution_kv_cache_bytes,
-                                                                solution_max_cached_tokens) if s is not fn]
-    with forbidding(*forbidden):
-        got = [fn(*args) for _, args, _ in cases]
-    return iter(got)
+# The probe's cache: small, with distinct sizes so that a transposed axis shows.
+PROBE = dict(n_layers=3, batch=1, n_kv_heads=2, max_len=10, head_dim=4)
+LAYER_CODE = 100.0  # a probe key holds LAYER_CODE * layer + position + 1 in every element
 
 
-# ---------------------------------------------------------------- 1. bytes held
-def solution_kv_cache_bytes(cfg: ModelConfig, tokens: int, batch: int = 1, bytes_per_element: int = 2) -> int:
-    """2 (K and V) x layers x KV heads x head dim x bytes, per token, times tokens and batch."""
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_element
-    return per_token * tokens * batch
+class ContiguousShell:
+    """The allocation and the parts of the cache contract that are not the exercise (given)."""
+    observers = ()  # plain attention: nothing to watch
+    blocks = None  # not a paged cache
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (n_layers, batch, n_kv_heads, max_len, head_dim)  # [L, B, Hkv, S, Dh]
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    def reserve(self, input_pos: Tensor) -> None:
+        """Nothing to hand out: the slots are preallocated."""
+
+    def reset(self) -> None:
+        """Nothing to forget: a new sequence rewrites its slots before it reads them."""
+
+    def layer_tensors(self) -> list[Tensor]:
+        return [self.k, self.v]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def peak_nbytes(self) -> int:
+        return self.nbytes
+
+    @property
+    def device_nbytes(self) -> int:
+        return self.nbytes
 
 
-def _reference_bytes(cfg: ModelConfig, tokens: int, batch: int, bytes_per_element: int) -> int:
-    return cfg.kv_bytes_per_token(bytes_per_element) * tokens * batch
+# ---------------------------------------------------------------- worked solution
+class SolutionKVCache(ContiguousShell):
+    """Slot s holds position s: prepare remembers input_pos, update writes there."""
+
+    def prepare(self, input_pos: Tensor) -> dict[str, Tensor]:
+        if int(input_pos.max()) >= self.max_len:
+            raise IndexError(f"position {int(input_pos.max())} does not fit {self.max_len} slots")
+        self.input_pos = input_pos  # [T]: where this step writes, in every layer
+        return key_positions(torch.arange(self.max_len, device=input_pos.device))  # slot s: position s
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[layer].index_copy_(2, self.input_pos, k.to(self.k.dtype))  # [B, Hkv, T, Dh] into [B, Hkv, S, Dh]
+        self.v[layer].index_copy_(2, self.input_pos, v.to(self.v.dtype))
+        return self.k[layer], self.v[layer]
 
 
-def _bytes_hints(args: tuple, got) -> str:
-    cfg, tokens, batch, bpe = args
-    ref = _reference_bytes(*args)
-    return known_mistake(got, [
-        (ref // 2, "store both keys and values (the factor 2)"),
-        (ref // cfg.n_kv_heads * cfg.n_heads, "grouped-query attention caches n_kv_heads heads, not n_heads"),
-        (ref * 8, "bytes_per_element is already in bytes (fp16 = 2), not bits"),
-        (ref // bpe, "multiply by bytes_per_element"),
-        (ref // batch, "every sequence of the batch has its own cache"),
-        (ref // cfg.n_layers, "every layer has its own keys and values"),
-    ])
+# ---------------------------------------------------------------- the probe
+def _probe_kv(layer: int, positions: list[int], sign: float = 1.0) -> Tensor:
+    """Keys [1, Hkv, T, Dh] whose every element says its layer and position (values: the negatives)."""
+    codes = torch.tensor([LAYER_CODE * layer + p + 1 for p in positions]) * sign  # [T]
+    return codes.view(1, 1, -1, 1).expand(1, PROBE["n_kv_heads"], -1, PROBE["head_dim"]).clone()
 
 
-def check_kv_cache_bytes(fn) -> bool:
-    """fn(cfg, tokens, batch, bytes_per_element) -> int, exactly ModelConfig.kv_bytes_per_token x tokens x batch."""
-    cases = [(f"{name}, {tokens} tokens, batch {batch}, {bpe} bytes", (cfg, tokens, batch, bpe),
-              _reference_bytes(cfg, tokens, batch, bpe))
-             for name, cfg in CONFIGS.items() for tokens, batch, bpe in ((2048, 1, 2), (100, 3, 4))]
-    got = answers(fn, cases)
-    return compare("kv_cache_bytes", cases, lambda *args: next(got), _bytes_hints)
+def _step(cache, positions: list[int], name: str, rewrite: float = 1.0) -> list[tuple[Tensor, Tensor]]:
+    """One forward's moves on the cache: prepare, then update in every layer (keys scaled by `rewrite`,
+    so that a rewritten position holds a new key); returns what each layer's update returned."""
+    key_pos = cache.prepare(torch.tensor(positions))
+    if not isinstance(key_pos, dict) or ANY_LAYER not in key_pos or not isinstance(key_pos[ANY_LAYER], Tensor):
+        raise ExerciseFailed(f"prepare returned {type(key_pos).__name__}: return {{ANY_LAYER: positions}}, a dict "
+                             "(minigen.caches.contract.key_positions(positions) builds it), positions [S]")
+    if tuple(key_pos[ANY_LAYER].shape) != (PROBE["max_len"],):
+        raise ExerciseFailed(f"prepare's positions have shape {tuple(key_pos[ANY_LAYER].shape)} in a cache of "
+                             f"{PROBE['max_len']} slots: one position per slot, [S]")
+    out = []
+    for layer in range(PROBE["n_layers"]):
+        got = cache.update(layer, rewrite * _probe_kv(layer, positions), -rewrite * _probe_kv(layer, positions))
+        if not isinstance(got, tuple) or len(got) != 2 or not all(isinstance(t, Tensor) for t in got):
+            raise ExerciseFailed(f"update returned {type(got).__name__}: return (keys, values), two tensors")
+        want = (1, PROBE["n_kv_heads"], PROBE["max_len"], PROBE["head_dim"])
+        if tuple(got[0].shape) != want or tuple(got[1].shape) != want:
+            raise ExerciseFailed(f"update returned keys {tuple(got[0].shape)}, values {tuple(got[1].shape)} in the "
+                                 f"{name}: return the layer's whole storage, [B, Hkv, S, Dh] = {want}")
+        out.append((got[0].clone(), got[1].clone()))  # as attention would read it, before the next layer
+    out.append(key_pos[ANY_LAYER].clone())
+    return out
 
 
-# ---------------------------------------------------------------- 2. the longest context that fits
-def solution_max_cached_tokens(cfg: ModelConfig, budget_bytes: int, batch: int = 1,
-                               bytes_per_element: int = 2) -> int:
-    """Whole tokens whose keys and values, for every sequence of the batch, fit in the budget."""
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * bytes_per_element  # K and V, every layer
-    return budget_bytes // (batch * per_token)
+def _held(keys: Tensor, key_pos: Tensor, position: int) -> float | None:
+    """The code in the slot that prepare says holds `position` (None: no slot says so)."""
+    slots = (key_pos == position).nonzero()
+    return float(keys[0, 0, int(slots[0]), 0]) if len(slots) else None
 
 
-def check_max_cached_tokens(fn) -> bool:
-    """fn(cfg, budget_bytes, batch, bytes_per_element) -> int, exactly the package's answer."""
-    cases = []
-    for name, cfg in CONFIGS.items():
-        for budget, batch, bpe in ((16 * 2**30, 1, 2), (10**9, 8, 4), (10**7 + 1, 3, 2)):
-            expected = budget // (batch * cfg.kv_bytes_per_token(bpe))
-            cases.append((f"{name}, budget {budget:,} B, batch {batch}, {bpe} bytes", (cfg, budget, batch, bpe),
-                          expected))
+def _diagnose(cls) -> None:
+    """Run the three probe steps and name the first mistake they show; silent when none."""
+    cache = cls(**PROBE)
+    first = _step(cache, [0, 1, 2, 3], "prefill at positions 0..3")
+    keys, key_pos = first[0][0], first[-1]
+    slots = torch.arange(PROBE["max_len"])
+    if torch.equal(key_pos, slots + 1) or torch.equal(key_pos, slots - 1):
+        raise ExerciseFailed("KV cache: positions off by one. prepare says slot s holds position "
+                             f"{'s + 1' if torch.equal(key_pos, slots + 1) else 's - 1'}; in a contiguous cache slot s "
+                             "holds position s")
+    for p in range(4):  # the slot said to hold p must hold the key written at p, in layer 0
+        got, want = _held(keys, key_pos, p), LAYER_CODE * 0 + p + 1
+        if got != want:
+            if got in (want - 1, want + 1) or (got == 0.0 and p in (0, 3)):
+                what = "no key" if got == 0.0 else f"the key of position {int(got) - 1}"
+                raise ExerciseFailed(
+                    "KV cache: positions off by one. After a prefill at positions 0..3, the slot that prepare says "
+                    f"holds position {p} holds {what}. Write token t at slot input_pos[t], without a shift")
+            raise ExerciseFailed(f"KV cache: after a prefill at positions 0..3 the slot that prepare says holds "
+                                 f"position {p} holds {got}, not the key written there ({want}): write k at "
+                                 "input_pos in the layer's own storage, and let prepare say slot s holds position s")
+    second = _step(cache, [4], "decode step at position 4")
+    keys, key_pos = second[0][0], second[-1]
+    last = LAYER_CODE * (PROBE["n_layers"] - 1)
+    if _held(keys, key_pos, 0) == last + 1:
+        raise ExerciseFailed(
+            "KV cache: a missing layer index. At the decode step, layer 0 reads the keys of the last layer "
+            f"(layer {PROBE['n_layers'] - 1}) at the prompt's positions: every layer writes one buffer. "
+            "Write into self.k[layer] and self.v[layer], and return that layer's storage")
+    for p in range(5):
+        if _held(keys, key_pos, p) != p + 1 or _held(second[0][1], key_pos, p) != -(p + 1):
+            raise ExerciseFailed(f"KV cache: at the decode step, layer 0's slot for position {p} holds "
+                                 f"{_held(keys, key_pos, p)}, not the key written there ({p + 1}); values must hold "
+                                 "the negatives (the probe writes v = -k)")
+    # Rewind: a step at an earlier position, as after a rejected guess (chapter 15) or a new prompt.
+    third = _step(cache, [2], "step back at position 2", rewrite=2.0)
+    keys, key_pos = third[0][0], third[-1]
+    if _held(keys, key_pos, 2) != 2.0 * 3:
+        moved = (keys[0, 0, :, 0] == 2.0 * 3).nonzero()
+        where = f"slot {int(moved[0])}" if len(moved) else "no slot"
+        raise ExerciseFailed(
+            "KV cache: writing in storage order instead of at input_pos. After positions 0..4, a step at position 2 "
+            f"(a rewind, as speculative decoding does after a rejected guess, or a cache reused for a new prompt) "
+            f"put its key in {where}, and the slot for position 2 still holds the old one. Write at input_pos, "
+            "not after the last slot written")
 
-    def hints(args, got):
-        cfg, budget, batch, bpe = args
-        exact = budget / (batch * cfg.kv_bytes_per_token(bpe))
-        if isinstance(got, float) and got != int(got):
-            return "a cache holds whole tokens: round down"
-        if got == int(exact) + 1:
-            return "round down, not up: the last partial token does not fit"
-        if got == budget // cfg.kv_bytes_per_token(bpe):
-            return "the batch shares the budget: divide by batch too"
-        return ""
 
-    got = answers(fn, cases)
-    return compare("max_cached_tokens", cases, lambda *args: next(got), hints)
+# ---------------------------------------------------------------- greedy generation with a cache
+def greedy_tokens(model: Model, prompts: list[Tensor], n: int, cache) -> list[Tensor]:
+    """Each prompt [1, T] then n greedy tokens, every prompt in the same cache from position 0."""
+    config = GenerationConfig(max_new_tokens=n)
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            T, tokens = ids.shape[1], [ids]
+            logits = prefill(model, ids, cache)  # [1, V]
+            for i in range(n):
+                token = sample(logits, config)  # [1]
+                tokens.append(token[:, None])
+                if i < n - 1:
+                    logits = decode_step(model, token[:, None], torch.tensor([T + i]), cache)
+            out.append(torch.cat(tokens, dim=1))
+    return out
+
+
+def _build(cls, model: Model, max_len: int):
+    c = model.config
+    return cls(c.n_layers, 1, c.n_kv_heads, max_len, c.head_dim, model.dtype, model.device)
+
+
+def check_kv_cache(cls, model: Model, input_ids: Tensor, n: int = 8) -> bool:
+    """cls(n_layers, batch, n_kv_heads, max_len, head_dim, dtype, device), a cache with prepare and update:
+    the probe names the usual mistakes, then greedy generation must give KVCache's tokens exactly."""
+    if not isinstance(cls, type):
+        raise ExerciseFailed(f"check_kv_cache takes your class, not {type(cls).__name__}")
+    prompts = [input_ids, input_ids[:, : max(1, input_ids.shape[1] // 2)].flip(1)]  # the second: shorter, new
+    max_len = max(p.shape[1] for p in prompts) + n
+    want = greedy_tokens(model, prompts, n, KVCache.for_model(model, 1, max_len))
+    own = [KVCache.update, KVCache.prepare] + ([] if cls is SolutionKVCache else
+                                               [SolutionKVCache.update, SolutionKVCache.prepare])
+    with forbidding(*own):
+        try:
+            _diagnose(cls)
+            got = greedy_tokens(model, prompts, n, _build(cls, model, max_len))
+        except (ExerciseFailed, NotImplementedError):
+            raise
+        except Exception as error:  # the answer's own crash, said in the checker's words
+            raise ExerciseFailed(f"KV cache: your class raised {type(error).__name__}: {error}") from error
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not torch.equal(g, w):
+            k = int((g[0] != w[0]).nonzero()[0]) - prompts[i].shape[1]
+            raise ExerciseFailed(f"KV cache: prompt {i}'s new token {k} is {int(g[0, prompts[i].shape[1] + k])}, "
+                                 f"KVCache gives {int(w[0, prompts[i].shape[1] + k])}" +
+                                 (" (the second prompt reuses the cache from position 0)" if i else ""))
+    print(f"✓ KV cache: the probe passes, and greedy generation of {len(prompts)} prompts in one cache gives "
+          f"KVCache's {n} tokens each")
+    return True
