@@ -24,7 +24,7 @@ and the step that runs the model only read the block tables and write into the b
      frees, the sliding pool's blocks), and samples each row with its own settings and generator;
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
-     space left, a prompt spread over as many steps as it takes (chapter 16); the chunks then run
+     space left, a prompt spread over as many steps as it takes (chapter 10); the chunks then run
      in as many forwards as keep each forward's padded rows within the budget (`forward_groups`), so the
      budget bounds a step's activations too (measure/plan.py: engine_bytes);
   4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
