@@ -156,3 +156,11 @@ def test_every_committed_figure_is_drawn_by_a_chapter():
 def test_every_figure_a_chapter_draws_is_committed():
     missing = sorted(n for n in saved_names() if not (ROOT / "figures" / f"{n}.png").is_file())
     assert not missing, f"chapters draw figures that figures/ lacks (run make figures and commit them): {missing}"
+
+
+def test_an_exact_figures_floats_agree_within_one_percent_and_not_beyond():
+    """17.04 and 17.06 keep 3 digits as 17.0 and 17.1 (another CPU's sums round the other way): the same
+    figure. 17 against 19 is another figure."""
+    assert compare(prints(exact=True, line=(1.0, 17.04)), prints(exact=True, line=(1.0, 17.06))) == ""
+    assert compare(prints(exact=True, line=(1.0, 17.0)), prints(exact=True, line=(1.0, 19.0))) == \
+        "values.axes[0].lines[0].y[1]: 17.0 -> 19.0"

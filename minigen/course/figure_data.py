@@ -33,6 +33,9 @@ import numpy as np
 from ..errors import MinigenError
 
 NUMBER = re.compile(r"[-+−]?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?")
+# Two floats of an exact figure agree within 1%: another CPU's kernels add in another order, and a
+# value near a rounding boundary of the 3 digits kept may round the other way (counts stay exact).
+REL_TOL = 0.01
 LONG = 64  # arrays longer than this are kept as (length, digest), so a sidecar stays a few kB
 
 
@@ -167,6 +170,8 @@ def first_difference(old: Any, new: Any, where: str = "") -> str:
             if found := first_difference(a, b, f"{where}[{i}]"):
                 return found
         return "" if len(old) == len(new) else f"{where}: {len(old)} items -> {len(new)}"
+    if isinstance(old, float) and isinstance(new, float):  # fp32 sums in another order, on another CPU's kernels
+        return "" if math.isclose(old, new, rel_tol=REL_TOL, abs_tol=1e-9) else f"{where}: {old!r} -> {new!r}"
     return "" if old == new else f"{where}: {old!r} -> {new!r}"
 
 
