@@ -411,13 +411,13 @@ def test_ch15_accept_checker_takes_the_solution_and_refuses_wrong_rules():
     assert speculative.accept_sampled is accept_sampled and sys.getprofile() is None  # the checker put them back
 
 
-# ---------------------------------------------------------------- chapter 16
-def test_ch16_visible_tiles_checker_takes_the_solution_and_names_the_usual_mistakes():
+# ---------------------------------------------------------------- chapter 9: FlashAttention's key tiles
+def test_ch09_visible_tiles_checker_takes_the_solution_and_names_the_usual_mistakes():
     import math
-    from minigen.course.exercises import ch16
-    assert ch16.check_visible_tiles(ch16.solution_visible_tiles)
+    from minigen.course.exercises import ch09
+    assert ch09.check_visible_tiles(ch09.solution_visible_tiles)
     # the rule pair by pair and the Triton kernel's own count agree (what the checker holds answers to)
-    assert ch16.kernel_visits(5, 16, 20, 4) == [len(ch16.expected_tiles(16 * i, 16 * i + 15, 16, 20, 4))
+    assert ch09.kernel_visits(5, 16, 20, 4) == [len(ch09.expected_tiles(16 * i, 16 * i + 15, 16, 20, 4))
                                                 for i in range(5)]
 
     def no_skipping(first, last, bn, window, sinks):  # every tile up to the diagonal, window or not
@@ -440,9 +440,9 @@ def test_ch16_visible_tiles_checker_takes_the_solution_and_names_the_usual_mista
                         (forgets_sinks, "sinks stay visible"), (past_the_diagonal, "causality"),
                         (lambda *args: None, "returned None")):
         with pytest.raises(ExerciseFailed, match=hint):
-            ch16.check_visible_tiles(wrong)
+            ch09.check_visible_tiles(wrong)
     with pytest.raises(ExerciseFailed, match="calls minigen's own solution_visible_tiles"):
-        ch16.check_visible_tiles(lambda *args: ch16.solution_visible_tiles(*args))
+        ch09.check_visible_tiles(lambda *args: ch09.solution_visible_tiles(*args))
 
 
 # ---------------------------------------------------------------- the rule every checker follows
@@ -640,16 +640,16 @@ def test_ch15_accept_checker_refuses_minigens_rule_and_the_worked_solution_by_an
     assert len(solution(logits, [3], q, config, torch.Generator().manual_seed(0))) in (1, 2)
 
 
-def test_ch16_visible_tiles_checker_refuses_the_rule_pair_by_pair_and_the_worked_solution():
-    from minigen.course.exercises import ch16
-    alias = ch16.solution_visible_tiles
-    for calls, name in ((ch16.expected_tiles, "expected_tiles"), (lambda *args: ch16.expected_tiles(*args), "expected_tiles"),
+def test_ch09_visible_tiles_checker_refuses_the_rule_pair_by_pair_and_the_worked_solution():
+    from minigen.course.exercises import ch09
+    alias = ch09.solution_visible_tiles
+    for calls, name in ((ch09.expected_tiles, "expected_tiles"), (lambda *args: ch09.expected_tiles(*args), "expected_tiles"),
                         (lambda *args: alias(*args), "solution_visible_tiles"),
-                        (lambda *args: list(ch16.solution_visible_tiles(*args)), "solution_visible_tiles")):
+                        (lambda *args: list(ch09.solution_visible_tiles(*args)), "solution_visible_tiles")):
         with pytest.raises(ExerciseFailed, match=f"calls minigen's own {name}"):
-            ch16.check_visible_tiles(calls)
+            ch09.check_visible_tiles(calls)
     # restored afterwards: both still give the tiles
-    assert ch16.expected_tiles(96, 111, 16, 20, 4) == alias(96, 111, 16, 20, 4) == [0, 4, 5, 6]
+    assert ch09.expected_tiles(96, 111, 16, 20, 4) == alias(96, 111, 16, 20, 4) == [0, 4, 5, 6]
 # ================================================================ issue 26, chapters 07 and 08
 # ---------------------------------------------------------------- chapter 7: bf16 rounding from integer operations
 def _top_bits(x, bias):

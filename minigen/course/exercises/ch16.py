@@ -1,134 +1,115 @@
-"""Chapter 16 exercise: which key tiles a tile of a prompt's queries must load (FlashAttention's
-causal tile skipping, with a window and sinks).
+"""Chapter 16 exercise: a prompt's activations as int8 codes, one scale a row (W8A8's x side).
 
-`visible_tiles(first, last, block_n, window_size, sink_tokens) -> list[int]`: a tile of queries at
-the consecutive positions first..last (all real, first <= last) attends to keys at positions 0, 1,
-2, ... cut into tiles of `block_n` (tile j holds positions j * block_n .. j * block_n + block_n - 1).
-A query at position t sees key position p when p <= t and, with a window (window_size not None),
-p < sink_tokens or t - p < window_size (attention.in_window). Return, in increasing order, the
-indices of the tiles that hold a key some query of the tile sees: the tiles a FlashAttention
-kernel must load. Every other tile can be skipped without changing a single output.
+`quantize_rows(x, keep) -> (codes, scales)`: x [T, k] fp32, the rows of a prompt about to meet an int8
+weight; keep [k] fp32 (1 in the channels that become int8 codes, 0 in the weight's outlier columns,
+which a second fp32 product handles) or None (every channel). Multiply each row by keep, then give
+it its own scale a = max |x| / 127 over the row, and codes round(x / a) in [-127, 127], int8. A row
+of zeros gets scale 1 and codes 0 (no division by zero). Return codes [T, k] torch.int8 and scales
+[T, 1] fp32: what `numerics/w8a8.py`'s `quantize_rows` returns, which the prompt's int8 products use.
 
-The checker compares your tiles with minigen's own rule (attention.in_window, applied to every
-(query, key) pair of the case) on cases with and without a window, and with minigen's Triton
-prompt kernel (kernels/triton_prefill.py), which counts the tiles it loads, run in Triton's
-interpreter. It fails when your function calls this module's worked solution or `expected_tiles`
-(the rule pair by pair, which is the answer too), by any name (`forbidding` swaps their code while
-your function runs).
+The checker compares your codes (exactly) and scales with w8a8.quantize_rows on cases with an outlier
+channel, a row of zeros and rows of very different sizes, names the usual mistakes (one scale for the
+whole prompt, the outlier columns left in, truncating instead of rounding, the scale not divided by
+127), and fails an answer that calls w8a8.quantize_rows or the worked solution, by any name
+(`forbidding` swaps their code while your function runs).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
+from torch import Tensor
 
-from ...attention import in_window
+from ...numerics import w8a8
+from ...numerics.w8a8 import QMAX
 from . import ExerciseFailed, forbidding
-
-# (label, (first, last, block_n, window_size, sink_tokens))
-CASES = [
-    ("a prompt's first tile of queries, no window", (0, 15, 16, None, 0)),
-    ("a later tile: every earlier tile and its own", (48, 63, 16, None, 0)),
-    ("a tile that ends inside a key tile", (40, 50, 16, None, 4)),
-    ("a window of 20: the far tiles are skipped", (96, 111, 16, 20, 0)),
-    ("a window of 20 with 4 sinks", (96, 111, 16, 20, 4)),
-    ("a window wider than the context", (16, 31, 16, 1000, 4)),
-    ("sinks that span two tiles", (200, 215, 16, 8, 20)),
-    ("one query, a window of 1 (only itself) and 1 sink", (77, 77, 16, 1, 1)),
-    ("keys in tiles of 32", (130, 161, 32, 50, 4)),
-]
-KERNEL_CASES = [(3, 16, None, 0), (5, 16, 20, 4)]  # (query tiles of 16, block_n, window, sinks) run in Triton
 
 
 # ---------------------------------------------------------------- worked solution
-def solution_visible_tiles(first: int, last: int, block_n: int, window_size: int | None,
-                           sink_tokens: int) -> list[int]:
-    """Causality ends the range at the last query's tile; the first query's window starts it (a
-    later query's window starts later); the sinks add the tiles at the start that hold them."""
-    end_tile = last // block_n + 1  # keys after `last` are seen by no query of the tile
-    if window_size is None:
-        return list(range(end_tile))
-    far_tile = max(first - window_size + 1, 0) // block_n  # the oldest key the first query still sees
-    sink_tiles = math.ceil(min(sink_tokens, last + 1) / block_n)  # tiles holding a sink some query sees
-    return sorted(set(range(sink_tiles)) | set(range(far_tile, end_tile)))
+def solution_quantize_rows(x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Each row alone: its largest |x| (outlier columns zeroed first) becomes code 127."""
+    if keep is not None:
+        x = x * keep  # the outlier columns go to the fp32 product, not into the row's range
+    scale = x.abs().amax(dim=-1, keepdim=True) / QMAX  # [T, 1]: one scale a row, never one for the prompt
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a row of zeros: codes 0, scale 1
+    return torch.round(x / scale).to(torch.int8), scale
 
 
-# ---------------------------------------------------------------- minigen's rule, pair by pair
-def expected_tiles(first: int, last: int, block_n: int, window_size: int | None, sink_tokens: int) -> list[int]:
-    """The tiles holding a key that attention.in_window (with causality) lets some query see."""
-    keys = torch.arange(last + 1)
-    queries = torch.arange(first, last + 1)
-    seen = keys[None, :] <= queries[:, None]  # [queries, keys]
-    if window_size is not None:
-        seen &= in_window(keys[None, :], queries[:, None], window_size, sink_tokens)
-    return sorted({int(p) // block_n for p in keys[seen.any(dim=0)]})
+# ---------------------------------------------------------------- the usual mistakes, for the hints
+def _one_scale(x: Tensor, keep: Tensor | None) -> Tensor:
+    x = x * keep if keep is not None else x
+    a = x.abs().amax() / QMAX
+    return torch.round(x / (a if a > 0 else 1)).to(torch.int8)
 
 
-def kernel_visits(tiles: int, block_n: int, window_size: int | None, sink_tokens: int) -> list[int]:
-    """The key tiles minigen's Triton prompt kernel loads for each of `tiles` query tiles of 16
-    queries (a prompt of 16 * tiles tokens from position 0, one head, fp32 blocks of block_n slots)."""
-    from ...caches.contract import BlockView
-    from ...kernels import triton_prefill
-    T, Dh = 16 * tiles, 16
-    n_blocks = math.ceil(T / block_n)
-    g = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(n_blocks, block_n, 1, Dh, generator=g) for _ in range(2))
-    view = BlockView(k=k, v=v, block_table=torch.arange(n_blocks)[None], seq_lens=torch.tensor([T]),
-                     recent_start=torch.tensor([T]), recent_k=None, recent_v=None, block_size=block_n)
-    q = torch.randn(1, 1, T, Dh, generator=g)
-    visits = torch.zeros(1, 1, tiles, dtype=torch.int32)
-    triton_prefill.prefill_attention(q, view, torch.arange(T), window_size, sink_tokens, block_m=16,
-                                     block_n=block_n, visits=visits)
-    return visits[0, 0].tolist()
+def _truncated(x: Tensor, keep: Tensor | None) -> Tensor:
+    x = x * keep if keep is not None else x
+    a = x.abs().amax(-1, keepdim=True) / QMAX
+    return (x / torch.where(a > 0, a, torch.ones_like(a))).to(torch.int8)  # .to(int8) truncates toward 0
 
 
-# ---------------------------------------------------------------- the checker
-def _guarded(fn: Callable, args: tuple) -> object:
-    """fn(*args) with the functions that are the answer made to raise: the worked solution (unless it
-    is the answer itself: the chapter checks it so that nbval passes) and expected_tiles."""
-    answers = [expected_tiles] + ([] if fn is solution_visible_tiles else [solution_visible_tiles])
+# ---------------------------------------------------------------- the cases
+def _cases() -> list[tuple[str, Tensor, Tensor | None]]:
+    g = torch.Generator().manual_seed(16)
+    k = 64
+    plain = torch.randn(4, k, generator=g)
+    spiky = torch.randn(3, k, generator=g)
+    spiky[:, 5] *= 100  # one channel hundreds of times the rest, as a transformer's activations have
+    keep = torch.ones(k)
+    keep[5] = 0  # the weight keeps channel 5 in fp32
+    sizes = torch.randn(3, k, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]])  # rows of different sizes
+    zero_row = torch.randn(3, k, generator=g)
+    zero_row[1] = 0
+    return [("four rows, every channel int8", plain, None),
+            ("an outlier channel that the weight keeps in fp32 (keep[5] = 0)", spiky, keep),
+            ("the same rows with every channel int8 (keep=None)", spiky, None),
+            ("rows a thousand times apart in size", sizes, None),
+            ("a row of zeros", zero_row, None)]
+
+
+def _hint(x: Tensor, keep: Tensor | None, got: Tensor) -> str:
+    if torch.equal(got, _one_scale(x, keep)):
+        return "one scale a row, from that row's largest |x|: a prompt's rows must not change each other's codes"
+    if keep is not None and torch.equal(got, w8a8.quantize_rows(x, None)[0]):
+        return "multiply the row by keep first: an outlier column left in takes the row's whole range"
+    if torch.equal(got, _truncated(x, keep)):
+        return "round to the nearest code (torch.round); .to(torch.int8) truncates toward zero"
+    if got.abs().max() <= 1:
+        return "the scale is max |x| / 127, so that the largest value of the row becomes code 127"
+    return "each row: zero the outlier columns, a = max |x| / 127 (1 for a row of zeros), codes round(x / a)"
+
+
+def _answer(fn: Callable, x: Tensor, keep: Tensor | None) -> tuple:
+    """fn's answer with the functions that are the answer made to raise (the worked solution is let
+    through when it is the answer itself: the chapter checks it so that nbval passes)."""
+    answers = [w8a8.quantize_rows] + ([] if fn is solution_quantize_rows else [solution_quantize_rows])
     with forbidding(*answers):
-        return fn(*args)
+        got = fn(x.clone(), None if keep is None else keep.clone())
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise ExerciseFailed("quantize_rows: return a pair (codes [T, k] int8, scales [T, 1] fp32), not "
+                             f"{type(got).__name__}")
+    return tuple(torch.as_tensor(t) for t in got)
 
 
-def _hint(args: tuple, got: list[int], want: list[int]) -> str:
-    first, last, block_n, window, sinks = args
-    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-    if extra and min(extra) > last // block_n:
-        return "a tile after the last query's position holds only keys no query sees (causality)"
-    if missing and window is not None and sinks and max(missing) * block_n < sinks:
-        return "the sinks stay visible to every query: their tiles are loaded too"
-    if missing and window is not None:
-        return ("the range starts at the first query's window, the oldest key any query of the tile "
-                "sees (t - p < window_size: the query and the window_size - 1 keys before it)")
-    if extra and window is not None:
-        return "a tile wholly outside every query's window, holding no sink, is skipped"
-    return "list every tile that holds a key some query sees, in increasing order"
-
-
-def check_visible_tiles(fn: Callable) -> bool:
-    """fn(first, last, block_n, window_size, sink_tokens) -> the sorted tile indices to load."""
-    for label, args in CASES:
-        got = _guarded(fn, args)
-        if got is None:
-            raise ExerciseFailed("visible_tiles returned None: return a list of tile indices")
-        try:
-            got = [int(j) for j in got]
-        except (TypeError, ValueError):
-            raise ExerciseFailed(f"visible_tiles returned {type(got).__name__}: return a list of ints") from None
-        want = expected_tiles(*args)
-        if got != want:
-            raise ExerciseFailed(f"visible_tiles: for {label} {args} the tiles to load are {want}, you gave {got}. "
-                                 f"Hint: {_hint(args, got, want)}")
-    for tiles, block_n, window, sinks in KERNEL_CASES:  # minigen's kernel loads exactly these tiles
-        counts = kernel_visits(tiles, block_n, window, sinks)
-        mine = [len(_guarded(fn, (16 * i, 16 * i + 15, block_n, window, sinks))) for i in range(tiles)]
-        if mine != counts:
-            raise ExerciseFailed(f"visible_tiles: minigen's Triton kernel loads {counts} key tiles for the query "
-                                 f"tiles of a {16 * tiles}-token prompt (block_n={block_n}, window={window}, "
-                                 f"sinks={sinks}); your tiles count {mine}")
-    print(f"✓ visible_tiles: all {len(CASES)} cases agree with attention.in_window, and "
-          f"{len(KERNEL_CASES)} prompts with the Triton kernel's own count")
+def check_quantize_rows(fn: Callable) -> bool:
+    """fn(x [T, k] fp32, keep [k] or None) -> (codes [T, k] int8, scales [T, 1] fp32), as w8a8.quantize_rows."""
+    cases = [(label, x, keep, *w8a8.quantize_rows(x, keep)) for label, x, keep in _cases()]  # before forbidding
+    for label, x, keep, want_codes, want_scales in cases:
+        codes, scales = _answer(fn, x, keep)
+        if codes.dtype != torch.int8:
+            raise ExerciseFailed(f"quantize_rows: for {label} the codes are {codes.dtype}, not torch.int8")
+        if codes.shape != want_codes.shape or scales.reshape(-1).shape != want_scales.reshape(-1).shape:
+            raise ExerciseFailed(f"quantize_rows: for {label} expected codes {tuple(want_codes.shape)} and "
+                                 f"scales {tuple(want_scales.shape)}, got {tuple(codes.shape)} and {tuple(scales.shape)}")
+        if not torch.isfinite(scales.float()).all() or not torch.equal(codes, want_codes):
+            row, col = (codes != want_codes).nonzero()[0].tolist() if not torch.equal(codes, want_codes) else (0, 0)
+            raise ExerciseFailed(f"quantize_rows: for {label}, row {row} channel {col}: code "
+                                 f"{int(codes[row, col])}, expected {int(want_codes[row, col])} (scales "
+                                 f"{[round(float(s), 6) for s in scales.reshape(-1)]}). Hint: {_hint(x, keep, codes)}")
+        if not torch.allclose(scales.float().reshape(-1), want_scales.reshape(-1), rtol=1e-6, atol=0):
+            raise ExerciseFailed(f"quantize_rows: for {label} the codes are right but the scales are "
+                                 f"{scales.reshape(-1).tolist()}, expected {want_scales.reshape(-1).tolist()} "
+                                 "(max |x| / 127 a row, 1 for a row of zeros)")
+    print(f"✓ quantize_rows: all {len(cases)} cases give w8a8.quantize_rows's codes and scales")
     return True
