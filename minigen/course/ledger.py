@@ -2,6 +2,7 @@
 one data file (claims.toml), checked when it is read.
 
     load_claims() ─> [Claim, ...] ─> format_ledger (a table) | to_dict (python -m minigen ledger --json)
+                                  ─> verdict_counts (what chapter 13's figures/13_ledger.png draws)
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def to_dict(claims: list[Claim]) -> list[dict]:
     return [c.to_dict() for c in claims]
 
 
+def verdict_counts(claims: list[Claim]) -> dict[str, int]:
+    """How many claims hold each verdict, in VERDICTS order (every verdict present, zero or not): the
+    data behind the ledger's bar in chapter 13, so a test can compare the figure's data, not its pixels."""
+    return {v: sum(c.verdict == v for c in claims) for v in VERDICTS}
+
+
 def format_ledger(claims: list[Claim]) -> str:
     """A plain-text table, one claim per block, then the count of each verdict."""
     lines = []
@@ -92,6 +99,6 @@ def format_ledger(claims: list[Claim]) -> str:
                   f"     article: {c.article_value}",
                   f"     measured: {c.measured or '-'}" + (f" [{c.machine}]" if c.machine else ""),
                   f"     where: {where}", ""]
-    counts = {v: sum(c.verdict == v for c in claims) for v in VERDICTS}
+    counts = verdict_counts(claims)
     lines.append(f"{len(claims)} claims: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
     return "\n".join(lines)

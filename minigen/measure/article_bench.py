@@ -45,8 +45,9 @@ NOTES = {
     "quant_bits": "applied: 4-bit keys (per channel) and values (per token), groups of 32 with a scale and zero each "
                   "(the article's 32 per scale; chapter 4), the newest 32 tokens in full precision",
     "window_size": "applied, with a difference flagged: minigen keeps 4 sink tokens (sink_tokens=4; the article's "
-                   "snippet has none, and chapter 5 measured 14.9x perplexity without them); with quant_bits the "
-                   "window is a mask only, the quantized cache keeps every token (config.py's APPLIED table)",
+                   "snippet has none, and chapter 5 measures what a window costs without them); with "
+                   "cache_chunk_size, blocks wholly outside the window and the sinks go back to the pool "
+                   "(minigen/combinations.py's APPLIED table; section 3 prints the block table)",
     "sparsity_threshold": "applied: keep keys whose |q.k|/sqrt(d) >= 0.1 x the head's largest (sparse_score='abs', "
                           "the article's rule; chapter 6 found it keeps ~88% of keys)",
     "prefetch_depth": "applied, flagged: the cache lives in a second tier and 2 layers are fetched ahead; on a CPU "
@@ -185,7 +186,7 @@ class Candidate:
     original_tok_s: float  # per sequence, at `efficiency` of the bandwidth (and under the compute roof)
     optimized_tok_s: float
     original_memory: float  # weights + fp16 KV of every row
-    optimized_memory: float  # weights + 4-bit KV; the window frees tokens (a ring buffer) when `window_frees`
+    optimized_memory: float  # weights + 4-bit KV of the positions held: all, or what the window keeps (`a100_table`)
     fits: bool  # the original fits the device's memory
 
 
@@ -201,12 +202,28 @@ def step_bytes(cfg: ModelConfig, batch: int, tokens_read: float, kv_ratio: float
     return streamed_params(cfg) * 2 + batch * tokens_read * cfg.kv_bytes_per_token(2) * kv_ratio
 
 
+def window_blocks(position: int, window: int = 128, sinks: int = SINK_TOKENS, block: int = 256) -> list[int]:
+    """The logical blocks a paged row holds while its query is at `position`: those holding a sink or a
+    position of the window (the query's own included); minigen's paged cache gives the others back."""
+    seen = {p // block for p in range(min(sinks, position + 1))}
+    return sorted(seen | {p // block for p in range(max(0, position - window + 1), position + 1)})
+
+
+def paged_window_slots(context: int, window: int = 128, sinks: int = SINK_TOKENS, block: int = 256) -> int:
+    """The most slots a paged row holds while decoding up to `context` positions under a window: whole
+    blocks, so up to a block for the sinks and two for a window that straddles a boundary."""
+    return max(len(window_blocks(p, window, sinks, block)) for p in range(context)) * block
+
+
 def a100_table(shapes: dict[str, ModelConfig] | None = None, batches=(1, 4, 16, 24, 64), context: int = 2048,
-               efficiency: float = 0.8, window: int = 128, window_frees: bool = True,
+               efficiency: float = 0.8, window: int = 128, window_frees: bool = True, block: int | None = None,
                ceiling: Ceiling = A100_80GB) -> list[Candidate]:
     """Per-sequence decode tok/s of each model and batch on `ceiling` for the original (fp16 cache,
     `context` tokens) and the article's settings (4-bit KV, `window` + 4 sinks read), at `efficiency` of
-    the bandwidth (0.8: what the reported rows imply, `implied`), never above the compute roof."""
+    the bandwidth (0.8: what the reported rows imply, `implied`), never above the compute roof.
+    Memory holds the 4-bit KV of: every position when not `window_frees` (a window that only masks, as
+    minigen's contiguous quantized cache); the window and sinks alone (a ring that frees per token); or,
+    with `block`, the whole blocks a paged cache keeps (`paged_window_slots`: it frees per block)."""
     out = []
     for name, cfg in (shapes or A100_SHAPES).items():
         for b in batches:
@@ -214,7 +231,8 @@ def a100_table(shapes: dict[str, ModelConfig] | None = None, batches=(1, 4, 16, 
             kept = min(context, window + SINK_TOKENS)
             rates = [1 / max(step_bytes(cfg, b, n, r) / (efficiency * ceiling.bandwidth), flops / ceiling.peak_flops)
                      for n, r in ((context, 1.0), (kept, KV_4BIT_RATIO))]
-            held = kept if window_frees else context
+            held = context if not window_frees else kept if block is None else min(
+                context, paged_window_slots(context, window, SINK_TOKENS, block))
             out.append(Candidate(name, b, context, streamed_params(cfg) * 2, rates[0], rates[1],
                                  step_bytes(cfg, b, context), step_bytes(cfg, b, held, KV_4BIT_RATIO),
                                  step_bytes(cfg, b, context) <= ceiling.memory_bytes))

@@ -251,7 +251,7 @@ def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype
     window setting, each with the prompt whole, or else in the largest of PREFILL_CHUNKS whose KV
     and activations fit in `room` bytes (the smallest chunk when none does; None: always whole).
 
-    A quantized cache keeps every token (the window is only a mask: config.py's APPLIED table), so
+    A quantized cache keeps every token (the window is only a mask: minigen/combinations.py's APPLIED table), so
     quantization is not paired with a window; a window no shorter than the context changes nothing,
     and one larger than the model's own sliding window is refused (combinations.py), so not offered.
     A chunked prompt gives the same tokens (chapter 16), so chunking costs no quality, only some
