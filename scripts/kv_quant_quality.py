@@ -61,6 +61,8 @@ def add_losses(model, ids, base, run: dict, settings: list[str]) -> dict:
     rows `settings` names ("4:channel:32"), with their own perplexities, date and machine (another CPU
     rounds fp32 sums in another order, and a 4-bit cache's roundings then flip: the recorded rows stay
     what they were, and the chapter says which machine each number comes from)."""
+    if run["tokens"] != len(ids):
+        raise SystemExit(f"the recorded run scored {run['tokens']} tokens, this one {len(ids)}: pass --tokens {run['tokens']}")
     recorded = {(r["bits"], r["key_axis"], r["window"]) for r in run["rows"]}
     rows = []
     for setting in settings:
