@@ -100,7 +100,7 @@ def cmd_generate(args) -> None:
     def write(text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
-    if model is None:  # tensor parallel (chapter 17): the ranks generate, then this process prints
+    if model is None:  # tensor parallel (chapter 16): the ranks generate, then this process prints
         out = generate_over_ranks(args.model, ids, config, args.tp, dtype=args.dtype, weight_bits=args.weight_bits)
         if args.explain:
             print(out.ranks[0]["plan"], file=sys.stderr)
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, help="seed of the sampler")
     g.add_argument("--weight-bits", type=int, choices=[8, 4], help="quantize the weights to int8 or int4")
     g.add_argument("--tp", type=positive_int, default=1, metavar="N", help="tensor parallel: split the model over N ranks, "
-                   "each its own process (gloo on 127.0.0.1; chapter 17); the text prints once they finish")
+                   "each its own process (gloo on 127.0.0.1; chapter 16); the text prints once they finish")
     g.add_argument("--explain", action="store_true", help="print the plan first: which step, prompt format, "
                    "attention and cache run here, and why")
     g.add_argument("--draft", help="the draft of --set speculative_method=draft, made from the model: "

@@ -9,7 +9,7 @@ hitters evict per row, ragged batches); query positions are [T], or [B, T] in a 
 each row has its own (-1: padding). Masks are [T, S] when both are shared, else [B, 1, T, S],
 broadcast over the heads.
 
-Chapters 5 and 6 add policies on top of causality, all still built from positions and scores:
+Chapters 7 and 8 add policies on top of causality, all still built from positions and scores:
 a window with sinks (`in_window`, `window_mask`), dynamic sparse selection (`sparse_keep`), and
 observers that see the attention probabilities (entropy, heavy hitters). `AttentionPolicy` carries
 them through `Model.forward(..., policy=...)`; with policy=None nothing changes.
@@ -49,7 +49,7 @@ class Causal:
     position t) sees slots 0..t. `attend` hands it to SDPA as `is_causal` over the first T slots,
     so no [T, S] mask is built and torch's CPU flash kernel skips the tiles above the diagonal:
     an 8,192-token prompt's attention needs ~20 MB instead of ~600 MB, in a third of the time
-    (measured on chapter 16's Xeon). `Model.forward` uses it where `prefix_causal` holds."""
+    (measured on chapter 3's Xeon). `Model.forward` uses it where `prefix_causal` holds."""
 
     def __init__(self, T: int):
         self.T = T
@@ -85,14 +85,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softma
     q [B, H, T, Dh], k and v [B, Hkv, S, Dh], mask [T, S] or [B, 1, T, S], bool (True: attend) or
     float (added to the scores: 0 or -inf) -> [B, H, T, Dh]. SDPA keeps its scores and
     probabilities in fp32 whatever q's dtype; fp32_softmax=False with 16-bit q instead runs each
-    step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 7 measures).
+    step in q's dtype, rounding scores and probabilities to 16 bits (what chapter 9 measures).
     mask may also be `Causal(T)`: the first T slots, lower triangle, without building the mask; or
     narrower than k (Model.forward trims the slots no query sees): the first mask.shape[-1] slots.
-    bf16=True (a prompt under prefill_precision="bfloat16": PromptFormat.attention_dtype, chapter 16)
+    bf16=True (a prompt under prefill_precision="bfloat16": PromptFormat.attention_dtype, chapter 3)
     gives SDPA fp32 q, k and v in bf16, its scores and softmax still fp32, and the result back in fp32:
     on the Xeon a 512-token layer (9 heads, 3 of keys) took 2.3-2.8 ms in place of 5.7-6.4 at 2 threads.
     """
-    if bf16 and fp32_softmax and q.dtype == torch.float32:  # a bf16 prompt (chapter 16)
+    if bf16 and fp32_softmax and q.dtype == torch.float32:  # a bf16 prompt (chapter 3)
         mask = mask if isinstance(mask, Causal) or mask.dtype == torch.bool else mask.to(torch.bfloat16)
         return attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, fp32_softmax=True).float()
     if isinstance(mask, Causal):
@@ -112,7 +112,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: "Tensor | Causal", fp32_softma
     return rearrange(grouped @ v[:, :, None], "b hkv g t d -> b (hkv g) t d")
 
 
-# ---------------------------------------------------------------- window and sinks (chapter 5)
+# ---------------------------------------------------------------- window and sinks (chapter 7)
 def in_window(key_pos: Tensor, query_pos: Tensor, window_size: int, sink_tokens: int) -> Tensor:
     """True where key position j is inside the window of query position p: j < sink_tokens or
     p - j < window_size (the query plus the window_size - 1 tokens before it, as in Mistral).
@@ -141,7 +141,7 @@ def window_attention(q: Tensor, k: Tensor, v: Tensor, query_pos: Tensor, key_pos
     return attend(q, k, v, window_mask(query_pos, key_pos, window_size, sink_tokens))
 
 
-# ---------------------------------------------------------------- dynamic sparse attention (chapter 6)
+# ---------------------------------------------------------------- dynamic sparse attention (chapter 8)
 def attention_scores(q: Tensor, k: Tensor) -> Tensor:
     """q k^T / sqrt(Dh) with grouped-query heads: q [B, H, T, Dh], k [B, Hkv, S, Dh] -> [B, H, T, S]."""
     # Query head h reads key/value head h // G, the `repeat_kv` order of Llama checkpoints.

@@ -50,27 +50,27 @@ FEATURES: dict[str, tuple[Rule, str]] = {
     "use_cache=False": (lambda c: not c.use_cache, "the naive loop: no cache, recompute everything"),
     "attention_backend": (lambda c: c.attention_backend == "triton",
                           "set to \"triton\": fused attention kernels that read the paged blocks in place, for "
-                          "decode steps and prompts (chapter 9)"),
-    "cache_chunk_size": (lambda c: c.cache_chunk_size is not None, "paged blocks (chapter 3)"),
-    "prefetch_depth": (lambda c: c.prefetch_depth is not None, "an offload tier with prefetch (chapter 3)"),
-    "quant_bits": (lambda c: c.quant_bits is not None, "group-wise quantized codes (chapter 4)"),
-    "window_size": (lambda c: c.window_size is not None, "a window with sinks (chapter 5)"),
-    "sparse": (lambda c: c.sparse, "sparse_top_k / sparsity_threshold: sparse key selection (chapter 6)"),
-    "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 6)"),
-    "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 8)"),
-    "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 8)"),
+                          "decode steps and prompts (chapter 12)"),
+    "cache_chunk_size": (lambda c: c.cache_chunk_size is not None, "paged blocks (chapter 5)"),
+    "prefetch_depth": (lambda c: c.prefetch_depth is not None, "an offload tier with prefetch (chapter 5)"),
+    "quant_bits": (lambda c: c.quant_bits is not None, "group-wise quantized codes (chapter 6)"),
+    "window_size": (lambda c: c.window_size is not None, "a window with sinks (chapter 7)"),
+    "sparse": (lambda c: c.sparse, "sparse_top_k / sparsity_threshold: sparse key selection (chapter 8)"),
+    "kv_budget": (lambda c: c.kv_budget is not None, "heavy-hitter (H2O) eviction (chapter 8)"),
+    "compile": (lambda c: c.compile, "torch.compile of the decode step (chapter 11)"),
+    "cuda_graphs": (lambda c: c.cuda_graphs, "CUDA-graph capture and replay of the decode step (chapter 11)"),
     "fused_decode": (lambda c: c.fused_decode is True,
-                     "set to True: every layer of a decode step in one C call (chapter 14); the default "
+                     "set to True: every layer of a decode step in one C call (chapter 10); the default "
                      "\"auto\" runs it wherever this table allows"),
     "speculative_method": (lambda c: c.speculative_method is not None,
-                           "\"ngram\" or \"draft\": propose k tokens, verify them in one forward (chapter 15)"),
+                           "\"ngram\" or \"draft\": propose k tokens, verify them in one forward (chapter 13)"),
     "prefill_precision": (lambda c: c.prefill_precision != "float32",
                           "\"bfloat16\" or \"int8\": a prompt's products of more than 16 rows with bf16 inputs and "
                           "fp32 sums, or int8 weights and activations (a scale per token) and int32 sums (chapter "
                           "16); a draft model's prompt and every decode step stay as they are"),
     "prefill_chunk_size": (lambda c: c.prefill_chunk_size is not None,
                            "a prompt run this many tokens per forward, each piece reading the pieces before it "
-                           "from the cache: activations scale with the piece, not the prompt (chapter 16)"),
+                           "from the cache: activations scale with the piece, not the prompt (chapter 3)"),
     "num_beams": (lambda c: c.num_beams > 1, "k beams a prompt (beam.py), the cache's rows reordered in place each "
                   "step"),
 }

@@ -81,7 +81,7 @@ class GenerationConfig:
     # (row 0 = the prompt alone with this seed); None: fresh entropy for each row
     seed: int | None = None
     stop_token_ids: tuple[int, ...] | None = None  # stop a sequence at these ids; None: the model's eos
-    # --- text and structure (chapter 2b; vLLM's and OpenAI's names): these read text, so a generation
+    # --- text and structure (chapter 4; vLLM's and OpenAI's names): these read text, so a generation
     # that sets one needs the tokenizer (generate(..., tokenizer=tok), Engine(..., tokenizer=tok))
     stop: tuple[str, ...] | None = None  # up to 4 strings: a row stops once its text holds one (cut from the text)
     # OpenAI's {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}, {"type": "json_object"} or
@@ -97,47 +97,47 @@ class GenerationConfig:
     logprobs: int | None = None  # per new token, its logprob and the top k (0..20) from the raw logits (decoding/logprobs.py)
     # --- the cache (chapter 2) ---
     use_cache: bool = True  # False: the naive loop that recomputes the whole sequence every step
-    # --- paged cache and offload (chapter 3) ---
+    # --- paged cache and offload (chapter 5) ---
     # block size of the paged cache, in tokens (with quant_bits and keys per channel, a multiple of
     # quant_group_size: a block holds whole groups); None: one contiguous cache
     cache_chunk_size: int | None = None
     prefetch_depth: int | None = None  # keep the KV cache in a second tier, fetch this many layers ahead; None: no tier
-    # --- window, sinks and sparse attention (chapters 5-6) ---
+    # --- window, sinks and sparse attention (chapters 7-8) ---
     window_size: int | None = None  # each query sees the window_size most recent tokens (itself included); None: all
     sink_tokens: int = 4  # the first tokens, always kept when a window is set (StreamingLLM); needs window_size
     sparse_top_k: int | None = None  # per head and query, attend only the k keys of largest |q.k|/sqrt(Dh); None: all
     sparsity_threshold: float | None = None  # keep keys whose |q.k|/sqrt(Dh) >= this x the head's max, in [0, 1]
     sparse_score: str = "abs"  # rank keys by "abs": |q.k| (the article's rule) or "signed": q.k (by probability)
     kv_budget: int | None = None  # H2O heavy hitters: tokens kept in the cache per row; None: all
-    # --- KV quantization (chapter 4) ---
+    # --- KV quantization (chapter 6) ---
     quant_bits: int | None = None  # bits per cached key/value element: 8 or 4 (2 for experiments); None: full precision
     quant_group_size: int = 32  # elements sharing one 2-byte scale and zero (bf16; fp16 in an fp16 model; KIVI: 32)
     quant_key_axis: str = "channel"  # keys grouped per "channel" (over tokens, KIVI) or per "token" (over channels)
     quant_residual: int | None = None  # most recent tokens kept in full precision (>= group size); None: one group
-    # --- precision and compilation (chapters 7-8) ---
+    # --- precision and compilation (chapters 9 and 11) ---
     kv_dtype: str | None = None  # KV cache storage: "float32", "bfloat16" or "float16"; None: the weights' dtype
     compile: bool = False  # torch.compile the decode step (the contiguous cache or the window's ring buffer)
     cuda_graphs: bool = False  # capture the decode step in a CUDA graph and replay it (CUDA only)
     # every layer of a decode step in one C call (steps/fused.py): "auto" wherever it applies
     # (steps/choose.py says where), True demands it (refused where it cannot run), False forbids it
     fused_decode: bool | str = "auto"
-    # --- the fused kernel (chapter 9) ---
+    # --- the fused kernel (chapter 12) ---
     # attention over a paged cache: "torch" (gather + SDPA) or "triton" (reads the blocks in place)
     attention_backend: str = "torch"
-    # --- prefill (chapter 16) ---
+    # --- prefill (chapter 3) ---
     # a prompt's matrix products: "float32", "bfloat16" (inputs rounded to bf16, fp32 sums: the bf16
     # dot products of AVX512-BF16 / AMX on a CPU; torch attention's q, k, v too, softmax fp32) or "int8" (int8 codes of weights and activations,
     # int32 sums: AVX512-VNNI / AMX-INT8; numerics/w8a8.py); the decode step keeps its own format
     prefill_precision: str = "float32"
     # int4 / int8 weights (load's weight_bits) times int8 activations, a scale per 32 of them, with
-    # integer dot products (numerics/int8_act.py, chapter 14): "auto" wherever it measured faster than
+    # integer dot products (numerics/int8_act.py, chapter 10): "auto" wherever it measured faster than
     # fp32 activations here (decode steps and prompts each), True demands it, False forbids it.
     # fp32 and bf16 weights never take it: their decode stays exact
     int8_activations: bool | str = "auto"
     # the prompt runs this many tokens per forward, each piece attending to the cached pieces before
     # it: activations scale with the chunk, not the prompt (transformers' name); None: one forward
     prefill_chunk_size: int | None = None
-    # --- speculative decoding (chapter 15; vLLM's names) ---
+    # --- speculative decoding (chapter 13; vLLM's names) ---
     speculative_method: str | None = None  # None: off; "ngram": prompt lookup; "draft": generate(..., draft_model=)
     num_speculative_tokens: int = 4  # k: tokens proposed per step, checked by the target in one forward
     prompt_lookup_min: int = 1  # "ngram": the shortest n-gram matched against the text so far
@@ -317,14 +317,14 @@ def _check_values(c: GenerationConfig) -> None:
             raise ConfigError(f"seed={c.seed!r} is invalid: use an integer >= 0 below 2**64 (the generator's "
                               "seed is 64 bits), or None")
     check_text_settings(c)
-    # paged cache and offload (chapter 3)
+    # paged cache and offload (chapter 5)
     if c.cache_chunk_size is not None:
         _check_int("cache_chunk_size", c.cache_chunk_size, low=1,
                    hint="(tokens per block of the paged cache), or None for a contiguous cache")
     if c.prefetch_depth is not None:
         _check_int("prefetch_depth", c.prefetch_depth, low=0,
                    hint="(layers fetched ahead from the offload tier), or None to keep the cache resident")
-    # window, sinks, sparse attention, heavy hitters (chapters 5-6)
+    # window, sinks, sparse attention, heavy hitters (chapters 7-8)
     if c.window_size is not None:
         _check_int("window_size", c.window_size, low=1, hint="(tokens each query sees), or None for full attention")
     _check_int("sink_tokens", c.sink_tokens, low=0, hint="(first tokens always kept; 0 for a plain sliding window)")
@@ -342,7 +342,7 @@ def _check_values(c: GenerationConfig) -> None:
                           "the article's rule) or \"signed\" (by q.k, i.e. by attention probability)")
     if c.kv_budget is not None:
         _check_int("kv_budget", c.kv_budget, low=2, hint="(tokens kept by heavy-hitter eviction), or None")
-    # KV quantization (chapter 4)
+    # KV quantization (chapter 6)
     if c.quant_bits is not None and (not isinstance(c.quant_bits, int) or isinstance(c.quant_bits, bool)
                                      or c.quant_bits not in (8, 4, 2)):
         raise ConfigError(f"quant_bits={c.quant_bits!r} is invalid: use the integer 8 or 4 (2 for experiments), "
@@ -359,7 +359,7 @@ def _check_values(c: GenerationConfig) -> None:
         _check_int("quant_residual", c.quant_residual, low=c.quant_group_size,
                    hint=f"(>= quant_group_size={c.quant_group_size}: a group is quantized only once it is "
                         "full, so the full-precision window holds at least one group), or None for one group")
-    # precision and compilation (chapters 7-8)
+    # precision and compilation (chapters 9 and 11)
     if c.kv_dtype is not None and c.kv_dtype not in KV_DTYPES:
         raise ConfigError(f"kv_dtype={c.kv_dtype!r} is invalid: use one of {', '.join(map(repr, KV_DTYPES))}, "
                           "or None to store the cache in the weights' dtype")
@@ -378,11 +378,11 @@ def _check_values(c: GenerationConfig) -> None:
     if c.prefill_precision not in PREFILL_PRECISIONS:
         raise ConfigError(f"prefill_precision={c.prefill_precision!r} is invalid: use \"float32\" (the default), "
                           "\"bfloat16\" (a prompt's products with bf16 inputs and fp32 sums) or \"int8\" (int8 "
-                          "weights and activations, a scale per token and per output channel), chapter 16")
+                          "weights and activations, a scale per token and per output channel), chapter 3")
     if c.prefill_chunk_size is not None:
         _check_int("prefill_chunk_size", c.prefill_chunk_size, low=1,
                    hint="(prompt tokens per forward, e.g. 512), or None to run the prompt in one forward")
-    # speculative decoding (chapter 15)
+    # speculative decoding (chapter 13)
     if c.speculative_method not in SPECULATIVE_METHODS:
         raise ConfigError(f"speculative_method={c.speculative_method!r} is invalid: use None (off), \"ngram\" "
                           "(prompt lookup: propose what followed the last match of the newest n-gram) or \"draft\" "

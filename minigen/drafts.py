@@ -1,4 +1,4 @@
-"""Draft models made from the target itself, for speculative_method="draft" (chapter 15).
+"""Draft models made from the target itself, for speculative_method="draft" (chapter 13).
 
 Only SmolLM2-135M is bundled, and a draft must share the target's tokenizer, so the course makes
 its drafts from the target:

@@ -1,12 +1,12 @@
 """Attention entropy: how spread out each head's attention is, and a monitor that flags heads whose
-entropy collapses or explodes during generation (chapters 5-6).
+entropy collapses or explodes during generation (chapters 7-8).
 
 Shapes: L layers, B batch, H query heads, T queries, S key slots, N recorded steps.
 
 The entropy of one query's attention p over the keys is -sum p log p, in nats; exp(entropy) is the
 "effective number of keys" the head reads. A head that locks onto one key has entropy near 0; one
 that reads n keys evenly has log n. The article's troubleshooting advice for "broken logic or
-repetition in long outputs" is to monitor it; chapter 6 shows what the monitor sees when a
+repetition in long outputs" is to monitor it; chapter 8 shows what the monitor sees when a
 window evicts the attention sinks.
 """
 
@@ -66,7 +66,7 @@ class EntropyMonitor:
     differ (sink heads sit near 0). A step raises an alarm when at least `alarm_fraction` of all
     heads are flagged at once. The defaults were set on SmolLM2-135M over 300 tokens of English
     text: 3-4% of head-steps are flagged with full attention or a window with sinks, about 30%
-    with a window that evicted its sinks (chapter 6).
+    with a window that evicted its sinks (chapter 8).
     """
 
     def __init__(self, n_layers: int, n_heads: int, warmup: int = 16, delta: float = 0.4,

@@ -74,7 +74,7 @@ def score(model: Model, token_ids: Tensor, config: GenerationConfig | None = Non
     if step is not None:
         C = 1
     logits = []
-    # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 16), to
+    # a chunk of more than 16 tokens is a prompt's products: prefill_precision applies (chapter 3), to
     # every row's logits here (a prefill computes only the last row's, in fp32)
     with torch.inference_mode():
         ops = plan.decode_ops if C == 1 else plan.prompt_ops  # one token a forward is a decode step's work

@@ -8,8 +8,8 @@ Shapes: B batch, T prompt tokens, n new tokens, V vocabulary.
 plan once (run_plan.py: `print(plan)` says what runs), which holds the step object: the naive loop
 (use_cache=False, every step runs the whole sequence so far: chapter 1), the eager cached loop (the
 prompt once, then one token per step at its explicit position: chapter 2), the compiled or CUDA-graph
-step (chapter 8), or the fused C step (chapter 14: the default at batch 1 on a CPU). A tensor batch [B, T] shares its positions; a
-ragged batch (a list of prompts) runs each row at its own positions; `parallel_sample` (chapter 3)
+step (chapter 11), or the fused C step (chapter 10: the default at batch 1 on a CPU). A tensor batch [B, T] shares its positions; a
+ragged batch (a list of prompts) runs each row at its own positions; `parallel_sample` (chapter 5)
 prefills one prompt into a paged cache and forks it into n rows that share its blocks.
 """
 
@@ -106,7 +106,7 @@ def run_steps(model: Model, plan: Plan, input_ids: Tensor, input_pos: Tensor, ca
     pad = stop_list[0] if stop_list else 0  # finished sequences are padded with their stop token
     start = last = time.perf_counter()
     with step.grad_mode():
-        # the prompt's products in their own format (chapter 16), and the attention backend: the plan's ops
+        # the prompt's products in their own format (chapter 3), and the attention backend: the plan's ops
         logits = step.prefill(model, input_ids, input_pos, cache, policy, ops=plan.prompt_ops)
         processing = step.processing = row_processing(config, input_ids, input_pos, model.config.vocab_size, plan.guide)
         if after_prefill is not None:

@@ -88,7 +88,7 @@ class GemmaRMSNorm(nn.Module):
 class TorchOps:
     """The plain torch reference of each op that a kernel may run instead (kernels/dispatch.py): a
     decode step at batch 1 runs these ~120 times, so an op's cost is its dispatch and memory traffic.
-    `prompt`: the format of a prompt's products and attention (prefill_precision, chapter 16);
+    `prompt`: the format of a prompt's products and attention (prefill_precision, chapter 3);
     `reads_blocks`: attention reads a paged cache's blocks in place (attention_backend='triton');
     `int8_act`: int4/int8 weights meet int8 activations (int8_activations, numerics/int8_act.py)."""
     prompt: PromptFormat = FP32
@@ -105,8 +105,8 @@ class TorchOps:
 
     def linear(self, x: Tensor, w: Tensor, out_dtype: torch.dtype | None = None) -> Tensor:
         """x [..., in] times w [out, in] -> [..., out] in out_dtype (default x's), i.e. x @ w.T. fp32 activations
-        against 16-bit weights sum in fp32 (chapter 7); int8/int4 weights are dequantized for the product, or
-        meet int8 activations (chapter 14); a prompt's rows in `self.prompt`'s format (chapter 16)."""
+        against 16-bit weights sum in fp32 (chapter 9); int8/int4 weights are dequantized for the product, or
+        meet int8 activations (chapter 10); a prompt's rows in `self.prompt`'s format (chapter 3)."""
         out_dtype = out_dtype or x.dtype
         fmt, copies = self.prompt.dtype(x.numel() // x.shape[-1]), self.prompt.copies
         if fmt == torch.int8 and copies is not None and (w8 := copies.int8_of(w)) is not None:  # its int8 copy
@@ -202,9 +202,9 @@ class Attention(nn.Module):
             return self._project(out, ops)
         if cache is not None:  # write the new keys/values, read back everything cached: [B, Hkv, S, Dh]
             k, v = cache.update(self.layer, k, v)
-            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 7)
-        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 5-6)
-        bf16 = ops.prompt.attention_dtype(B * T) == torch.bfloat16  # a bf16 prompt's attention (chapter 16)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a cache stored in another dtype (kv_dtype, chapter 9)
+        # [B, H, T, Dh]; a policy adds sparse key selection and observers (chapters 7-8)
+        bf16 = ops.prompt.attention_dtype(B * T) == torch.bfloat16  # a bf16 prompt's attention (chapter 3)
         if policy is not None:
             out = policy.attend(q, k, v, mask, self.layer, bf16)
         elif T == 1:  # one new token per row: a decode step

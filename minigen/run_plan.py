@@ -258,18 +258,18 @@ def step_words(step, plan: Plan) -> str:
     if name == "naive":
         return "the naive loop (no cache: every step runs the whole sequence so far, chapter 1)"
     if name == "fused":
-        return "the fused C step (every layer of a token in one C call, chapter 14" + \
+        return "the fused C step (every layer of a token in one C call, chapter 10" + \
             _ratio(plan, "fused_step", "the eager step") + ")"
     if name == "compiled":
-        return "the eager step compiled by torch.compile (chapter 8)"
+        return "the eager step compiled by torch.compile (chapter 11)"
     if name == "graphed":
         return (f"the eager step captured in a CUDA graph with sampling and stop checks inside; the host reads the "
-                f"stop flags every {graphs.STOP_CHECK_EVERY} tokens (chapter 8)")
+                f"stop flags every {graphs.STOP_CHECK_EVERY} tokens (chapter 11)")
     if name.startswith("speculative"):
         c = plan.config
         proposer = (f"a draft model's {step_words(step.proposer.step, plan)}" if c.speculative_method == "draft"
                     else "prompt lookup (n-grams of the text so far)")
-        return (f"speculative decoding (chapter 15): {proposer} proposes {c.num_speculative_tokens} tokens, "
+        return (f"speculative decoding (chapter 13): {proposer} proposes {c.num_speculative_tokens} tokens, "
                 f"{step_words(step.target, plan)} verifies them in one forward")
     return "the eager step (torch, op by op; each op on the kernel measured fastest here, chapter 2)"
 

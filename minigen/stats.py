@@ -2,7 +2,7 @@
 
     stats.timing        prefill, TTFT, decode rate, each token's latency and their percentiles
     stats.cache         the KV cache's bytes (held, peak, on the device) and a paged cache's blocks
-    stats.speculation   proposals, acceptances and the time each side took (chapter 15)
+    stats.speculation   proposals, acceptances and the time each side took (chapter 13)
     stats.step, stats.plan   which step ran, and the plan in words (run_plan.py)
 
 Each part is filled by the code that knows it: the loop times the tokens (generate.run_steps), the
@@ -25,7 +25,7 @@ class Timing:
     new_tokens: int = 0  # tokens generated per sequence (the longest one, when some stop early)
     decode_tokens_per_s: float = 0.0  # (new_tokens - 1) / decode_s, per sequence
     token_latencies_s: list[float] = field(default_factory=list)  # wall time of each new token
-    # Percentiles of the decode tokens' latencies (every token after the first): jitter (chapter 8).
+    # Percentiles of the decode tokens' latencies (every token after the first): jitter (chapter 11).
     latency_p50_s: float = 0.0
     latency_p90_s: float = 0.0
     latency_p99_s: float = 0.0
@@ -45,7 +45,7 @@ class CacheUse:
 
 @dataclass
 class Speculation:
-    """Speculative decoding (steps/speculative.py, chapter 15); all 0 without it."""
+    """Speculative decoding (steps/speculative.py, chapter 13); all 0 without it."""
     draft_tokens: int = 0  # tokens proposed, over every row and round
     accepted_tokens: int = 0  # of those, the ones the target kept
     acceptance_rate: float = 0.0  # accepted_tokens / draft_tokens

@@ -1,5 +1,5 @@
 """Chunked prefill in minigen.Engine on SmolLM2: long prompts arrive while short requests decode.
-The measurement behind issue 24's chunked-prefill table; chapter 10 runs the same function
+The measurement behind issue 24's chunked-prefill table; chapter 14 runs the same function
 (minigen.measure.serve_bench.mixed_prefill).
 
     python scripts/chunked_prefill.py [--budgets 0 256 128 64] [--long 512] [--threads 2] [--json FILE]

@@ -110,7 +110,7 @@ def read_bandwidth_gb_s(device: str, nbytes: int = 2**30) -> float:
     return 2 * x.nbytes / best / 1e9
 
 
-# ---------------------------------------------------------------- chapters 7-8: decode, compiled, graphed
+# ---------------------------------------------------------------- chapters 9 and 11: decode, compiled, graphed
 def check_decode(device: str, smoke: bool) -> dict:
     """Eager, compiled and CUDA-graph decode of each model shape in bf16: tok/s, TTFT, compile or
     capture time, peak memory, and the fraction of the device's bandwidth the step uses."""
@@ -200,7 +200,7 @@ def _reduce_overhead(model, ids, new: int, eager_tokens, per_token: int, bandwid
             "tokens_equal_eager": bool(torch.equal(tokens, eager_tokens))}
 
 
-# ---------------------------------------------------------------- chapter 3: paged cache and offload
+# ---------------------------------------------------------------- chapter 5: paged cache and offload
 def _decode_ms(model, prompt: torch.Tensor, config: GenerationConfig, steps: int, device: str):
     """Median ms of a decode step (synchronized) and the greedy tokens [B, steps]."""
     B, T = prompt.shape
@@ -244,7 +244,7 @@ def check_offload(device: str, smoke: bool) -> dict:
     return results
 
 
-# ---------------------------------------------------------------- chapter 9: the Triton decode-attention kernel
+# ---------------------------------------------------------------- chapter 12: the Triton decode-attention kernel
 def _median_ms(fn, device: str, reps: int) -> float:
     """Median wall time of fn() in ms, synchronized, after one warm-up call (which compiles)."""
     fn()

@@ -1,4 +1,4 @@
-"""Perplexity of SmolLM2 with a quantized KV cache, the longer run that chapter 04 renders and that
+"""Perplexity of SmolLM2 with a quantized KV cache, the longer run that chapter 06 renders and that
 `minigen.measure.plan.QUALITY_LOSS` cites: each setting feeds the text one token at a time
 (chunk_size=1), so every prediction reads every earlier token back from the quantized cache.
 

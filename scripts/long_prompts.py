@@ -1,5 +1,5 @@
 """A long prompt's attention on SmolLM2: its share of prefill time and the memory it needs, with the
-explicit [T, S] mask (minigen before chapter 16) and with SDPA's own causal tiles (attention.Causal),
+explicit [T, S] mask (minigen before chapter 3) and with SDPA's own causal tiles (attention.Causal),
 at 512, 2,048 and 8,192 tokens: the measurement behind issue 24's long-prompt table.
 
     python scripts/long_prompts.py [--lengths 512 2048 8192] [--threads 2] [--json FILE]

@@ -1,10 +1,10 @@
-"""Quantization on weights that are not on a 4-bit grid: round-to-nearest against GPTQ (chapter 14).
+"""Quantization on weights that are not on a 4-bit grid: round-to-nearest against GPTQ (chapter 10).
 
 minigen's SmolLM2 is the dequantized Q4_1 GGUF, so its weights already sit on a 4-bit grid. This
 script rotates its residual stream (offgrid.rotate: the same function, every weight off the grid),
 then quantizes the rotated model by round-to-nearest (int8, int4 at several group sizes) and by
 GPTQ, and scores each against the rotated fp32 model on the chapter's text. It also runs chapter
-7's bf16-weight study on both the shipped and the rotated weights. Chapter 14 renders the JSON.
+7's bf16-weight study on both the shipped and the rotated weights. Chapter 10 renders the JSON.
 
     python scripts/offgrid_quality.py [--tokens 256] [--calibration 256] [--json docs/runs/offgrid_quality.json]
 

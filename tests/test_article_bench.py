@@ -109,7 +109,7 @@ def test_run_measures_both_configs_on_a_tiny_model():
 
 
 def test_the_ledger_states_what_the_models_compute():
-    """C6c and C7's numbers in claims.toml are the ones these models give (chapter 12 asserts the verdicts)."""
+    """C6c and C7's numbers in claims.toml are the ones these models give (chapter 17 asserts the verdicts)."""
     from minigen.course.ledger import load_claims
     claims = {c.id: c for c in load_claims()}
     mask_only = next(c for c in ab.a100_table(window_frees=False) if (c.model, c.batch) == ("Llama-2-7B", 24))

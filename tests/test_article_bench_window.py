@@ -1,4 +1,4 @@
-"""The article's window on its paged cache frees whole blocks (chapter 12, section 3): the blocks the
+"""The article's window on its paged cache frees whole blocks (chapter 17, section 3): the blocks the
 model in article_bench says a row holds are the ones minigen's paged cache keeps, and the C6 memory
 model counts those blocks."""
 

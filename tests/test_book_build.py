@@ -142,7 +142,6 @@ def test_execute_chooses_chapters_by_number():
     assert build_book.chosen_chapters(book, "force") == {c.notebook for c in book.chapters}
     by_number = {c.number: c.notebook for c in book.chapters}
     assert build_book.chosen_chapters(book, "00, 04") == {by_number["00"], by_number["04"]}
-    assert build_book.chosen_chapters(book, "02b") == {"notebooks/02b_decoding.ipynb"}  # a chapter between two
     with pytest.raises(SystemExit, match="no chapter numbered 99"):
         build_book.chosen_chapters(book, "00,99")
 

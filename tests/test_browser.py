@@ -5,7 +5,7 @@ in CI), driven by Playwright for Python through `executable_path`: Playwright's 
 download is never used. Without Chromium the module prints the install command and skips (in CI,
 where it must run, it fails instead).
 
-- Lab: chapters 04 and 05 are opened in JupyterLab, and only the cells their widget panel needs are
+- Lab: chapters 06 and 07 are opened in JupyterLab, and only the cells their widget panel needs are
   run there (found by which names each cell defines and uses: not the whole chapter). A slider is
   moved with the keyboard, and what the panel shows is checked against the package, computed here,
   before and after.
@@ -232,10 +232,10 @@ def open_panel(browser, lab, notebook: str, marker: str):
 
 
 def test_quant_panel_in_jupyterlab(browser, lab, smollm2, tmp_path):
-    """Chapter 04: moving the bits slider from 4 to 8 changes the bytes shown, to what the package
+    """Chapter 06: moving the bits slider from 4 to 8 changes the bytes shown, to what the package
     computes for those settings (an fp16 model's cache at 4,096 tokens)."""
     model, _ = smollm2
-    page, output, text, before = open_panel(browser, lab, "04_kv_quantization.ipynb", "quant_panel(")
+    page, output, text, before = open_panel(browser, lab, "06_kv_quantization.ipynb", "quant_panel(")
     output.screenshot(path=tmp_path / "04_quant_panel_bits4.png")
     handle = output.locator(".widget-slider").first.locator(".noUi-handle")
     handle.focus()
@@ -256,10 +256,10 @@ def test_quant_panel_in_jupyterlab(browser, lab, smollm2, tmp_path):
 
 
 def test_window_panel_in_jupyterlab(browser, lab, smollm2, english_text_ids, tmp_path):
-    """Chapter 05: moving the window slider down changes the perplexity shown, to what the package
+    """Chapter 07: moving the window slider down changes the perplexity shown, to what the package
     computes for that window, layer and head on the same tokens."""
     model, _ = smollm2
-    page, output, text, before = open_panel(browser, lab, "05_window_attention.ipynb", "window_panel(")
+    page, output, text, before = open_panel(browser, lab, "07_window_attention.ipynb", "window_panel(")
     output.screenshot(path=tmp_path / "05_window_panel_default.png")
     sliders = output.locator(".widget-slider")
     window_before = int(sliders.nth(0).locator(".widget-readout").inner_text())

@@ -46,7 +46,7 @@ def measured_looking(text: str) -> list[str]:
 def test_the_pattern_finds_what_it_should_and_nothing_else():
     assert measured_looking("fell from 15 to 16 ms, then 3.6 ms; 1.26x and 2×; 31 GB/s; 538 MB; 36.5 tok/s") == [
         "15 to 16 ms", "3.6 ms", "1.26x", "2×", "31 GB/s", "538 MB", "36.5 tok/s"]
-    assert measured_looking("chapter 12, `x = 2x`, $4\\times$, layer 18, 0x0F, B=8, 4-bit, max 2 msgs") == []
+    assert measured_looking("chapter 17, `x = 2x`, $4\\times$, layer 18, 0x0F, B=8, 4-bit, max 2 msgs") == []
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=number)

@@ -1,4 +1,4 @@
-"""deploy/ against the real schemas (chapter 11): every config.pbtxt parses strictly into Triton's
+"""deploy/ against the real schemas (chapter 15): every config.pbtxt parses strictly into Triton's
 ModelConfig protobuf (tritonclient), the model repository follows Triton's layout rules, every
 Kubernetes manifest matches the kubernetes client's API models key by key, the article's config and
 policy are criticised field by field, and the settings map cannot drift from GenerationConfig."""
@@ -170,7 +170,7 @@ def test_every_minigen_name_in_the_map_exists():
     assert fields <= set(named), f"fields the map does not place: {sorted(fields - set(named))}"
     engine_args = {n for s in production.SETTINGS for n in s.engine} - {"Engine"}
     assert engine_args == {"max_batch_size", "num_blocks", "max_num_batched_tokens"}
-    assert engine_args <= set(inspect.signature(minigen.Engine).parameters)  # chapter 10's engine
+    assert engine_args <= set(inspect.signature(minigen.Engine).parameters)  # chapter 14's engine
 
 
 def test_a_misspelled_field_in_the_map_would_be_caught(tmp_path):
@@ -233,7 +233,7 @@ def test_refusals_cover_every_field_with_no_vllm_argument():
     assert set(production.NO_VLLM_EQUIVALENT) <= {f.name for f in dataclasses.fields(GenerationConfig)}
 
 
-# (chapter 11's exercise is tested in test_exercise_ch11.py)
+# (chapter 15's exercise is tested in test_exercise_ch15.py)
 
 
 # ---------------------------------------------------------------- utilisation against the queue
@@ -262,7 +262,7 @@ def test_minigen_serves_manifests_point_at_what_the_server_has(tiny_llama):
     """deploy/minigen runs `python -m minigen serve` in a pod: its arguments parse with minigen's own
     command line (binding 0.0.0.0, since a pod is reached on its IP), every probe's path is a route of
     the app, the Service selects the pod, and each series the HPA scales on (through the adapter's
-    rules) is a metric the server registers. Chapter 11 checks the same against a running server."""
+    rules) is a metric the server registers. Chapter 15 checks the same against a running server."""
     deployment, = deploy.load_manifests(DEPLOY / "minigen" / "deployment.yaml")
     service, = deploy.load_manifests(DEPLOY / "minigen" / "service.yaml")
     hpa, = deploy.load_manifests(DEPLOY / "minigen" / "hpa.yaml")

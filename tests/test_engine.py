@@ -200,7 +200,7 @@ def test_smollm2_requests_equal_alone(smollm2):
     assert engine.metrics()["prefix_cache_hit_rate"] > 0
 
 
-# ---------------------------------------------------------------- chunked prefill (chapter 16)
+# ---------------------------------------------------------------- chunked prefill (chapter 3)
 @pytest.mark.parametrize("budget,num_blocks,sample", [(3, None, False), (5, None, True), (8, 10, False),
                                                       (16, 8, True), (64, None, False)])
 def test_chunked_prefill_keeps_every_request_equal_to_generating_it_alone(tiny, budget, num_blocks, sample):

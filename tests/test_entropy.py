@@ -1,4 +1,4 @@
-"""Attention entropy (chapters 5-6): the formula against known distributions, attention_entropy on
+"""Attention entropy (chapters 7-8): the formula against known distributions, attention_entropy on
 a model whose every head is uniform, the monitor's flags on synthetic attention, and the sink
 effect on SmolLM2."""
 

@@ -111,9 +111,9 @@ def folders(tmp_path, monkeypatch):
 def test_save_figure_writes_the_sidecar_and_passes_without_a_committed_one(folders):
     committed, build = folders
     fig = ledger_like()
-    path = plots.save_figure(fig, "13_ledger", exact=True)
-    assert path == build / "13_ledger.png" and (build / "13_ledger.json").is_file()
-    assert json.loads((build / "13_ledger.json").read_text())["exact"] is True
+    path = plots.save_figure(fig, "18_ledger", exact=True)
+    assert path == build / "18_ledger.png" and (build / "18_ledger.json").is_file()
+    assert json.loads((build / "18_ledger.json").read_text())["exact"] is True
     plt.close(fig)
 
 
@@ -121,14 +121,14 @@ def test_save_figure_fails_naming_the_figure_when_the_committed_data_differs(fol
     committed, build = folders
     monkeypatch.setenv("MINIGEN_FIGURES", str(committed))  # make figures: writes figures/, checks nothing
     fig = ledger_like(counts=(3, 4, 17))
-    plots.save_figure(fig, "13_ledger", exact=True)
-    assert (committed / "13_ledger.json").is_file()
+    plots.save_figure(fig, "18_ledger", exact=True)
+    assert (committed / "18_ledger.json").is_file()
     monkeypatch.setenv("MINIGEN_FIGURES", str(build))  # make test: checks against figures/
-    plots.save_figure(fig, "13_ledger", exact=True)  # the same data passes
+    plots.save_figure(fig, "18_ledger", exact=True)  # the same data passes
     plt.close(fig)
     fig = ledger_like(counts=(4, 4, 18))
-    with pytest.raises(FigureDataError, match=r"figure '13_ledger' no longer matches .*make figures"):
-        plots.save_figure(fig, "13_ledger", exact=True)
+    with pytest.raises(FigureDataError, match=r"figure '18_ledger' no longer matches .*make figures"):
+        plots.save_figure(fig, "18_ledger", exact=True)
     plt.close(fig)
 
 

@@ -228,7 +228,7 @@ def _prefilled(model, prompt, max_len):
     return cache
 
 
-# ---------------------------------------------------------------- short prompts in one C call (chapter 16)
+# ---------------------------------------------------------------- short prompts in one C call (chapter 3)
 def test_a_short_prompt_prefills_in_one_c_call_with_the_eager_logits(smollm2, english_text_ids, monkeypatch):
     """A prompt of 2..16 tokens (or pieces of that size) is a verify chunk from position 0: one C
     call, the eager prefill's logits within 1e-5, and the same greedy tokens as transformers' (the

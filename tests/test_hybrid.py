@@ -1,4 +1,4 @@
-"""Models that bring their own window (Mistral, Qwen2 with sliding layers; caches/hybrid.py, chapter 5):
+"""Models that bring their own window (Mistral, Qwen2 with sliding layers; caches/hybrid.py, chapter 7):
 greedy tokens equal `transformers`' beyond the window on every path that composes with it, and
 every path that does not is refused by name.
 

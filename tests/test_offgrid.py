@@ -1,4 +1,4 @@
-"""Off-grid weights (a rotation of the residual stream) and GPTQ (numerics/offgrid.py, chapter 14)."""
+"""Off-grid weights (a rotation of the residual stream) and GPTQ (numerics/offgrid.py, chapter 10)."""
 
 from __future__ import annotations
 

@@ -236,20 +236,20 @@ def test_article_config_runs_and_stays_close(smollm2, english_text_ids, tmp_path
     assert q4 != fp and abs(q4 / fp - 1) < 0.05
 
 
-# ---------------------------------------------------------------- chapter 3's exercises
+# ---------------------------------------------------------------- chapter 5's exercises
 def test_exercise_solutions_pass_and_wrong_answers_fail():
-    from minigen.course.exercises import ExerciseFailed, ch03
-    assert ch03.check_slot_of(ch03.solution_slot_of)
-    assert ch03.check_blocks_held(ch03.solution_blocks_held)
+    from minigen.course.exercises import ExerciseFailed, ch05
+    assert ch05.check_slot_of(ch05.solution_slot_of)
+    assert ch05.check_blocks_held(ch05.solution_blocks_held)
     with pytest.raises(ExerciseFailed, match="multiply the physical block"):
-        ch03.check_slot_of(lambda table, p, bs: table[p // bs] + p % bs)
+        ch05.check_slot_of(lambda table, p, bs: table[p // bs] + p % bs)
 
     def shares_the_partial_block_too(T, w, n, bs):  # forgets copy-on-write
         shared = math.ceil(T / bs)
         return shared + n * (math.ceil((T + w) / bs) - shared)
 
     with pytest.raises(ExerciseFailed, match="copied on write"):
-        ch03.check_blocks_held(shares_the_partial_block_too)
+        ch05.check_blocks_held(shares_the_partial_block_too)
 
 
 def test_stats_show_blocks_in_use_and_the_pool(tiny):

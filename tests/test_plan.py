@@ -56,7 +56,7 @@ def test_the_answer_fits_and_costs_the_least_quality(tiny_llama):
     _, model = tiny_llama
     cfg = model.config
     roomy = planner.plan(cfg, batch=4, context=128, budget_bytes=2**30)
-    assert roomy.fits and roomy.expected_loss_pct == 0.0  # 8-bit KV (+0.00%, chapter 04) or full precision
+    assert roomy.fits and roomy.expected_loss_pct == 0.0  # 8-bit KV (+0.00%, chapter 06) or full precision
     assert roomy.config in ({}, {"quant_bits": 8, "quant_group_size": 8})  # head dim 8: groups of 8
     # a budget that the full-precision cache misses by a little: 4-bit KV (QUALITY_LOSS: +0.37%) beats any window
     full = roomy.weights_bytes + roomy.activation_bytes + planner.kv_cache_bytes(cfg, GenerationConfig(), 4, 128)
@@ -88,7 +88,7 @@ def test_the_articles_oom_remedies_in_bytes(smollm2):
     # smaller chunks free only the last block's unused tail per row: 8 x (8192 - 8000) token slots,
     # less a little bookkeeping (block tables, the gather buffer)
     assert abs(freed["cache_chunk_size=16"] - 8 * 192 * per_token) <= 0.05 * 8 * 192 * per_token
-    # 4-bit codes with a bf16 scale and zero per 32 elements: 5 bits of 32, at most 84% freed (chapter 04);
+    # 4-bit codes with a bf16 scale and zero per 32 elements: 5 bits of 32, at most 84% freed (chapter 06);
     # each row's open 256-token block stays fp32, so ~82% (fp32 scales and zeros: 6 bits, ~79%)
     assert 0.80 * base < freed["quant_bits=4"] < 0.84 * base
     # capping the length at 4,096: the pool for 8,000 tokens (32 blocks) shrinks to 16 blocks
@@ -195,7 +195,7 @@ def test_the_paged_waste_is_each_rows_last_block(tiny_llama):
     assert planner.plan(cfg, batch=3, context=100, budget_bytes=2**30).paged
 
 
-# ---------------------------------------------------------------- prefill chunks (chapter 16)
+# ---------------------------------------------------------------- prefill chunks (chapter 3)
 def _random_model(cfg, n_layers: int = 2, seed: int = 0) -> minigen.Model:
     """A model of `cfg`'s shapes with n_layers layers and random weights: the activations of one
     layer are what the estimate counts; two layers keep the test fast."""

@@ -121,7 +121,7 @@ def test_show_source_refuses_a_stop_it_cannot_find(capsys):
 
 
 def test_roofline_labels_never_stack_on_coincident_points():
-    """Chapter 12's roofline wrote "B=1B=1B=1" where three models' decode at batch 1 coincide (issue 26):
+    """Chapter 17's roofline wrote "B=1B=1B=1" where three models' decode at batch 1 coincide (issue 26):
     coincident points share one label, each batch named once, and labels stand apart on the axis."""
     import matplotlib.pyplot as plt
     from minigen.measure import roofline

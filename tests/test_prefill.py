@@ -1,4 +1,4 @@
-"""Prefill, the other half of a request (chapter 16): a prompt that starts a sequence attends
+"""Prefill, the other half of a request (chapter 3): a prompt that starts a sequence attends
 through SDPA's own causal tiles (attention.Causal) instead of a [T, S] mask. Oracles: the explicit
 mask's logits and greedy tokens, and the rule `prefix_causal` stated on positions."""
 
@@ -69,7 +69,7 @@ def test_a_prompt_through_causal_tiles_matches_the_explicit_mask(tiny_llama, mon
 
 
 def test_the_naive_step_compiles_as_one_graph_with_the_explicit_mask(tiny_llama):
-    """prefix_causal reads tensor values: under torch.compile it must not break the graph (chapter 8
+    """prefix_causal reads tensor values: under torch.compile it must not break the graph (chapter 11
     compiles the naive loop with fullgraph=True), and the compiled step gives eager's logits."""
     model, seq = tiny_llama[1], torch.tensor([[1, 2, 3, 4, 5]])
     step = torch.compile(lambda m, s: m(s, torch.arange(s.shape[1]))[:, -1], fullgraph=True, backend="eager")

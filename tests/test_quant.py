@@ -315,9 +315,9 @@ def test_quant_panel_shows_the_cache_bytes_and_updates_live():
 
 
 def test_chapter_4_exercise_solutions_pass_and_mistakes_fail():
-    from minigen.course.exercises import ExerciseFailed, ch04
-    assert ch04.check_quantize_group(ch04.solution_quantize_group)
-    assert ch04.check_quantized_cache_bytes(ch04.solution_quantized_cache_bytes)
+    from minigen.course.exercises import ExerciseFailed, ch06
+    assert ch06.check_quantize_group(ch06.solution_quantize_group)
+    assert ch06.check_quantized_cache_bytes(ch06.solution_quantized_cache_bytes)
 
     def too_many_levels(x, bits):  # divides the range by 2^bits instead of 2^bits - 1
         lo, hi = x.min().item(), x.max().item()
@@ -325,6 +325,6 @@ def test_chapter_4_exercise_solutions_pass_and_mistakes_fail():
         return ((x - lo) / max(scale, 1e-30)).round().clamp(0, 2**bits - 1), scale, lo
 
     with pytest.raises(ExerciseFailed, match="2\\^bits - 1 steps"):
-        ch04.check_quantize_group(too_many_levels)
+        ch06.check_quantize_group(too_many_levels)
     with pytest.raises(ExerciseFailed, match="scale and zero of every group"):
-        ch04.check_quantized_cache_bytes(lambda *a: ch04._mistaken_bytes(*a, meta_numbers=0))
+        ch06.check_quantized_cache_bytes(lambda *a: ch06._mistaken_bytes(*a, meta_numbers=0))

@@ -1,4 +1,4 @@
-"""Serving (chapter 10): the synthetic workload is seeded and as stated, the replayer adds every
+"""Serving (chapter 14): the synthetic workload is seeded and as stated, the replayer adds every
 request once in arrival order on the engine's clock, the metrics dict is what a plain count says,
 the static transformers baseline is token-identical to generating each prompt alone, and the
 dashboard plots draw a hand-made metrics dict."""
@@ -242,7 +242,7 @@ def test_transformers_continuous_batching_adapter_is_exact():
 
 
 def test_mixed_prefill_keeps_each_requests_tokens_and_the_budget(tiny_llama):
-    """Chapter 16's workload on a tiny model: a budget changes when prompt tokens run, never which
+    """Chapter 3's workload on a tiny model: a budget changes when prompt tokens run, never which
     tokens come out, and no step runs more tokens than the budget."""
     from minigen.measure.serve_bench import mixed_prefill
     _, model = tiny_llama

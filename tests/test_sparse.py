@@ -1,4 +1,4 @@
-"""Dynamic sparse attention and heavy-hitter eviction (chapter 6): the keep rule and the sparse
+"""Dynamic sparse attention and heavy-hitter eviction (chapter 8): the keep rule and the sparse
 product against loops, the exact reduction to dense attention, H2O against a dense masked loop,
 and perplexity on SmolLM2 with a stated bound."""
 
@@ -207,17 +207,17 @@ def test_smollm2_sparse_perplexity(smollm2, english_text_ids):
     assert top_signed <= 1.05 * full and top_abs >= 5 * top_signed, (top_abs, top_signed, full)
 
 
-# ---------------------------------------------------------------- chapter 6 exercises
-def test_ch06_exercises():
-    from minigen.course.exercises import ExerciseFailed, ch06
-    assert ch06.check_keep_keys(ch06.solution_keep_keys)
+# ---------------------------------------------------------------- chapter 8 exercises
+def test_ch08_exercises():
+    from minigen.course.exercises import ExerciseFailed, ch08
+    assert ch08.check_keep_keys(ch08.solution_keep_keys)
     from test_exercises import attention_signed  # ranks by the signed score (the checker forbids the solution)
     with pytest.raises(ExerciseFailed, match=r"\|score\|"):
-        ch06.check_keep_keys(attention_signed)
+        ch08.check_keep_keys(attention_signed)
     with pytest.raises(ExerciseFailed):
-        ch06.check_keep_keys(lambda s, k, t: torch.ones_like(s, dtype=torch.bool))
-    assert ch06.check_attention_entropy(ch06.solution_attention_entropy)
+        ch08.check_keep_keys(lambda s, k, t: torch.ones_like(s, dtype=torch.bool))
+    assert ch08.check_attention_entropy(ch08.solution_attention_entropy)
     with pytest.raises(ExerciseFailed, match="natural log"):
-        ch06.check_attention_entropy(lambda p: float(-(p[p > 0] * p[p > 0].log2()).sum()))
+        ch08.check_attention_entropy(lambda p: float(-(p[p > 0] * p[p > 0].log2()).sum()))
     with pytest.raises(ExerciseFailed, match="0 log 0"):
-        ch06.check_attention_entropy(lambda p: float(-(p * p.log()).sum()))
+        ch08.check_attention_entropy(lambda p: float(-(p * p.log()).sum()))

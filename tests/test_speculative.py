@@ -1,4 +1,4 @@
-"""Speculative decoding (chapter 15): propose k tokens, verify them in one forward, keep what the
+"""Speculative decoding (chapter 13): propose k tokens, verify them in one forward, keep what the
 target agrees with.
 
 Oracles: plain greedy decoding (the same config without speculative_method), token for token, on

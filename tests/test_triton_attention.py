@@ -292,7 +292,7 @@ def test_the_kernels_compile_for_a_hopper_gpu(tmp_path):
 @pytest.mark.parametrize("T,causal,block_m,block_n", [(50, True, 16, 16), (50, False, 16, 32), (64, True, 32, 16),
                                                       (37, True, 16, 32)])
 def test_the_step_kernel_of_a_prompt_is_flash_attention(T, causal, block_m, block_n):
-    """triton_steps.flash_attention (chapter 16's first step): SDPA's output, and with causal=True each
+    """triton_steps.flash_attention (chapter 3's first step): SDPA's output, and with causal=True each
     tile of queries loads only the key tiles up to its last query (about half of them)."""
     import torch.nn.functional as F
 
@@ -307,7 +307,7 @@ def test_the_step_kernel_of_a_prompt_is_flash_attention(T, causal, block_m, bloc
 
 
 def test_merge_splits_is_the_softmax_of_the_whole_row():
-    """triton_attention.merge_splits (flash-decoding's reduction, chapter 9's exercise checks against it):
+    """triton_attention.merge_splits (flash-decoding's reduction, chapter 12's exercise checks against it):
     the splits' normalised results and log-sum-exps merge into softmax(s) v over every position, also
     with scores large enough that exp alone overflows and with a split that saw no key (lse = -inf)."""
     g = torch.Generator().manual_seed(9)

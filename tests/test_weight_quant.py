@@ -210,7 +210,7 @@ def test_a_prompt_multiplies_the_codes_a_panel_at_a_time(threads):
 
 
 def test_a_quantized_prompt_never_dequantizes_a_whole_matrix(monkeypatch):
-    """A prompt's products take the codes a tile at a time (chapter 16): dequantize() of a whole
+    """A prompt's products take the codes a tile at a time (chapter 3): dequantize() of a whole
     matrix, 4 bytes a weight written per product, is what they replace. Row lookups (the
     embedding) still dequantize the rows they read. Where the kernels are off, the reference
     dequantizes, as before."""

@@ -1,4 +1,4 @@
-"""The panels open on a view that teaches (issue 26, 6a): chapter 05's window panel opens on a head
+"""The panels open on a view that teaches (issue 26, 6a): chapter 07's window panel opens on a head
 whose window and sinks both show, chosen by measuring (widgets.teaching_head), on a log colour scale
 whose floor is stated, and the book's static snapshot of the panel shows the same numbers."""
 
@@ -15,7 +15,7 @@ from minigen.course.widgets import (LOG_FLOOR, SATURATED, map_structure, snapsho
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-N_MAP = 96  # the tokens chapter 05's panel shows
+N_MAP = 96  # the tokens chapter 07's panel shows
 ENTROPY_FLOOR = 1.0  # nats: a head reading only token 0 has ~0; reading 36 keys evenly, log 36 = 3.6
 STRUCTURE_FLOOR = 0.15  # share of pixels neither black nor saturated; the window band is ~30% of the map
 

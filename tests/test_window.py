@@ -1,4 +1,4 @@
-"""Window attention with sinks (chapter 5): the rolling-buffer cache against a dense masked loop,
+"""Window attention with sinks (chapter 7): the rolling-buffer cache against a dense masked loop,
 the exact reduction to full attention, flat memory, the article's snippet and its three fixes, and
 perplexity on SmolLM2 with a stated bound."""
 
@@ -11,7 +11,7 @@ import minigen
 from minigen.caches.contract import ANY_LAYER
 from minigen.attention import AttentionPolicy, attend, in_window, window_attention, window_mask
 from minigen.errors import ConfigError
-from minigen.course.exercises.ch05 import article_window_attention
+from minigen.course.exercises.ch07 import article_window_attention
 from minigen.caches.window import WindowKVCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -212,29 +212,29 @@ def test_smollm2_window_perplexity_needs_sinks(smollm2, english_text_ids):
     assert no_sinks >= 1.3 * sinks, (no_sinks, sinks)
 
 
-# ---------------------------------------------------------------- chapter 5 exercises
-def test_ch05_exercises():
-    from minigen.course.exercises import ExerciseFailed, ch05
-    assert ch05.check_slot_of(ch05.solution_slot_of)
+# ---------------------------------------------------------------- chapter 7 exercises
+def test_ch07_exercises():
+    from minigen.course.exercises import ExerciseFailed, ch07
+    assert ch07.check_slot_of(ch07.solution_slot_of)
     with pytest.raises(ExerciseFailed, match="keep the sink slots"):
-        ch05.check_slot_of(lambda p, W, s: p % W)
+        ch07.check_slot_of(lambda p, W, s: p % W)
     with pytest.raises(ExerciseFailed, match="never overwritten"):
-        ch05.check_slot_of(lambda p, W, s: p % (W + s))
-    assert ch05.check_window_attention(ch05.solution_window_attention)
+        ch07.check_slot_of(lambda p, W, s: p % (W + s))
+    assert ch07.check_window_attention(ch07.solution_window_attention)
     # The article's snippet itself fails on its first bug, the scaling.
     with pytest.raises(ExerciseFailed, match="1/sqrt"):
-        ch05.check_window_attention(lambda q, k, v, qp, kp, W, s: article_window_attention(q, k, v, W))
+        ch07.check_window_attention(lambda q, k, v, qp, kp, W, s: article_window_attention(q, k, v, W))
 
     def scaled_but_not_causal(q, k, v, qp, kp, W, s):
         return article_window_attention(q / q.shape[-1] ** 0.5, k, v, W)
     with pytest.raises(ExerciseFailed, match="causality"):
-        ch05.check_window_attention(scaled_but_not_causal)
+        ch07.check_window_attention(scaled_but_not_causal)
 
     def no_sinks(q, k, v, qp, kp, W, s):  # written out: the checker forbids the package's window_attention
         p, j = qp[:, None], kp[None, :]
         return attend(q, k, v, (j <= p) & (p - j < W))
     with pytest.raises(ExerciseFailed, match="sink"):
-        ch05.check_window_attention(no_sinks)
+        ch07.check_window_attention(no_sinks)
 
 
 def test_stats_count_the_buffer_and_the_prompts_moment(tiny_llama):

@@ -1,4 +1,4 @@
-"""The block allocator of the paged cache (chapter 3): pure bookkeeping, no tensors.
+"""The block allocator of the paged cache (chapter 5): pure bookkeeping, no tensors.
 
 A pool of `n_blocks` blocks of `block_size` token slots; one block table per sequence maps its
 logical block j (positions j*bs .. j*bs + bs - 1) to a physical block. Blocks are reference

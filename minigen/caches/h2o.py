@@ -1,4 +1,4 @@
-"""Heavy-hitter (H2O) eviction under a token budget (chapter 6).
+"""Heavy-hitter (H2O) eviction under a token budget (chapter 8).
 
 Shapes: L layers, B batch rows, H query heads, Hkv key/value heads, S = kv_budget slots,
 T new tokens, Dh head dim.

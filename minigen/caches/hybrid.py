@@ -1,6 +1,6 @@
 """The hybrid cache of models trained with sliding windows (Mistral, Qwen2, Gemma 2 and 3): a
 ring of `sliding_window` slots for each sliding layer, every position for each full layer, one
-object behind the cache contract (chapter 5).
+object behind the cache contract (chapter 7).
 
 Shapes: Lf full layers, Ls sliding layers, B batch, Hkv key/value heads, T new tokens, Dh head dim.
 

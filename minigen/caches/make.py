@@ -42,7 +42,7 @@ def make_cache(model, config: GenerationConfig, batch: int, max_len: int, pool_r
         return None
     check_run(config, Run.of_shapes(model.config))  # the rules that read the model's shapes (head dim)
     c, device = model.config, model.device
-    dtype = DTYPES[config.kv_dtype] if config.kv_dtype is not None else model.dtype  # storage (chapter 7)
+    dtype = DTYPES[config.kv_dtype] if config.kv_dtype is not None else model.dtype  # storage (chapter 9)
     # With an offload tier, the device holds only the layers in flight: prefetch_depth + 1.
     L = c.n_layers if config.prefetch_depth is None else min(c.n_layers, config.prefetch_depth + 1)
     window, sinks = config.window_size, (config.sink_tokens if config.window_size is not None else 0)

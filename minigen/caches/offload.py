@@ -1,4 +1,4 @@
-"""Offloading the KV cache to a second memory tier, fetching layers ahead (chapter 3).
+"""Offloading the KV cache to a second memory tier, fetching layers ahead (chapter 5).
 
 Shapes: L layers, P = prefetch_depth, P + 1 device slots (each holds one layer's cache state).
 

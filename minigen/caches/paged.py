@@ -1,4 +1,4 @@
-"""The paged (chunked) KV cache (chapter 3): a pool of fixed-size blocks and one block table per sequence.
+"""The paged (chunked) KV cache (chapter 5): a pool of fixed-size blocks and one block table per sequence.
 
 Shapes: L layers, N blocks in the pool, bs = block_size token slots per block, B batch rows (one
 sequence each), Hkv key/value heads, Dh head dim, T new tokens, n blocks read, S = n * bs key slots.

@@ -1,4 +1,4 @@
-"""The quantized KV caches (chapter 4): contiguous, and paged blocks stored as codes.
+"""The quantized KV caches (chapter 6): contiguous, and paged blocks stored as codes.
 
 Shapes: L layers, B batch, Hkv key/value heads, S token slots, T new tokens, Dh head dim,
 G group size (`group_size`).

@@ -1,4 +1,4 @@
-"""The rolling buffer for window attention with sinks (chapter 5).
+"""The rolling buffer for window attention with sinks (chapter 7).
 
 Shapes: L layers, B batch, Hkv key/value heads, S = sink_tokens + window_size + spare slots, T new
 tokens, Dh head dim.
@@ -28,7 +28,7 @@ class WindowKVCache:
     RoPE is applied before keys are cached (model.py), so this cache does not re-index positions as
     StreamingLLM does; generation past the model's trained context is not supported.
 
-    `spare` slots widen the ring past the window (speculative decoding, chapter 15): a verify step
+    `spare` slots widen the ring past the window (speculative decoding, chapter 13): a verify step
     writes k + 1 positions and may then rewind up to k of them, so the ring must still hold the
     window of the first rewound position; with spare = k nothing a rewind needs was overwritten.
     The mask still shows each query only its window: the spare slots cost memory, never text.

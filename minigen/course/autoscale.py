@@ -1,4 +1,4 @@
-"""The replica count a HorizontalPodAutoscaler asks for, from the pods' /metrics (chapter 11).
+"""The replica count a HorizontalPodAutoscaler asks for, from the pods' /metrics (chapter 15).
 
     hpa_targets(hpa, adapter_rules)  -> {/metrics series: per-pod target}: an autoscaling/v2 HPA's Pods
                                         metrics (AverageValue targets), each named back to the series
@@ -9,7 +9,7 @@ Kubernetes' algorithm (the HPA documentation's "Algorithm details"; pkg/controll
 for each metric, ratio = the pods' average / the target; within the tolerance (|ratio - 1| <= 0.1)
 that metric keeps the current count, else it proposes ceil(ratio x current replicas). The largest
 proposal wins, clamped to [minReplicas, maxReplicas]. The HPA's `behavior` (stabilization windows,
-rate policies: chapter 11 section 4) then limits how fast the count may move; that is not done here.
+rate policies: chapter 15 section 4) then limits how fast the count may move; that is not done here.
 The course's layer: the core never imports this.
 """
 

@@ -44,7 +44,7 @@ class Chapter:
     @property
     def number(self) -> str:
         """The two digits that start the notebook's name, and the letter of a chapter placed between two
-        ("04" for notebooks/04_kv_quantization.ipynb, "02b" for notebooks/02b_decoding.ipynb), as the
+        ("06" for notebooks/06_kv_quantization.ipynb; "02b" would name one placed between 02 and 03), as the
         claims ledger cites chapters; "" for a notebook not named that way."""
         match = re.match(r"(\d\d[a-z]?)_", Path(self.notebook).name)
         return match.group(1) if match else ""
@@ -56,7 +56,7 @@ class Chapter:
 
     @property
     def doc(self) -> str:
-        """The chapter's Sphinx document name in the static book: "notebooks/04_kv_quantization"."""
+        """The chapter's Sphinx document name in the static book: "notebooks/06_kv_quantization"."""
         return Path(self.notebook).with_suffix("").as_posix()
 
 

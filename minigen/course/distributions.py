@@ -1,5 +1,5 @@
 """Exact distributions of a tiny model's next tokens, and the tests that compare sampled tokens with
-them (chapter 15: speculative sampling must leave the target's distribution exactly as it was).
+them (chapter 13: speculative sampling must leave the target's distribution exactly as it was).
 The course's layer: the core never imports this.
 
     tiny_llama(vocab_size, seed)                    -> a random Llama small enough to enumerate

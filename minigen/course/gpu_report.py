@@ -6,10 +6,10 @@ figure says where and when it was measured from the file itself (GPU, date, comm
 
     load(path=None)                 -> Report (figures/gpu/NVIDIA_H200.json by default); GPUReportError,
                                        one line, when the file is missing or is not a gpu_check report
-    decode_rows / decode_table / plot_decode       chapter 8: eager, compile, CUDA graphs, reduce-overhead
+    decode_rows / decode_table / plot_decode       chapter 11: eager, compile, CUDA graphs, reduce-overhead
     fixed_ms_per_token / decode_findings           the time a token takes whatever the model's size
-    kernel_rows / kernel_table / plot_kernel / kernel_findings       chapter 9: the Triton decode kernel
-    roofline_rows / roofline_table / plot_roofline                   chapter 12: measured points on the roofline
+    kernel_rows / kernel_table / plot_kernel / kernel_findings       chapter 12: the Triton decode kernel
+    roofline_rows / roofline_table / plot_roofline                   chapter 17: measured points on the roofline
     prefill_rows / prefill_table / plot_prefill / prefill_findings   FlashAttention: the Triton prefill kernel
 """
 
@@ -124,7 +124,7 @@ def table(report: Report, rows: list[dict], columns: list[tuple[str, str, str]],
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- chapter 8: decode, compiled, graphed
+# ---------------------------------------------------------------- chapter 11: decode, compiled, graphed
 def decode_rows(report: Report) -> list[dict]:
     """One row per model shape and mode (and transformers where the report measured it): tok/s, ms a
     token, the share of the roofline at the report's measured copy bandwidth and at the spec sheet's."""
@@ -214,7 +214,7 @@ def plot_decode(report: Report) -> Figure:
     return fig
 
 
-# ---------------------------------------------------------------- chapter 9: the Triton decode-attention kernel
+# ---------------------------------------------------------------- chapter 12: the Triton decode-attention kernel
 def kernel_rows(report: Report) -> list[dict]:
     """One row per context and cache format: the kernel's ms against gather + SDPA's on the same blocks."""
     kernel = report.check("kernel")
@@ -347,7 +347,7 @@ def plot_prefill(report: Report) -> Figure:
     return fig
 
 
-# ---------------------------------------------------------------- chapter 12: measured points on the roofline
+# ---------------------------------------------------------------- chapter 17: measured points on the roofline
 def roofline_rows(report: Report) -> list[dict]:
     """Each measured step as a roofline point: FLOP/byte and FLOP/s achieved. Decode steps count 2 FLOPs
     per bf16 weight (1 per byte; attention over the short context adds well under 1%); the attention

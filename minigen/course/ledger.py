@@ -2,7 +2,7 @@
 one data file (claims.toml), checked when it is read.
 
     load_claims() ─> [Claim, ...] ─> format_ledger (a table) | to_dict (python -m minigen ledger --json)
-                                  ─> verdict_counts (what chapter 13's figures/13_ledger.png draws)
+                                  ─> verdict_counts (what chapter 18's figures/18_ledger.png draws)
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def to_dict(claims: list[Claim]) -> list[dict]:
 
 def verdict_counts(claims: list[Claim]) -> dict[str, int]:
     """How many claims hold each verdict, in VERDICTS order (every verdict present, zero or not): the
-    data behind the ledger's bar in chapter 13, so a test can compare the figure's data, not its pixels."""
+    data behind the ledger's bar in chapter 18, so a test can compare the figure's data, not its pixels."""
     return {v: sum(c.verdict == v for c in claims) for v in VERDICTS}
 
 

@@ -153,7 +153,7 @@ def package_map(package: ModuleType) -> str:
     return "\n".join(rows)
 
 
-# ---------------------------------------------------------------- chapter 12: profile, roofline, C7, GPU reports
+# ---------------------------------------------------------------- chapter 17: profile, roofline, C7, GPU reports
 def plot_categories(profile, ax=None):
     """Bars of ms per decode step by category, from `minigen.measure.profiling.profile`."""
     import matplotlib.pyplot as plt
@@ -253,7 +253,7 @@ def plot_gpu_profiles(reports: dict, ax=None):
     return ax
 
 
-# ---------------------------------------------------------------- serving (chapter 10): the metrics dict
+# ---------------------------------------------------------------- serving (chapter 14): the metrics dict
 PHASE_COLORS = {"queued": "0.8", "prefill": "C1", "decode": "C0", "preempted": "C3"}
 
 

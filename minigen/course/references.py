@@ -176,7 +176,7 @@ def missing_reference(ref: Reference, files: set[str], folders: set[str]) -> str
 # ---------------------------------------------------------------- chapter numbers
 NUMBER = r"\d{1,2}[a-z]?"
 SEPARATOR = r"(?:\s*,\s*(?:and\s+|or\s+)?|\s+and\s+|\s+or\s+|\s*/\s*|\s*[–-]\s*|\s+to\s+)"
-# "chapter 3", "Chapter 2b", "chapters 5 and 6", "chapters 3, 4 and 5", "chapters 5/6", "ch 12",
+# "chapter 3", "Chapter 4", "chapters 5 and 6", "chapters 3, 4 and 5", "chapters 5/6", "ch 12",
 # "ch12", "ch. 12", "exercises/ch04.py", "test_exercise_ch17.py"; only the plural takes a list.
 CHAPTER_REF = re.compile(rf"(?<![A-Za-z])(?:(?P<plural>[Cc]hapters)\s+(?P<list>{NUMBER}(?:{SEPARATOR}{NUMBER})*)"
                          rf"|(?:[Cc]hapter\s+|[Cc]h\.?\s?)(?P<one>{NUMBER}))(?![\w])")
@@ -206,7 +206,7 @@ def chapter_number_refs(text: str) -> list[tuple[str, tuple[int, int]]]:
 
 def renumber(text: str, new_numbers: dict[str, str]) -> str:
     """`text` with each chapter number that `new_numbers` maps ("03" -> "04") rewritten, in the form it
-    was written: "chapter 3" -> "chapter 4", "ch03" -> "ch04", "chapter 2b" -> "chapter 3"."""
+    was written: "chapter 3" -> "chapter 4", "ch03" -> "ch04", "chapter 12" -> "chapter 9"."""
     for number, (start, end) in reversed(chapter_number_refs(text)):
         if number in new_numbers:
             new = new_numbers[number]

@@ -1,4 +1,4 @@
-"""Chapter 10's replays: static batches on minigen's own generate, and the Engine's scheduling choices.
+"""Chapter 14's replays: static batches on minigen's own generate, and the Engine's scheduling choices.
 
     StaticGenerate(model, max_batch_size)  static batches of `minigen.generate` (ragged rows), with the
                                            Engine's API (add_request, step, run, metrics), so that

@@ -1,4 +1,4 @@
-"""A serving workload simulated on the block allocator alone (chapter 3; the course's layer: the
+"""A serving workload simulated on the block allocator alone (chapter 5; the course's layer: the
 core never imports this).
 
     simulate(requests, block_size, max_len) -> Simulation: the slots written, held by a paged cache,

@@ -79,7 +79,7 @@ def combination_table() -> str:
     rows += [f"- `{key}` in {WHERE_REFUSED.get(where, (where,))[0]}: refused: {why}; {fix}."
              for where, table in SETTINGS_REFUSED.items() for key, (_, why, fix) in table.items()]
     rows += ["", "Models with their own sliding window (`ModelConfig.layer_types`: Mistral, Qwen2 with "
-             "`use_sliding_window`, Gemma 3; chapter 5) get the hybrid cache, a ring per sliding layer and every position "
+             "`use_sliding_window`, Gemma 3; chapter 7) get the hybrid cache, a ring per sliding layer and every position "
              "per full layer. Beside it:"]
     rows += [f"- `{feature}`: {verdict}: {how}." for feature, (verdict, how) in MODEL_WINDOW.items()]
     return "\n".join(rows)

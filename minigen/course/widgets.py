@@ -21,7 +21,7 @@ from ..numerics.quant import GROUP_AXIS, VALUE_AXIS, round_trip
 from ..caches.quantized import QuantizedKVCache
 
 
-# ---------------------------------------------------------------- chapter 4: KV quantization
+# ---------------------------------------------------------------- chapter 6: KV quantization
 def _quant_numbers(keys: Tensor, values: Tensor, cfg: ModelConfig, bits: int, group_size: int,
                    residual: int, key_axis: str, context: int, dtype: torch.dtype = torch.float16) -> dict:
     """Memory of a QuantizedKVCache for `context` tokens of a `dtype` model, and the relative RMS
@@ -85,7 +85,7 @@ def quant_panel(keys: Tensor, values: Tensor, cfg: ModelConfig, context: int = 4
     return box
 
 
-# ---------------------------------------------------------------- chapter 5: window and sinks
+# ---------------------------------------------------------------- chapter 7: window and sinks
 LOG_FLOOR = 1e-3  # the map's colour floor: attention below it, and masked keys, are drawn black
 SATURATED = 0.9  # attention at or above it is drawn at the top of the colour scale
 

@@ -1,4 +1,4 @@
-"""Log-probabilities of the tokens a generation picks (chapter 2b; OpenAI's `logprobs` / `top_logprobs`).
+"""Log-probabilities of the tokens a generation picks (chapter 4; OpenAI's `logprobs` / `top_logprobs`).
 
 Shapes: B rows, V vocabulary.
 

@@ -1,6 +1,6 @@
 """The decoding settings' values, checked: min_p, the penalties, n, logprobs and logit_bias, and the settings
 that read text (stop strings; what structured output constrains a reply to, response_format,
-guided_regex and guided_grammar, and who compiles it, guided_backend) (chapter 2b).
+guided_regex and guided_grammar, and who compiles it, guided_backend) (chapter 4).
 
 config.py calls `check_decoding` and `check_text_settings` when a config is built, with the other
 values; each refusal is a ConfigError naming the key, the value and what to write instead. What needs the
@@ -78,7 +78,7 @@ _FORMAT_SHAPE = ('{"type": "json_schema", "json_schema": {"name": "reply", "sche
 
 
 def check_text_settings(c) -> None:
-    """stop, response_format, guided_regex, guided_grammar and guided_backend (chapter 2b)."""
+    """stop, response_format, guided_regex, guided_grammar and guided_backend (chapter 4)."""
     if c.stop is not None:
         if not isinstance(c.stop, tuple) or not all(isinstance(s, str) for s in c.stop):
             raise ConfigError(f"stop={c.stop!r} is invalid: use a string or a list of up to {MAX_STOPS} "

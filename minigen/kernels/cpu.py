@@ -49,7 +49,7 @@ def _gemv(x: Tensor, w: Tensor) -> Tensor:
     return y
 
 
-# The same call as a torch operator, so that torch.compile keeps it in its graph (chapter 8):
+# The same call as a torch operator, so that torch.compile keeps it in its graph (chapter 11):
 # inductor cannot see into C, so the operator says what it returns (`register_fake`) and calls
 # the kernel as it is when the compiled step runs. Registered on the CPU dispatch key directly:
 # a call costs ~7 us, half of what torch.library.custom_op's wrapper costs, 121 times a step.
@@ -108,7 +108,7 @@ def matvec(x: Tensor, w: Tensor) -> Tensor | None:
     to them). The sums run in fp32 in another order than torch's: results agree to about 1e-6
     relative.
     """
-    if isinstance(w, QuantizedWeight):  # int8 / int4 codes (chapter 14)
+    if isinstance(w, QuantizedWeight):  # int8 / int4 codes (chapter 10)
         return _matvec_quantized(x, w)
     if not (build.is_enabled() and w.device.type == "cpu" and x.dtype == torch.float32 and w.dtype in KERNEL_DTYPES
             and w.dim() == 2 and w.is_contiguous()
@@ -205,7 +205,7 @@ def bf16_dot_products() -> bool | None:
 # Bytes of one fp32 tile of a matrix for bf16_linear (its weights or codes widened a tile at a
 # time): inside the L3 of this course's CPUs (32 MB on the AMD EPYC, 105 MB on the Xeon), and few
 # tiles per matrix (SmolLM2: 5 a layer), because each tile is one more pair of parallel regions,
-# and next to a busy process every region waits for a time slice (chapter 8). Measured on the
+# and next to a busy process every region waits for a time slice (chapter 11). Measured on the
 # Xeon: 1 MB tiles (in a core's L2) ran 512-row products about 10% faster on a quiet machine; a
 # 512-token prompt through 1 MB tiles took 13.6 s next to a busy process, where transformers took
 # 3.6 s.
@@ -260,7 +260,7 @@ def quantized_linear_s8(x: Tensor, w: QuantizedWeight) -> Tensor | None:
 def bf16_linear(x: Tensor, w: Tensor | QuantizedWeight, kept: Tensor | None = None) -> Tensor | None:
     """x [..., k] @ w.T with both rounded to bf16 and fp32 sums, through oneDNN (which runs bf16 dot
     products: AVX512-BF16's vdpbf16ps, or AMX tiles) -> [..., n] fp32, rounded to bf16 by the GEMM:
-    a prompt's products under prefill_precision="bfloat16" (chapter 16). w is fp32 or bf16, or int8 /
+    a prompt's products under prefill_precision="bfloat16" (chapter 3). w is fp32 or bf16, or int8 /
     int4 codes. `kept`: w's bf16 copy, which the model's first bf16 prompt made (numerics/bf16_copies.py),
     read instead of converting w; without one, w is rounded to bf16 whole (fp32) or a tile of rows at
     a time (codes), with the same bits. None where it does not apply (the rules of `linear`; codes

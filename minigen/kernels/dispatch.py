@@ -22,7 +22,7 @@ accepts it and otherwise to the reference:
                        vpdpbusd, oneDNN, _int_mm)
     rms_norm           up to 64 fp32 rows on a CPU: one C call                        F.rms_norm
     decode_attention   one query per row, fp32 on a CPU: the C loop                   SDPA
-    attend_blocks      Triton's fused kernel over the paged blocks (chapter 9)        gather + attend
+    attend_blocks      Triton's fused kernel over the paged blocks (chapter 12)        gather + attend
     attend_prompt_blocks
                        a prompt's T queries: Triton's FlashAttention over the blocks  gather + attend
 
@@ -58,7 +58,7 @@ from .probes import FLOOR, Shapes
 
 class KernelOps:
     """The reference's ops (model.TorchOps), each run by a kernel where one takes the call."""
-    prompt: PromptFormat = FP32  # the format of a prompt's products (prefill_precision, chapter 16)
+    prompt: PromptFormat = FP32  # the format of a prompt's products (prefill_precision, chapter 3)
     reads_blocks: bool = False  # attention reads a paged cache's blocks in place (attention_backend='triton')
     int8_act: bool = False  # int4/int8 weights meet int8 activations (int8_activations, numerics/int8_act.py)
 

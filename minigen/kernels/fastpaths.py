@@ -33,7 +33,7 @@ dimension at least SmolLM2-135M's, since a test model's 32 channels would measur
 the kernel), fast and reference back to back in pairs, and keeps the median ratio of the pairs (a
 busy neighbour slows both calls of a pair alike): about a second for all of them, once per machine.
 All at one thread: what each path does per core. More threads split the same work, and next to a
-busy neighbour every parallel region waits for its late thread (chapter 8), so a two-thread timing
+busy neighbour every parallel region waits for its late thread (chapter 11), so a two-thread timing
 on a shared machine measures the neighbour, not the kernel. A fast path more than 4x slower than its
 reference on a first short product is not run longer. The results are kept per (CPU model and flags,
 torch version, minigen's version and kernel sources) in $MINIGEN_CACHE/fastpaths/, written

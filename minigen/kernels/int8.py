@@ -1,4 +1,4 @@
-"""A prompt's int8 products (prefill_precision="int8", chapter 16), three ways to run one GEMM.
+"""A prompt's int8 products (prefill_precision="int8", chapter 3), three ways to run one GEMM.
 
 Shapes: T rows (a prompt's tokens, over every batch row), n outputs, k inputs (a weight is [n, k]),
 m outlier columns of k.

@@ -1,4 +1,4 @@
-"""Fused decode attention in Triton (chapter 9): one query token per sequence attends over its
+"""Fused decode attention in Triton (chapter 12): one query token per sequence attends over its
 paged blocks in place, through the block table, dequantizing 8- and 4-bit codes as they load.
 
 Shapes: B batch rows, H query heads, Hkv key/value heads, G = H / Hkv query heads per key/value

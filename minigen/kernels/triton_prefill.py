@@ -1,4 +1,4 @@
-"""FlashAttention forward over paged blocks in Triton (chapter 9): a prompt's T queries per row
+"""FlashAttention forward over paged blocks in Triton (chapter 12): a prompt's T queries per row
 attend to the positions their row holds, read in place through the block table, as the decode
 kernel (triton_attention.py) reads them for one query.
 

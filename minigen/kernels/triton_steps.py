@@ -1,4 +1,4 @@
-"""The small kernels of chapter 9, each one step from the last toward triton_attention.py.
+"""The small kernels of chapter 12, each one step from the last toward triton_attention.py.
 
 Shapes: N elements, R rows, C columns, H heads, S positions, Dh head dim, bs slots per block,
 G elements per quantization group.
@@ -13,7 +13,7 @@ and returns what the torch one-liner in its docstring returns. In order:
     head_attention        one query per head over a contiguous cache [H, S, Dh]
     paged_head_attention  the same through a block table into a pool [N, bs, H, Dh]
     paged_int4_attention  the same over 4-bit codes, dequantized as they load
-    flash_attention       a prompt (chapter 9, section 10): tiles of queries against tiles of keys, the
+    flash_attention       a prompt (chapter 12, section 10): tiles of queries against tiles of keys, the
                           online softmax on tiles, key tiles past the diagonal never loaded
 
 The last step, split-K with grouped-query heads, windows and 8-bit codes, is the package's kernel:
@@ -225,7 +225,7 @@ def paged_int4_attention(q: Tensor, k, v, block_table: Tensor, S: int, block: in
     return out
 
 
-# ---------------------------------------------------------------- 7. a prompt: tiles of queries (chapter 9, section 10)
+# ---------------------------------------------------------------- 7. a prompt: tiles of queries (chapter 12, section 10)
 @jit
 def flash_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, visits_ptr, T, Dh, sm_scale, CAUSAL: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr):

@@ -40,21 +40,21 @@ REPORTED = {"decode tokens/s": (42.0, 128.0), "TTFT ms": (350.0, 320.0), "memory
 
 # key -> what minigen does with it (every key is applied; the notes flag where it differs from the article)
 NOTES = {
-    "cache_chunk_size": "applied: a paged cache of 256-token blocks (chapter 3: vLLM uses 16; a 256-token block "
+    "cache_chunk_size": "applied: a paged cache of 256-token blocks (chapter 5: vLLM uses 16; a 256-token block "
                         "leaves up to 255 slots of each row's last block empty)",
     "quant_bits": "applied: 4-bit keys (per channel) and values (per token), groups of 32 with a scale and zero each "
-                  "(the article's 32 per scale; chapter 4), the newest 32 tokens in full precision",
+                  "(the article's 32 per scale; chapter 6), the newest 32 tokens in full precision",
     "window_size": "applied, with a difference flagged: minigen keeps 4 sink tokens (sink_tokens=4; the article's "
-                   "snippet has none, and chapter 5 measures what a window costs without them); with "
+                   "snippet has none, and chapter 7 measures what a window costs without them); with "
                    "cache_chunk_size, blocks wholly outside the window and the sinks go back to the pool "
                    "(minigen/combinations.py's APPLIED table; section 3 prints the block table)",
     "sparsity_threshold": "applied: keep keys whose |q.k|/sqrt(d) >= 0.1 x the head's largest (sparse_score='abs', "
-                          "the article's rule; chapter 6 found it keeps ~88% of keys)",
+                          "the article's rule; chapter 8 found it keeps ~88% of keys)",
     "prefetch_depth": "applied, flagged: the cache lives in a second tier and 2 layers are fetched ahead; on a CPU "
                       "both tiers are the same memory, so nothing overlaps and the copies only cost time",
 }
 SINK_TOKENS = 4
-KV_4BIT_RATIO = 5 / 16  # a 4-bit code + a 16-bit scale and zero per 32 elements, against fp16 (chapter 4)
+KV_4BIT_RATIO = 5 / 16  # a 4-bit code + a 16-bit scale and zero per 32 elements, against fp16 (chapter 6)
 
 
 def translate(article: dict | None = None) -> tuple[GenerationConfig, dict[str, str]]:
@@ -245,7 +245,7 @@ def prefill_tokens(cfg: ModelConfig, ttft_s: float, mfu: float = 1.0, ceiling: C
     return ttft_s * mfu * ceiling.peak_flops / (2 * streamed_params(cfg))
 
 
-MATCH_TOLERANCE = 0.25  # a modelled number "matches" a reported one within 25% either way (stated in chapter 12)
+MATCH_TOLERANCE = 0.25  # a modelled number "matches" a reported one within 25% either way (stated in chapter 17)
 
 
 def matches(c: Candidate, tolerance: float = MATCH_TOLERANCE) -> dict[str, bool]:
@@ -274,7 +274,7 @@ def c7_table(cfg: ModelConfig = GPT3_175B, batches=(1, 8, 32, 128), contexts=(51
     """Where a decode step's time goes on `gpus` x `ceiling` (ideal tensor parallelism: bandwidth, FLOP/s and
     memory add up), and the bound on what each KV optimization buys. 4-bit KV reads 5/16 of the fp16
     bytes; the window reads window + 4 sinks positions; sparse attention must still read every key to
-    score it, and skips the values of the keys it drops (`sparse_keep`: chapter 6's 88% at threshold 0.1).
+    score it, and skips the values of the keys it drops (`sparse_keep`: chapter 8's 88% at threshold 0.1).
     None of them reads fewer weights, so the weights' time is a floor."""
     bw, peak, memory = gpus * ceiling.bandwidth, gpus * ceiling.peak_flops, gpus * ceiling.memory_bytes
     weights = streamed_params(cfg) * 2

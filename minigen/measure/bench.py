@@ -74,7 +74,7 @@ def bytes_per_decode_step(model, context: int, kv_bytes_per_element: int = 4) ->
 def prompt_ids(tokenizer, prompt_len: int, grounded: bool = False) -> torch.Tensor:
     """The first `prompt_len` tokens of real English text, [1, prompt_len]. grounded=True wraps them in
     a chat prompt that asks the model to copy them (an input-grounded task: what prompt lookup,
-    chapter 15, speeds up), [1, prompt_len + the template's tokens]. SmolLM2-135M paraphrases when
+    chapter 13, speeds up), [1, prompt_len + the template's tokens]. SmolLM2-135M paraphrases when
     asked to "repeat the text exactly" and copies when asked to copy it "word for word"."""
     text = TEXT.read_text(encoding="utf-8") if TEXT.exists() else "The quick brown fox jumps over the lazy dog. " * 200
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :prompt_len]
@@ -280,7 +280,7 @@ def _build_engines(model, model_config, state: dict, folder: Path, ids: torch.Te
 
     `model` is minigen's model in `dtype`. A ratio between two minigen settings is taken within
     one run, on one machine state: weight_bits times minigen unquantized beside the quantized
-    model, and a dtype other than fp32 times minigen in fp32 too (chapter 7)."""
+    model, and a dtype other than fp32 times minigen in fp32 too (chapter 9)."""
     from ..loading import build_model
     prompt_len = ids.shape[1]
     context = prompt_len + new_tokens // 2  # the rooflines: the bytes of the average step, mid-run

@@ -44,14 +44,14 @@ from ..numerics.precision import DTYPES
 
 # setting -> (expected perplexity change in %, where it was measured), SmolLM2-135M
 QUALITY_LOSS = {
-    "kv_dtype": (0.2, "chapter 07: a 16-bit KV cache kept perplexity within 0.2% of fp32's (512 tokens)"),
+    "kv_dtype": (0.2, "chapter 09: a 16-bit KV cache kept perplexity within 0.2% of fp32's (512 tokens)"),
     # quant_bits: minigen/data/kv_quant_quality.json, written by scripts/kv_quant_quality.py on 2026-12-03
-    # (AMD EPYC, one thread of a two-core CPU, 600 tokens, bf16 scales and zeros); chapter 04 renders it.
-    "quant_bits=8": (0.0, "chapter 04: 8-bit keys per channel, +0.00% perplexity (600 tokens)"),
-    "quant_bits=4": (0.37, "chapter 04: 4-bit keys per channel, 32-token window, +0.37% perplexity (600 tokens)"),
-    "window_size=256": (7.0, "chapter 05: window 256 + 4 sinks, 1.07x perplexity (1,200 tokens)"),
-    "window_size=128": (11.0, "chapter 05: window 128 + 4 sinks, 1.11x perplexity (1,200 tokens)"),
-    "window_size=64": (26.0, "chapter 05: window 64 + 4 sinks, 1.26x perplexity (1,200 tokens)"),
+    # (AMD EPYC, one thread of a two-core CPU, 600 tokens, bf16 scales and zeros); chapter 06 renders it.
+    "quant_bits=8": (0.0, "chapter 06: 8-bit keys per channel, +0.00% perplexity (600 tokens)"),
+    "quant_bits=4": (0.37, "chapter 06: 4-bit keys per channel, 32-token window, +0.37% perplexity (600 tokens)"),
+    "window_size=256": (7.0, "chapter 07: window 256 + 4 sinks, 1.07x perplexity (1,200 tokens)"),
+    "window_size=128": (11.0, "chapter 07: window 128 + 4 sinks, 1.11x perplexity (1,200 tokens)"),
+    "window_size=64": (26.0, "chapter 07: window 64 + 4 sinks, 1.26x perplexity (1,200 tokens)"),
 }
 KV_STORAGE = [{}, {"kv_dtype": "bfloat16"}, {"kv_dtype": "float16"}, {"quant_bits": 8}, {"quant_bits": 4}]
 PAGED_CHUNKS = (16, 256)  # vLLM's default block size, and the article's cache_chunk_size
@@ -254,7 +254,7 @@ def options(cfg: ModelConfig, batch: int, context: int, dtype: str | torch.dtype
     A quantized cache keeps every token (the window is only a mask: minigen/combinations.py's APPLIED table), so
     quantization is not paired with a window; a window no shorter than the context changes nothing,
     and one larger than the model's own sliding window is refused (combinations.py), so not offered.
-    A chunked prompt gives the same tokens (chapter 16), so chunking costs no quality, only some
+    A chunked prompt gives the same tokens (chapter 3), so chunking costs no quality, only some
     prefill speed: the whole prompt is offered wherever it fits."""
     out, own = [], cfg.own_window  # own: the model's sliding window, 0 when no layer slides
     for storage in KV_STORAGE:

@@ -201,7 +201,7 @@ def profile(model_, input_ids: torch.Tensor, config: GenerationConfig | None = N
     cache = plan.make_cache(model_)
     with step.grad_mode():
         policy = plan.make_policy(cache)
-        # the prompt's products (and attention) in their format (chapter 16)
+        # the prompt's products (and attention) in their format (chapter 3)
         logits = step.prefill(model_, input_ids, torch.arange(T, device=input_ids.device), cache, policy,
                               ops=plan.prompt_ops)
         pos, decode_ops = T, plan.decode_ops

@@ -175,7 +175,7 @@ def matmul_flops(n: int = 2048, threads: int = 2, repeats: int = 5) -> float:
 
 def format_peaks(threads: int = 2, n: int = 1024, repeats: int = 5) -> dict[str, float]:
     """Multiply-adds per nanosecond of an [n, n] @ [n, n] product in each number format, on `threads`
-    threads, best of `repeats` (chapter 16): fp32 and bf16 through oneDNN's GEMM (the product a
+    threads, best of `repeats` (chapter 3): fp32 and bf16 through oneDNN's GEMM (the product a
     prompt runs: bf16 inputs meet in vdpbf16ps or AMX tiles, with fp32 sums), int8 x int8 with int32
     sums through torch._int_mm (VNNI's vpdpbusd or AMX). A format this torch cannot multiply is left out."""
     before = torch.get_num_threads()

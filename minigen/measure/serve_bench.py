@@ -1,4 +1,4 @@
-"""Serving benchmark (chapter 10): one synthetic workload (workload.py) replayed through minigen's
+"""Serving benchmark (chapter 14): one synthetic workload (workload.py) replayed through minigen's
 Engine and through transformers' own batched generation on the same weights, side by side.
 
     StaticBatches(hf_model)          transformers `generate` on static batches, left-padded, in
@@ -267,11 +267,11 @@ def format_serve_bench(result: dict) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- chunked prefill (chapter 10)
+# ---------------------------------------------------------------- chunked prefill (chapter 14)
 def mixed_prefill(model, text_ids: torch.Tensor, budget: int | None, *, short: int = 4, new: int = 48,
                   n_long: int = 2, long: int = 512, gap_s: float = 0.5) -> dict:
     """Long prompts arrive while short requests decode, on a fresh Engine with
-    max_num_batched_tokens=budget (None: every prompt in one step): the workload of chapter 10 and
+    max_num_batched_tokens=budget (None: every prompt in one step): the workload of chapter 14 and
     scripts/chunked_prefill.py. `short` requests (32-token prompts from text_ids, `new` greedy tokens
     each, no stop token) start together; `n_long` requests of `long` prompt tokens arrive `gap_s`
     apart while they decode, each wanting 4 tokens.

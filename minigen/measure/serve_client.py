@@ -1,5 +1,5 @@
 """A load generator for any OpenAI-compatible server (`serve-bench --url`, scripts/serve_race.py): the
-serving workload of chapter 10 (workload.py), sent over HTTP with the `openai` client, every request
+serving workload of chapter 14 (workload.py), sent over HTTP with the `openai` client, every request
 streamed, each one timed from the client's side.
 
     build_workload(tokenizer, n, rate, seed=0)       -> Workload (the in-process serve-bench's workload)

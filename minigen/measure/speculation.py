@@ -1,5 +1,5 @@
 """The speed model of speculative decoding (Leviathan et al. 2023, section 3), and its check against
-what a run measured (chapter 15, `bench`).
+what a run measured (chapter 13, `bench`).
 
 Each proposed token is accepted with probability α, independently of the others (the model's
 simplification). A round proposes k tokens and emits the accepted prefix plus one token of the

@@ -1,4 +1,4 @@
-"""bf16 copies of a model's block weights for bf16 prompts (chapter 16): prefill_precision="bfloat16".
+"""bf16 copies of a model's block weights for bf16 prompts (chapter 3): prefill_precision="bfloat16".
 
 A bf16 prompt multiplies bf16 inputs with fp32 sums (kernels/cpu.py's `bf16_linear`, oneDNN's bf16
 GEMM). Its weights must be bf16 too: converting an fp32 matrix on every call (`w.bfloat16()`, a new

@@ -1,4 +1,4 @@
-"""The copies of a model's block weights that its prompt formats read (chapter 16): `model.weight_copies`.
+"""The copies of a model's block weights that its prompt formats read (chapter 3): `model.weight_copies`.
 
 A bf16 prompt multiplies each block weight's bf16 copy (bf16_copies.py), an int8 prompt its int8
 codes and scales (w8a8.py). Each model holds its own `WeightCopies`, made empty with the model

@@ -1,4 +1,4 @@
-"""int8 activations for int4 / int8 weights (chapter 14): integer dot products, as llama.cpp's Q4_0 and
+"""int8 activations for int4 / int8 weights (chapter 10): integer dot products, as llama.cpp's Q4_0 and
 Q8_0 run on a CPU.
 
 Shapes: M rows of x (a decode step's one, a verify's few, a prompt's many), n outputs, k inputs (a

@@ -1,4 +1,4 @@
-"""Weights that are not on a 4-bit grid, and a quantizer that compensates its errors (chapter 14).
+"""Weights that are not on a 4-bit grid, and a quantizer that compensates its errors (chapter 10).
 
 minigen's SmolLM2 is the dequantized Q4_1 GGUF: its "fp32" linear weights already sit on a 4-bit grid
 of groups of 32, so requantizing them to int4 in groups of 32 loses nothing by construction, and
@@ -13,7 +13,7 @@ off-grid weights and quantizes them two ways.
   is pushed onto the columns not yet rounded, weighted by the inverse Hessian of the layer's
   inputs, so the layer's output on calibration data moves less than round-to-nearest moves it.
   The result is minigen's own group-wise format (`QuantizedWeight`): the same kernels run it.
-- `bf16_weight_kl`: chapter 7's bf16-weight study (the weights rounded to bf16, fp32 activations)
+- `bf16_weight_kl`: chapter 9's bf16-weight study (the weights rounded to bf16, fp32 activations)
   on any model, e.g. the rotated one.
 """
 
@@ -205,9 +205,9 @@ def gptq_quantize(model, calibration_ids: Tensor, bits: int = 4, group_size: int
     return model
 
 
-# ---------------------------------------------------------------- chapter 7's study, any weights
+# ---------------------------------------------------------------- chapter 9's study, any weights
 def bf16_weight_kl(model, text_ids: Tensor) -> dict[str, float]:
-    """Round `model`'s weights to bf16, keep fp32 activations (chapter 7's default policy), and
+    """Round `model`'s weights to bf16, keep fp32 activations (chapter 9's default policy), and
     compare with the float model on text_ids [T], one forward pass each without a cache ->
     {"KL": mean over positions of KL(p_float || p_bf16) in nats, "top-1 agreement": share}."""
     ids = text_ids.reshape(1, -1)

@@ -1,4 +1,4 @@
-"""Mixed precision (chapter 7): what each number is stored in, and what it is computed in.
+"""Mixed precision (chapter 9): what each number is stored in, and what it is computed in.
 
     weights      model.dtype           fp32, bf16 or fp16: minigen.load(name, dtype=...)
     activations  model.precision       fp32, or the weights' dtype: the residual stream between ops
@@ -66,7 +66,7 @@ class Precision:
         return f"{name[weights]} weights, {name[self.compute]} activations, {critical}"
 
 
-# ---------------------------------------------------------------- a prompt's products (chapter 16)
+# ---------------------------------------------------------------- a prompt's products (chapter 3)
 # A prompt's matrix products are bound by arithmetic, a decode step's by memory: the format that
 # pays differs. GenerationConfig.prefill_precision picks the prompt's: `prompt_format` turns it into
 # a `PromptFormat`, which the ops of a prompt's forward carry (model.TorchOps.prompt,

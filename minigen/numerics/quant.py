@@ -1,4 +1,4 @@
-"""Group-wise 8/4/2-bit quantization: codes, scales and zeros, packing (chapter 4; the caches that
+"""Group-wise 8/4/2-bit quantization: codes, scales and zeros, packing (chapter 6; the caches that
 store them are caches/quantized.py, the weights numerics/weight_quant.py).
 
 Shapes: L layers, B batch, Hkv key/value heads, S token slots, T new tokens, Dh head dim,
@@ -90,7 +90,7 @@ def meta_dtype(dtype: torch.dtype) -> torch.dtype:
     # costs is within the noise: SmolLM2, fed one token at a time, groups of 32, perplexity change
     # against the fp32 cache with fp32 / bf16 / fp16 scales: 4-bit keys per channel +0.56% / +0.48% /
     # +0.45% (1,024 tokens); 8-bit +0.02% / -0.03% / +0.01%, 4-bit keys per token +0.25% / +0.45% / +0.53%
-    # (256 tokens: the finer fp16 did no better). Chapter 04 measures the round trip with each.
+    # (256 tokens: the finer fp16 did no better). Chapter 06 measures the round trip with each.
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
 

@@ -1,4 +1,4 @@
-"""int8 prompt products (chapter 16): int8 weights times int8 activations, prefill_precision="int8".
+"""int8 prompt products (chapter 3): int8 weights times int8 activations, prefill_precision="int8".
 
 Shapes: T rows (a prompt's tokens, over every batch row), n outputs, k inputs (a weight is [n, k]),
 m outlier columns of k.
@@ -43,7 +43,7 @@ finds in each batch; here they are fixed per weight):
   torch._int_mm's and the reference give +0.61% where oneDNN's gives -0.10% (a last bit moves the next
   layer's codes at rounding boundaries).
 - The output head keeps fp32: a prefill needs the last row's logits only (one row, the decode
-  step's kernel), and the logits are the most sensitive product (chapter 14). A product without
+  step's kernel), and the logits are the most sensitive product (chapter 10). A product without
   an int8 copy runs as it would under "float32".
 
 `reference_linear` is the scheme in plain torch (codes back to floats, an fp32 GEMM); the fast paths

@@ -1,4 +1,4 @@
-"""Weight-only quantization (chapter 14): int8 and int4 weights, group-wise along each row.
+"""Weight-only quantization (chapter 10): int8 and int4 weights, group-wise along each row.
 
 Shapes: n outputs, k inputs (a weight is [n, k], as nn.Linear keeps it), G group size, k / G
 groups per row.

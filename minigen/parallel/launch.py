@@ -1,4 +1,4 @@
-"""Generation over N tensor-parallel ranks from one call, measured (chapter 17; `minigen generate --tp N`).
+"""Generation over N tensor-parallel ranks from one call, measured (chapter 16; `minigen generate --tp N`).
 
     out = generate_over_ranks("smollm2-135m", ids, GenerationConfig(max_new_tokens=32), tp_size=3)
     out.tokens                     # [B, T + n]: every rank's, which must agree

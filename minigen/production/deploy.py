@@ -1,4 +1,4 @@
-"""Deployment files checked against the real schemas: Triton's model config and Kubernetes' API (chapter 11).
+"""Deployment files checked against the real schemas: Triton's model config and Kubernetes' API (chapter 15).
 
     parse_model_config(text)        -> Triton's ModelConfig protobuf; unknown fields, bad enums raise DeployError
     check_model_repository(folder)  -> {model name: ModelConfig} after Triton's layout rules
@@ -89,7 +89,7 @@ def check_model_repository(folder: str | Path) -> dict[str, ModelConfig]:
 
 
 def review_triton(config: ModelConfig) -> list[Finding]:
-    """What is wrong or dated in `config` for serving an autoregressive LLM (chapter 11's criticism)."""
+    """What is wrong or dated in `config` for serving an autoregressive LLM (chapter 15's criticism)."""
     found = []
     if config.platform in ("pytorch_libtorch", "onnxruntime_onnx", "tensorrt_plan") or config.backend in (
             "pytorch", "onnxruntime", "tensorrt"):

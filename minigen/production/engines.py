@@ -1,4 +1,4 @@
-"""From minigen to a production engine: each setting's name in vLLM, TensorRT-LLM and TGI (chapter 11).
+"""From minigen to a production engine: each setting's name in vLLM, TensorRT-LLM and TGI (chapter 15).
 
     load_settings()             -> the map in production.toml, one Setting per concept
     settings_table()            -> that map as a Markdown table (the chapter shows it)

@@ -1,4 +1,4 @@
-"""The article's batching (chapter 10): group requests by length, pad each batch to its longest
+"""The article's batching (chapter 14): group requests by length, pad each batch to its longest
 prompt with a cap of 256, queue requests in a bounded ring buffer, and count what padding wastes.
 
 Shapes: B rows in a batch, L the padded length (the batch's longest prompt).

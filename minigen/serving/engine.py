@@ -1,4 +1,4 @@
-"""`Engine`: continuous batching over one pool of paged blocks (chapter 10).
+"""`Engine`: continuous batching over one pool of paged blocks (chapter 14).
 
 Shapes: B sequences in a step, T tokens per row of a prefill, V vocabulary; a block holds
 `cache_chunk_size` (bs) token positions of every layer, as in vLLM.
@@ -24,7 +24,7 @@ and the step that runs the model only read the block tables and write into the b
      frees, the sliding pool's blocks), and samples each row with its own settings and generator;
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
-     space left, a prompt spread over as many steps as it takes (chapter 10); the chunks then run
+     space left, a prompt spread over as many steps as it takes (chapter 14); the chunks then run
      in as many forwards as keep each forward's padded rows within the budget (`forward_groups`), so the
      budget bounds a step's activations too (measure/plan.py: engine_bytes);
   4. gives back the blocks of finished requests (their full blocks stay cached for later hits).
@@ -353,7 +353,7 @@ class Engine:
         # the blocks of this forward, before it: the full pool's were claimed; the window's frees and the
         # sliding pool's blocks are taken here, so the forward only reads the tables and writes the blocks
         self.cache.reserve(pos)
-        # the prompts' products in their format (chapter 16); a decode step of more than 16 rows keeps fp32
+        # the prompts' products in their format (chapter 3); a decode step of more than 16 rows keeps fp32
         ops = self.plan.prompt_ops if prompt else self.plan.decode_ops  # the format and backend the plan chose
         step = self.forward_step.prefill if prompt else self.forward_step.decode
         logits = step(self.model, ids.to(device), pos.to(device), self.cache, self.policy, ops=ops)

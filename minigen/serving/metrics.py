@@ -1,4 +1,4 @@
-"""Serving metrics (chapter 10): latency percentiles, the metrics dict that serving runs share, and
+"""Serving metrics (chapter 14): latency percentiles, the metrics dict that serving runs share, and
 the article's "batch efficiency", examined.
 
     latency_stats(values)          -> {"p50", "p90", "p99", "mean", "n"}

@@ -1,4 +1,4 @@
-"""A replayable synthetic serving workload (chapter 10), and a replayer that drives an engine with it.
+"""A replayable synthetic serving workload (chapter 14), and a replayer that drives an engine with it.
 
     make_workload(n, rate_per_s, seed=0, system_prompt=ids)  -> Workload (same seed: same workload)
     replay(engine, workload)                                 -> engine.metrics(), after a replay

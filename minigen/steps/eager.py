@@ -8,10 +8,10 @@ generation (steps/choose.py) and never branches on the kind again:
 
     NaiveStep    use_cache=False: every step runs the whole sequence so far (chapter 1)
     EagerStep    the cached loop: the prompt once, then one token per step (chapter 2)
-    CompiledStep compile=True: the decode step compiled by torch.compile (graphs.py, chapter 8)
+    CompiledStep compile=True: the decode step compiled by torch.compile (graphs.py, chapter 11)
     GraphedStep  cuda_graphs=True: the decode step captured in a CUDA graph, sampling inside (graphs.py)
-    FusedStep    fused_decode: every layer of a decode token in one C call (fused.py, chapter 14)
-    SpeculativeStep  speculative_method: propose k tokens, verify them in one forward (speculative.py, chapter 15)
+    FusedStep    fused_decode: every layer of a decode token in one C call (fused.py, chapter 10)
+    SpeculativeStep  speculative_method: propose k tokens, verify them in one forward (speculative.py, chapter 13)
 
 Each has `prefill(model, ids, input_pos, cache, policy, ops=None) -> logits [B, V]` (the last position)
 and `decode(model, tokens [B, 1], input_pos, cache, policy, ops=None) -> logits [B, V]`, a `name` for
@@ -70,7 +70,7 @@ class EagerStep:
 
         With prefill_chunk_size C the prompt runs C tokens per forward: each piece writes its keys
         and values into the cache, and the next piece's queries read them there, so the result is
-        the whole prompt's, while the activations alive at once scale with C instead of T (chapter 16)."""
+        the whole prompt's, while the activations alive at once scale with C instead of T (chapter 3)."""
         C = self.prefill_chunk_size or input_ids.shape[1]
         for start in range(0, input_ids.shape[1], C):
             logits = forward(model, input_ids[:, start:start + C], input_pos[..., start:start + C], cache, policy,

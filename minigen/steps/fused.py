@@ -4,8 +4,8 @@ A decode step at batch 1 is 4 matrix-vector products a layer and, between them, 
 two norms, RoPE, the cache write, attention over the cached tokens, SiLU and two residual adds.
 In torch each small operation is a dispatch of a few microseconds around a few hundred
 multiply-adds, and with their views, splits and conversions they come to ~150 dispatches a layer:
-6 to 9 ms of a 25 ms SmolLM2 step on this course's CPU (chapter 8's profile). That time does not
-shrink when the weights do, so it caps what bf16 (chapter 7) and int4 (chapter 14) weights can
+6 to 9 ms of a 25 ms SmolLM2 step on this course's CPU (chapter 11's profile). That time does not
+shrink when the weights do, so it caps what bf16 (chapter 9) and int4 (chapter 10) weights can
 buy. torch.compile removes part of it; llama.cpp's answer is to write the whole step in C.
 `csrc/decode.c: decode_layers` does that for the Llama family: the products through the same
 kernels as eager decoding, everything in between on the calling thread in fp32, attention over
@@ -13,7 +13,7 @@ one head per thread once the context is long enough to share out. A tensor batch
 shared position, up to 16) runs in the same call: with fp32 weights its products meet every row in
 one pass of the several-row kernel, as the eager step's do (int8 and int4 rows of codes are widened
 once for every row: decode.c's product), and everything else loops over the rows.
-Speculative decoding's verify (chapter 15) is the same call on a chunk of one sequence
+Speculative decoding's verify (chapter 13) is the same call on a chunk of one sequence
 (`verify_layers`): T tokens at consecutive positions, each its own row, every row's keys and
 values written before any row attends, so that the chunk is causal.
 
@@ -25,7 +25,7 @@ int8 or int4 at batch 1, fp32 for a batch of up to 16 rows in lockstep (not a ra
 contiguous cache (chapter 2) in fp32 or bf16; no window, sparse selection, observers or compile.
 A prompt of up to 16 tokens of one sequence is a verify chunk at positions 0..T-1: in one C call
 too, where a short prompt's products, bound by reading the weights like a decode step, read each
-weight once for every row and never widen int8 / int4 codes into an fp32 tile (chapter 16). A
+weight once for every row and never widen int8 / int4 codes into an fp32 tile (chapter 3). A
 longer prompt runs through torch's GEMMs. A decode token runs in C from its embedding row to its
 logits (the final norm and the output head included: after the layers, torch's first small
 operations run with cold caches, ~0.2 ms a norm).

@@ -1,4 +1,4 @@
-"""Compiling and capturing the decode step (chapter 8): `compile=True` and `cuda_graphs=True`.
+"""Compiling and capturing the decode step (chapter 11): `compile=True` and `cuda_graphs=True`.
 
 Shapes: B batch, V vocabulary.
 

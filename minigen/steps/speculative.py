@@ -1,8 +1,8 @@
-"""Speculative decoding (chapter 15): propose k tokens cheaply, check them all in one forward.
+"""Speculative decoding (chapter 13): propose k tokens cheaply, check them all in one forward.
 
 Shapes: B batch rows, k proposed tokens, T = k + 1 verified positions, V vocabulary.
 
-At batch 1 a decode step streams every weight to produce one token (chapter 14's roofline), so a
+At batch 1 a decode step streams every weight to produce one token (chapter 10's roofline), so a
 forward of k + 1 tokens costs little more than a forward of one: the several-row kernels read each
 weight once for all of them. A proposer guesses the next k tokens; the target runs the last
 accepted token and the k guesses in one forward, which gives its own next-token distribution at

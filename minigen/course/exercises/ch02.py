@@ -160,7 +160,7 @@ def _diagnose(cls) -> None:
             raise ExerciseFailed(f"KV cache: at the decode step, layer 0's slot for position {p} holds "
                                  f"{_held(keys, key_pos, p)}, not the key written there ({p + 1}); values must hold "
                                  "the negatives (the probe writes v = -k)")
-    # Rewind: a step at an earlier position, as after a rejected guess (chapter 15) or a new prompt.
+    # Rewind: a step at an earlier position, as after a rejected guess (chapter 13) or a new prompt.
     third = _step(cache, [2], "step back at position 2", rewrite=2.0)
     keys, key_pos = third[0][0], third[-1]
     if _held(keys, key_pos, 2) != 2.0 * 3:

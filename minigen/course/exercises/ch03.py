@@ -1,215 +1,115 @@
-"""Chapter 3 exercises: the allocator's write with copy-on-write, reading through a block table, and
-what prefix sharing saves.
+"""Chapter 3 exercise: a prompt's activations as int8 codes, one scale a row (W8A8's x side).
 
-1. `write(alloc, seq, start, end)`: make positions [start, end) of sequence `seq` writable in the
-   BlockAllocator `alloc`, as `BlockAllocator.write` does, and return the (src, dst) block copies
-   to make first. For each logical block j the positions touch, in order (j from start // bs to the
-   block holding end - 1): a block the table does not reach yet is taken from the pool and appended;
-   a block shared with another sequence (`alloc.refs[b] > 1`) is replaced in this sequence's table
-   by a fresh block, which inherits the source's `fill`, while the source loses one holder; the last
-   holder of a block writes in place. Then record the slots written in `alloc.fill` of the block
-   (the most of what it held and `end - j * bs`, at most bs) and the sequence's length in
-   `alloc.lengths`. Take every block with `alloc.take()` (it pops the free stack and sets the
-   block's count to 1 and its fill to 0). The checker's pool never runs out and never holds a freed
-   position, so leave out the room check and the window.
-2. `slot_of(block_table, position, block_size)`: the index, in the pool flattened to
-   [n_blocks * block_size] slots, of the slot that holds `position` of a sequence whose logical
-   block j lives in physical block block_table[j].
-3. `blocks_held(prompt_len, new_tokens, n, block_size)`: the physical blocks held after one prompt
-   of prompt_len tokens is forked into n sequences that each write new_tokens more tokens
-   (blocks are shared while unchanged and copied when a shared block is written).
+`quantize_rows(x, keep) -> (codes, scales)`: x [T, k] fp32, the rows of a prompt about to meet an int8
+weight; keep [k] fp32 (1 in the channels that become int8 codes, 0 in the weight's outlier columns,
+which a second fp32 product handles) or None (every channel). Multiply each row by keep, then give
+it its own scale a = max |x| / 127 over the row, and codes round(x / a) in [-127, 127], int8. A row
+of zeros gets scale 1 and codes 0 (no division by zero). Return codes [T, k] torch.int8 and scales
+[T, 1] fp32: what `numerics/w8a8.py`'s `quantize_rows` returns, which the prompt's int8 products use.
+
+The checker compares your codes (exactly) and scales with w8a8.quantize_rows on cases with an outlier
+channel, a row of zeros and rows of very different sizes, names the usual mistakes (one scale for the
+whole prompt, the outlier columns left in, truncating instead of rounding, the scale not divided by
+127), and fails an answer that calls w8a8.quantize_rows or the worked solution, by any name
+(`forbidding` swaps their code while your function runs).
 """
 
 from __future__ import annotations
 
-import math
-import random
+from typing import Callable
 
 import torch
+from torch import Tensor
 
-from ...caches.paged import PagedKVCache
-from ...caches.blocks import BlockAllocator
-from . import ExerciseFailed, compare, forbidding, known_mistake
-
-
-def answers(fn, cases, solution, *package):
-    """fn(*args) for each case, with the package's own `package` functions and the worked solution
-    (unless fn is it) patched to raise; the checker compares them, hints included, outside the patch."""
-    with forbidding(*package, *(() if fn is solution else (solution,))):
-        got = [fn(*args) for _, args, _ in cases]
-    return iter(got)
+from ...numerics import w8a8
+from ...numerics.w8a8 import QMAX
+from . import ExerciseFailed, forbidding
 
 
-# ---------------------------------------------------------------- 1. the allocator's write (copy-on-write)
-def solution_write(alloc: BlockAllocator, seq: int, start: int, end: int) -> list[tuple[int, int]]:
-    """New blocks where the table ends; a private copy of a shared block; the last holder in place."""
-    bs, table, copies = alloc.block_size, alloc.tables[seq], []
-    for j in range(start // bs, math.ceil(end / bs)):  # every block the positions touch, the last partial one too
-        if j >= len(table):
-            table.append(alloc.take())
-        elif alloc.refs[table[j]] > 1:  # another sequence reads this block: write into a copy
-            src, dst = table[j], alloc.take()
-            alloc.refs[src] -= 1
-            alloc.fill[dst] = alloc.fill[src]  # the copy holds what the source held
-            table[j] = dst
-            copies.append((src, dst))
-        alloc.fill[table[j]] = max(alloc.fill[table[j]], min(bs, end - j * bs))
-    alloc.lengths[seq] = max(alloc.lengths[seq], end)
-    return copies
+# ---------------------------------------------------------------- worked solution
+def solution_quantize_rows(x: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Each row alone: its largest |x| (outlier columns zeroed first) becomes code 127."""
+    if keep is not None:
+        x = x * keep  # the outlier columns go to the fp32 product, not into the row's range
+    scale = x.abs().amax(dim=-1, keepdim=True) / QMAX  # [T, 1]: one scale a row, never one for the prompt
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a row of zeros: codes 0, scale 1
+    return torch.round(x / scale).to(torch.int8), scale
 
 
-# The scripted history of a pool (block size 4): ("write", seq, start, end), ("fork", seq, n) or
-# ("truncate", seq, length). Sequence ids are handed out in order: 0 is the first added.
-WRITE_SCRIPT = [
-    ("add",), ("write", 0, 0, 10),  # a prompt of 10 tokens: two full blocks and a partial one
-    ("add",), ("write", 1, 0, 5),  # another request
-    ("fork", 0, 2),  # two parallel samples share the prompt's three blocks: sequences 2 and 3
-    ("write", 2, 10, 11),  # the first writer of the shared partial block copies it
-    ("write", 3, 10, 13),  # so does the second (the block is still shared with sequence 0)
-    ("write", 0, 10, 11),  # sequence 0 is now the last holder: it writes in place
-    ("write", 3, 13, 17),  # past the end of the table: new blocks, no copy
-    ("write", 1, 5, 6),  # a private block: in place
-    ("fork", 3, 1), ("truncate", 4, 9),  # a draft rolled back to 9 tokens, its block still shared
-    ("write", 4, 9, 10),  # copies a block that its source had filled further than this write
-    ("fork", 0, 1), ("write", 5, 0, 12),  # rewriting a whole shared prefix copies every block
-]
+# ---------------------------------------------------------------- the usual mistakes, for the hints
+def _one_scale(x: Tensor, keep: Tensor | None) -> Tensor:
+    x = x * keep if keep is not None else x
+    a = x.abs().amax() / QMAX
+    return torch.round(x / (a if a > 0 else 1)).to(torch.int8)
 
 
-def _replay(write) -> list[tuple]:
-    """Run WRITE_SCRIPT on a fresh pool with `write` -> the allocator's state after each write."""
-    alloc, states = BlockAllocator(n_blocks=32, block_size=4), []
-    for op, *args in WRITE_SCRIPT:
-        if op == "add":
-            alloc.add_sequence()
-        elif op == "fork":
-            alloc.fork(*args)
-        elif op == "truncate":
-            alloc.truncate(*args)
-        else:
-            copies = write(alloc, *args)
-            states.append((op, args, copies, {s: list(t) for s, t in alloc.tables.items()}, list(alloc.refs),
-                           list(alloc.fill), dict(alloc.lengths), list(alloc.free)))
-    return states
+def _truncated(x: Tensor, keep: Tensor | None) -> Tensor:
+    x = x * keep if keep is not None else x
+    a = x.abs().amax(-1, keepdim=True) / QMAX
+    return (x / torch.where(a > 0, a, torch.ones_like(a))).to(torch.int8)  # .to(int8) truncates toward 0
 
 
-def _write_hint(want: tuple, got: tuple) -> str:
-    _, (seq, start, end), w_copies, w_tables, w_refs, w_fill, w_lengths, _ = want
-    _, _, g_copies, g_tables, g_refs, g_fill, g_lengths, _ = got
-    if g_copies == [(d, s) for s, d in w_copies] and w_copies:
-        return "return (src, dst) pairs: the block to copy from, then the new one"
-    if len(g_tables[seq]) < len(w_tables[seq]):
-        return ("the blocks touched run from start // block_size to the block of end - 1: a partly written "
-                "last block counts (round end / block_size up)")
-    if not g_copies and w_copies:
-        return "a block shared with another sequence (refs > 1) must be copied before it is written"
-    if len(g_copies) > len(w_copies):
-        return "the last holder of a block (refs == 1) writes in place: a copy would waste a block"
-    if g_tables == w_tables and g_refs != w_refs:
-        return "the source block loses this sequence as a holder: decrement its reference count"
-    if g_tables == w_tables and g_fill != w_fill:
-        return "a copy holds everything its source held: its fill starts at the source's"
-    if g_lengths != w_lengths:
-        return "record the sequence's new length (the most of its old length and end)"
-    return ""
+# ---------------------------------------------------------------- the cases
+def _cases() -> list[tuple[str, Tensor, Tensor | None]]:
+    g = torch.Generator().manual_seed(16)
+    k = 64
+    plain = torch.randn(4, k, generator=g)
+    spiky = torch.randn(3, k, generator=g)
+    spiky[:, 5] *= 100  # one channel hundreds of times the rest, as a transformer's activations have
+    keep = torch.ones(k)
+    keep[5] = 0  # the weight keeps channel 5 in fp32
+    sizes = torch.randn(3, k, generator=g) * torch.tensor([[1e-3], [1.0], [1e3]])  # rows of different sizes
+    zero_row = torch.randn(3, k, generator=g)
+    zero_row[1] = 0
+    return [("four rows, every channel int8", plain, None),
+            ("an outlier channel that the weight keeps in fp32 (keep[5] = 0)", spiky, keep),
+            ("the same rows with every channel int8 (keep=None)", spiky, None),
+            ("rows a thousand times apart in size", sizes, None),
+            ("a row of zeros", zero_row, None)]
 
 
-def check_write(fn) -> bool:
-    """fn(alloc, seq, start, end) -> copies, leaving `alloc` as BlockAllocator.write does, step by step."""
-    want = _replay(lambda alloc, *args: alloc.write(*args))
-    with forbidding(BlockAllocator.write, BlockAllocator.claim, *(() if fn is solution_write else (solution_write,))):
-        got = _replay(fn)
-    for w, g in zip(want, got):
-        if w != g:
-            (_, (seq, start, end), w_copies, w_tables, w_refs, *_), (_, _, g_copies, g_tables, g_refs, *_) = w, g
-            hint = _write_hint(w, g)
-            raise ExerciseFailed(f"write: after write(seq {seq}, {start}, {end}) the allocator differs: "
-                                 f"expected copies {w_copies} and tables {w_tables}, got copies {g_copies} "
-                                 f"and tables {g_tables} (refs {g_refs[:16]}, expected {w_refs[:16]})"
-                                 + (f". Hint: {hint}" if hint else ""))
-    print(f"✓ write: all {len(want)} writes of the script leave the allocator as BlockAllocator.write does")
+def _hint(x: Tensor, keep: Tensor | None, got: Tensor) -> str:
+    if torch.equal(got, _one_scale(x, keep)):
+        return "one scale a row, from that row's largest |x|: a prompt's rows must not change each other's codes"
+    if keep is not None and torch.equal(got, w8a8.quantize_rows(x, None)[0]):
+        return "multiply the row by keep first: an outlier column left in takes the row's whole range"
+    if torch.equal(got, _truncated(x, keep)):
+        return "round to the nearest code (torch.round); .to(torch.int8) truncates toward zero"
+    if got.abs().max() <= 1:
+        return "the scale is max |x| / 127, so that the largest value of the row becomes code 127"
+    return "each row: zero the outlier columns, a = max |x| / 127 (1 for a row of zeros), codes round(x / a)"
+
+
+def _answer(fn: Callable, x: Tensor, keep: Tensor | None) -> tuple:
+    """fn's answer with the functions that are the answer made to raise (the worked solution is let
+    through when it is the answer itself: the chapter checks it so that nbval passes)."""
+    answers = [w8a8.quantize_rows] + ([] if fn is solution_quantize_rows else [solution_quantize_rows])
+    with forbidding(*answers):
+        got = fn(x.clone(), None if keep is None else keep.clone())
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise ExerciseFailed("quantize_rows: return a pair (codes [T, k] int8, scales [T, 1] fp32), not "
+                             f"{type(got).__name__}")
+    return tuple(torch.as_tensor(t) for t in got)
+
+
+def check_quantize_rows(fn: Callable) -> bool:
+    """fn(x [T, k] fp32, keep [k] or None) -> (codes [T, k] int8, scales [T, 1] fp32), as w8a8.quantize_rows."""
+    cases = [(label, x, keep, *w8a8.quantize_rows(x, keep)) for label, x, keep in _cases()]  # before forbidding
+    for label, x, keep, want_codes, want_scales in cases:
+        codes, scales = _answer(fn, x, keep)
+        if codes.dtype != torch.int8:
+            raise ExerciseFailed(f"quantize_rows: for {label} the codes are {codes.dtype}, not torch.int8")
+        if codes.shape != want_codes.shape or scales.reshape(-1).shape != want_scales.reshape(-1).shape:
+            raise ExerciseFailed(f"quantize_rows: for {label} expected codes {tuple(want_codes.shape)} and "
+                                 f"scales {tuple(want_scales.shape)}, got {tuple(codes.shape)} and {tuple(scales.shape)}")
+        if not torch.isfinite(scales.float()).all() or not torch.equal(codes, want_codes):
+            row, col = (codes != want_codes).nonzero()[0].tolist() if not torch.equal(codes, want_codes) else (0, 0)
+            raise ExerciseFailed(f"quantize_rows: for {label}, row {row} channel {col}: code "
+                                 f"{int(codes[row, col])}, expected {int(want_codes[row, col])} (scales "
+                                 f"{[round(float(s), 6) for s in scales.reshape(-1)]}). Hint: {_hint(x, keep, codes)}")
+        if not torch.allclose(scales.float().reshape(-1), want_scales.reshape(-1), rtol=1e-6, atol=0):
+            raise ExerciseFailed(f"quantize_rows: for {label} the codes are right but the scales are "
+                                 f"{scales.reshape(-1).tolist()}, expected {want_scales.reshape(-1).tolist()} "
+                                 "(max |x| / 127 a row, 1 for a row of zeros)")
+    print(f"✓ quantize_rows: all {len(cases)} cases give w8a8.quantize_rows's codes and scales")
     return True
-
-
-# ---------------------------------------------------------------- 2. the block-table lookup
-def solution_slot_of(block_table: list[int], position: int, block_size: int) -> int:
-    """Logical block position // block_size, found in the table; the offset inside it is the rest."""
-    return block_table[position // block_size] * block_size + position % block_size
-
-
-def check_slot_of(fn) -> bool:
-    """fn(block_table, position, block_size) -> int, the slot that a PagedKVCache writes the position to."""
-    rng = random.Random(3)
-    cases = []
-    for block_size in (1, 4, 16, 256):
-        pool = list(range(64))
-        rng.shuffle(pool)  # blocks handed out in any order, as after other sequences come and go
-        table = pool[:8]
-        for position in rng.sample(range(8 * block_size), min(4, 8 * block_size)):
-            cases.append((f"table {table}, position {position}, block size {block_size}",
-                          (table, position, block_size), _slot_by_package(table, position, block_size)))
-
-    def hints(args, got):
-        table, position, bs = args
-        return known_mistake(got, [
-            (position, "the slot is not the position: look the block up in the table"),
-            (table[position // bs] + position % bs, "multiply the physical block by block_size"),
-            (table[position % bs] * bs + position // bs if position % bs < len(table) else None,
-             "the logical block is position // block_size and the offset position % block_size"),
-        ])
-
-    got = answers(fn, cases, solution_slot_of, PagedKVCache.prepare)
-    return compare("slot_of", cases, lambda *args: next(got), hints)
-
-
-def _slot_by_package(table: list[int], position: int, block_size: int) -> int:
-    """The slot PagedKVCache writes `position` to, when its sequence's block table is `table`."""
-    alloc = BlockAllocator(max(table) + 1, block_size)
-    seq = alloc.add_sequence()
-    alloc.share(seq, table)  # the sequence holds exactly these blocks, in this order
-    cache = PagedKVCache(1, 0, 1, 1, block_size, alloc.n_blocks, allocator=alloc)
-    cache.select_rows([seq])
-    cache.prepare(torch.tensor([position]))
-    return int(cache.write_slots()[0])
-
-
-# ---------------------------------------------------------------- 3. prefix sharing
-def solution_blocks_held(prompt_len: int, new_tokens: int, n: int, block_size: int) -> int:
-    """The prompt's full blocks are stored once; its partly filled block is copied by each sequence
-    that writes into it, and every block after it is private."""
-    shared = prompt_len // block_size
-    per_sequence = math.ceil((prompt_len + new_tokens) / block_size)
-    if new_tokens == 0:  # nobody wrote: even the partial block is still shared
-        return per_sequence
-    return shared + n * (per_sequence - shared)
-
-
-def _blocks_by_allocator(prompt_len: int, new_tokens: int, n: int, block_size: int) -> int:
-    """Run the package's allocator: prefill, fork, then each sequence writes its tokens one by one."""
-    alloc = BlockAllocator(n * math.ceil((prompt_len + new_tokens) / block_size) + 1, block_size)
-    first = alloc.add_sequence()
-    alloc.write(first, 0, prompt_len)
-    rows = [first] + alloc.fork(first, n - 1)
-    for p in range(prompt_len, prompt_len + new_tokens):
-        for row in rows:
-            alloc.write(row, p, p + 1)
-    return alloc.n_used
-
-
-def check_blocks_held(fn) -> bool:
-    """fn(prompt_len, new_tokens, n, block_size) -> int, the blocks BlockAllocator holds."""
-    cases = [(f"prompt {T}, {w} new tokens, n = {n}, block size {bs}", (T, w, n, bs), _blocks_by_allocator(T, w, n, bs))
-             for T, w, n, bs in ((100, 20, 4, 16), (96, 20, 4, 16), (100, 0, 4, 16), (37, 9, 3, 3),
-                                 (500, 100, 8, 256), (10, 50, 2, 1))]
-
-    def hints(args, got):
-        T, w, n, bs = args
-        per = math.ceil((T + w) / bs)
-        return known_mistake(got, [
-            (n * per, "the prompt's full blocks are shared, not copied per sequence"),
-            (math.ceil(T / bs) + n * (per - math.ceil(T / bs)),
-             "the prompt's partly filled block is copied on write by every sequence that writes into it"),
-            (per, "each sequence's new tokens need their own blocks"),
-        ])
-
-    got = answers(fn, cases, solution_blocks_held)
-    return compare("blocks_held", cases, lambda *args: next(got), hints)

@@ -1,135 +1,112 @@
-"""Chapter 4 exercises: quantizing one group, and what a quantized cache really holds.
+"""Chapter 4 exercise: min-p sampling.
 
-1. `quantize_group(x, bits)`: asymmetric min-max quantization of one group x [G] (a 1-D float
-   tensor) -> (codes, scale, zero), with integer codes in [0, 2^bits - 1] such that
-   zero + codes * scale is within scale / 2 of x, and the smallest such scale. Write the arithmetic:
-   the checker runs it with the package's quantizers (numerics.quant.quantize and round_trip,
-   weight_quant.quantize_matrix) patched to raise.
-2. `quantized_cache_bytes(cfg, tokens, bits, group_size, residual)`: every byte the
-   `QuantizedKVCache` of an fp16 model allocated for `tokens` positions of one sequence holds:
-   packed codes (keys per channel, values per token), an fp16 scale and zero per group, and the
-   fp16 full-precision window of `residual` tokens. Only whole groups are quantized, so the store
-   is rounded up to whole groups of the tokens beyond the window:
-   group_size * ceil(max(0, tokens - residual) / group_size).
+`min_p_probabilities(logits, temperature, min_p) -> probs`: logits [B, V] (fp32; -inf where a token
+is already ruled out), a temperature > 0 and min_p in [0, 1]. Return the distribution [B, V] that
+sampling draws from with `GenerationConfig(do_sample=True, temperature=temperature, min_p=min_p)`:
+the tempered softmax, then every token whose probability is below min_p times the row's largest
+probability set to 0, the rest renormalised to sum to 1 (transformers' MinPLogitsWarper, applied
+after the temperature as its warpers are; Nguyen et al. 2024, "Min P Sampling").
+
+The checker computes that distribution itself, the obvious way, on random logits of several shapes,
+scales and temperatures, and compares yours row by row. It fails an answer that calls minigen's own
+`sampling.probabilities` (which applies min_p once GenerationConfig has it) or the worked solution
+(`forbidding` swaps their code while your answer runs), and names the usual mistakes: min-p applied
+before the temperature, a threshold on the probability itself instead of a fraction of the top one,
+a strict comparison that drops the top token at min_p = 1, probabilities left unnormalised.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch import Tensor
 
-from ...checkpoints.model_config import ModelConfig
-from ...caches.quantized import QuantizedKVCache
-from ...numerics import quant, weight_quant
-from . import ExerciseFailed, compare, forbidding, known_mistake
-from .ch01 import LLAMA2_7B, SMOLLM2_135M
+from ...sampling import probabilities
+from . import ExerciseFailed, forbidding
 
-
-# ---------------------------------------------------------------- 1. one group
-def solution_quantize_group(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, float, float]:
-    """The grid starts at the minimum and has 2^bits points up to the maximum: 2^bits - 1 steps."""
-    lo, hi = x.min().item(), x.max().item()
-    scale = (hi - lo) / (2**bits - 1)
-    if scale == 0:  # a constant group: every element is the zero itself
-        return torch.zeros_like(x, dtype=torch.long), 0.0, lo
-    codes = torch.round((x - lo) / scale).clamp(0, 2**bits - 1).long()
-    return codes, scale, lo
+ATOL = 1e-6  # fp32 softmaxes computed in another order differ by a few units of 2^-24 per entry
 
 
-def _groups() -> list[tuple[str, torch.Tensor, int]]:
-    g = torch.Generator().manual_seed(4)
-    normal = torch.randn(32, generator=g)
-    outlier = normal.clone()
-    outlier[7] = 25.0  # one large value stretches the whole group's step
-    shifted = torch.rand(32, generator=g) + 10.0  # all positive, far from 0: the zero matters
-    return [(f"{name}, {bits} bits", x, bits)
-            for name, x in (("32 normal values", normal), ("an outlier of 25", outlier),
-                            ("values in [10, 11]", shifted), ("a constant group", torch.full((32,), 0.75)))
-            for bits in (8, 4, 2)]
+# ---------------------------------------------------------------- worked solution
+def solution_min_p_probabilities(logits: Tensor, temperature: float, min_p: float) -> Tensor:
+    """Temper, softmax, drop p < min_p * max p, renormalise: [B, V] -> [B, V]."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [B, V], after the temperature
+    floor = min_p * probs.amax(dim=-1, keepdim=True)  # [B, 1]: a fraction of each row's top probability
+    kept = probs.masked_fill(probs < floor, 0.0)  # the top token always stays: max p >= min_p * max p
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def check_quantize_group(fn) -> bool:
-    """fn(x [G], bits) -> (codes, scale, zero): codes integers in [0, 2^bits - 1], reconstruction
-    within scale / 2, and scale equal to (max - min) / (2^bits - 1)."""
-    forbidden = (quant.quantize, quant.round_trip, weight_quant.quantize_matrix)
-    with forbidding(*forbidden, *(() if fn is solution_quantize_group else (solution_quantize_group,))):
-        _check_groups(fn)
-    print(f"✓ quantize_group: all {len(_groups())} groups come back within scale / 2")
+# ---------------------------------------------------------------- the checker's own reference
+def reference(logits: Tensor, temperature: float, min_p: float) -> Tensor:
+    """The distribution written token by token in log space: token j survives when
+    (l_j - l_max) / T >= log(min_p), i.e. p_j >= min_p * p_max after the temperature."""
+    scaled = logits.double() / temperature  # float64: the reference is the exact side
+    gap = scaled - scaled.amax(dim=-1, keepdim=True)  # log(p_j / p_max), <= 0
+    keep = gap >= torch.log(torch.tensor(min_p, dtype=torch.float64)) if min_p > 0 else torch.isfinite(gap)
+    return torch.softmax(gap.masked_fill(~keep, float("-inf")), dim=-1).float()
+
+
+def _cases() -> list[tuple[str, Tensor, float, float]]:
+    """(label, logits [B, V], temperature, min_p): random rows at several scales, and the edges."""
+    g = torch.Generator().manual_seed(2)
+    flat = torch.randn(4, 50, generator=g)  # logits of spread ~1: many tokens near the top
+    peaked = 4 * torch.randn(3, 1000, generator=g)  # a few tokens hold most of the mass
+    masked = torch.randn(2, 40, generator=g).masked_fill(torch.rand(2, 40, generator=g) < 0.5, float("-inf"))
+    return [("flat rows, temperature 1, min_p 0.1", flat, 1.0, 0.1),
+            ("flat rows, temperature 0.5, min_p 0.2", flat, 0.5, 0.2),
+            ("peaked rows, temperature 1.5, min_p 0.05", peaked, 1.5, 0.05),
+            ("peaked rows, temperature 0.7, min_p 0.3", peaked, 0.7, 0.3),
+            ("rows with tokens already masked to -inf, temperature 2, min_p 0.1", masked, 2.0, 0.1),
+            ("min_p 0: nothing dropped, the tempered softmax itself", flat, 0.8, 0.0),
+            ("min_p 1: only the top token of each row", peaked, 1.0, 1.0)]
+
+
+def _hint(logits: Tensor, temperature: float, min_p: float, got: Tensor) -> str:
+    """The known mistake `got` matches, or ""."""
+    def close(other: Tensor) -> bool:
+        return other.shape == got.shape and bool(torch.allclose(got, other, atol=ATOL, equal_nan=True))
+
+    cut_first = reference(logits, 1.0, min_p).double() ** (1 / temperature)  # the cut untempered, then tempered
+    if close((cut_first / cut_first.sum(-1, keepdim=True)).float()):
+        return ("min-p comes after the temperature: compare the tempered probabilities with min_p times the "
+                "tempered top one (you cut the untempered distribution, then tempered what was left)")
+    if torch.isnan(got).any() and min_p == 1.0:  # only a strict p > min_p * max p empties a row here
+        return ("with min_p = 1 a row came out NaN: keep the tokens whose p >= min_p * max p (drop only p < it); "
+                "the top token always meets that, so a row is never empty")
+    absolute = torch.softmax(logits.double() / temperature, dim=-1)
+    absolute = absolute.masked_fill(absolute < min_p, 0.0)  # a row may keep nothing: 0 / 0, as such an answer gets
+    if close((absolute / absolute.sum(-1, keepdim=True)).float()):
+        return "the threshold is min_p times the row's largest probability, not min_p itself"
+    if (got < 0).any() or torch.isinf(got).any():
+        return "return probabilities (softmax, then zeros for the dropped tokens), not masked logits"
+    sums = got.sum(dim=-1)
+    if not torch.allclose(sums, torch.ones_like(sums), atol=1e-4):
+        return "renormalise: the kept probabilities must sum to 1 in every row"
+    return ""
+
+
+def check_min_p_probabilities(fn: Callable) -> bool:
+    """fn(logits [B, V], temperature, min_p) -> probs [B, V], the distribution min-p sampling draws from."""
+    forbidden = [probabilities] + ([] if fn is solution_min_p_probabilities else [solution_min_p_probabilities])
+    for label, logits, temperature, min_p in _cases():
+        expected = reference(logits, temperature, min_p)
+        with forbidding(*forbidden):
+            got = fn(logits.clone(), temperature, min_p)
+        if not isinstance(got, Tensor):
+            raise ExerciseFailed(f"min_p_probabilities returned {type(got).__name__}: return a tensor of "
+                                 f"probabilities shaped like the logits, {tuple(logits.shape)}")
+        if got.shape != expected.shape:
+            raise ExerciseFailed(f"min_p_probabilities, {label}: shape {tuple(got.shape)}, expected "
+                                 f"{tuple(expected.shape)} (one distribution per row of logits)")
+        got = got.detach().float()
+        if not torch.allclose(got, expected, atol=ATOL):
+            hint = _hint(logits, temperature, min_p, got)
+            row = int(((got - expected).abs().nan_to_num(1.0).amax(dim=-1)).argmax())
+            kept_exp, kept_got = int((expected[row] > 0).sum()), int((got[row].nan_to_num(0.0) > 0).sum())
+            raise ExerciseFailed(f"min_p_probabilities, {label}: row {row} keeps {kept_got} tokens where min-p "
+                                 f"keeps {kept_exp}, and differs by up to "
+                                 f"{float((got[row] - expected[row]).abs().nan_to_num(float('inf')).max()):.3g}"
+                                 + (f". Hint: {hint}" if hint else ""))
+    print(f"✓ min_p_probabilities: all {len(_cases())} cases agree with the reference distribution")
     return True
-
-
-def _check_groups(fn) -> None:
-    for label, x, bits in _groups():
-        out = fn(x.clone(), bits)
-        if out is None:
-            raise ExerciseFailed("quantize_group returned None: return (codes, scale, zero)")
-        codes, scale, zero = out
-        codes = torch.as_tensor(codes)
-        scale, zero = float(scale), float(zero)
-        best = (x.max() - x.min()).item() / (2**bits - 1)
-        if codes.dtype.is_floating_point and not torch.equal(codes, codes.round()):
-            raise ExerciseFailed(f"quantize_group: for {label} the codes are not whole numbers: round them")
-        if codes.min() < 0:
-            raise ExerciseFailed(f"quantize_group: for {label} some codes are negative. Hint: asymmetric "
-                                 "quantization subtracts the group's minimum first, so codes are unsigned")
-        if codes.max() > 2**bits - 1:
-            raise ExerciseFailed(f"quantize_group: for {label} a code exceeds {2**bits - 1}: clamp to "
-                                 f"[0, 2^bits - 1]")
-        if scale != scale or zero != zero:
-            raise ExerciseFailed(f"quantize_group: for {label} the scale or zero is NaN. Hint: a constant "
-                                 "group has range 0; use scale 0 and code 0")
-        if abs(scale - best) > 1e-5 * max(best, 1e-12):
-            hint = " Hint: 2^bits codes make 2^bits - 1 steps" if abs(scale - best * (2**bits - 1) / 2**bits) \
-                < 1e-5 * best else ""
-            raise ExerciseFailed(f"quantize_group: for {label} expected scale {best:.6g}, got {scale:.6g}.{hint}")
-        error = (zero + codes.double() * scale - x.double()).abs().max().item()
-        if error > scale / 2 + 1e-5 * (1 + x.abs().max().item()):
-            raise ExerciseFailed(f"quantize_group: for {label} an element comes back {error:.4g} away, "
-                                 f"more than scale / 2 = {scale / 2:.4g}. Hint: round, do not truncate")
-
-
-# ---------------------------------------------------------------- 2. bytes held
-def solution_quantized_cache_bytes(cfg: ModelConfig, tokens: int, bits: int, group_size: int,
-                                   residual: int) -> int:
-    """Codes + scales and zeros (fp16) for the quantized store; fp16 for the window."""
-    G, channels = group_size, cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # per K (or V) per token
-    stored = G * -(-max(0, tokens - residual) // G)  # whole groups beyond the window
-    codes = 2 * stored * channels * bits // 8  # keys and values
-    key_meta = (stored // G) * channels * 2 * 2  # one fp16 scale + zero per channel per G tokens
-    value_meta = stored * (channels // G) * 2 * 2  # one fp16 scale + zero per token per G channels
-    window = 2 * min(residual, tokens) * channels * 2  # fp16 keys and values
-    return codes + key_meta + value_meta + window
-
-
-def _reference_bytes(cfg: ModelConfig, tokens: int, bits: int, group_size: int, residual: int) -> int:
-    cache = QuantizedKVCache(cfg.n_layers, 1, cfg.n_kv_heads, tokens, cfg.head_dim, bits, group_size,
-                             "channel", residual, torch.float16, device="meta")  # sizes only, no memory
-    return cache.nbytes
-
-
-def _mistaken_bytes(cfg: ModelConfig, tokens: int, bits: int, G: int, R: int, whole_groups: bool = True,
-                    meta_numbers: int = 2, window_bytes: int = 2) -> int:
-    """The byte count with one common mistake switched on (for the hints)."""
-    channels = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
-    stored = G * -(-max(0, tokens - R) // G) if whole_groups else max(0, tokens - R)
-    meta = meta_numbers * 2 * ((stored // G) * channels + stored * (channels // G))
-    return 2 * stored * channels * bits // 8 + meta + 2 * min(R, tokens) * channels * window_bytes
-
-
-def check_quantized_cache_bytes(fn) -> bool:
-    """fn(cfg, tokens, bits, group_size, residual) -> int, exactly QuantizedKVCache(...).nbytes."""
-    cases = [(f"{name}, {tokens} tokens, {bits} bits, groups of {G}, window {R}", (cfg, tokens, bits, G, R),
-              _reference_bytes(cfg, tokens, bits, G, R))
-             for name, cfg in (("SmolLM2-135M", SMOLLM2_135M), ("Llama-2-7B", LLAMA2_7B))
-             for tokens, bits, G, R in ((4096, 4, 32, 32), (1000, 8, 64, 128), (100, 2, 32, 40), (20, 4, 32, 32))]
-
-    def hints(args, got):
-        return known_mistake(got, [
-            (_mistaken_bytes(*args, meta_numbers=0), "count the fp16 scale and zero of every group"),
-            (_mistaken_bytes(*args, meta_numbers=1), "each group has a scale and a zero: two fp16 numbers"),
-            (_mistaken_bytes(*args, window_bytes=0), "count the full-precision window of `residual` tokens"),
-            (_mistaken_bytes(*args, window_bytes=4), "the window is in the model's dtype, fp16: 2 bytes a number"),
-            (_mistaken_bytes(*args, whole_groups=False), "only whole groups are quantized: round the store "
-                                                         "up to a multiple of group_size"),
-        ])
-
-    return compare("quantized_cache_bytes", cases, fn, hints)

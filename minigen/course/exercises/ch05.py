@@ -1,120 +1,215 @@
-"""Chapter 5 exercises: the window's slot rule, and fixing the article's window snippet.
+"""Chapter 5 exercises: the allocator's write with copy-on-write, reading through a block table, and
+what prefix sharing saves.
 
-1. `slot_of(pos, window_size, sink_tokens)`: the slot of the rolling buffer (window.WindowKVCache)
-   that position `pos` is written to: sinks keep their own slots, every other position cycles
-   through the window_size slots after them. The chapter shows the buffer in use (which position
-   each slot holds, step by step), not the rule's code: infer it, then write it with integer
-   arithmetic. The checker runs it with WindowKVCache.slot_of patched to raise.
-2. `window_attention(q, k, v, query_pos, key_pos, window_size, sink_tokens)`: attention of the
-   queries q [B, H, T, Dh] at positions query_pos [T] over the cached k, v [B, Hkv, S, Dh] holding
-   positions key_pos [S] (in any order), restricted to the window plus the sinks. Start from the
-   article's snippet below (`article_window_attention`) and fix its three bugs. Build the mask
-   from positions yourself: the checker runs it with the package's window_attention, window_mask
-   and in_window patched to raise.
+1. `write(alloc, seq, start, end)`: make positions [start, end) of sequence `seq` writable in the
+   BlockAllocator `alloc`, as `BlockAllocator.write` does, and return the (src, dst) block copies
+   to make first. For each logical block j the positions touch, in order (j from start // bs to the
+   block holding end - 1): a block the table does not reach yet is taken from the pool and appended;
+   a block shared with another sequence (`alloc.refs[b] > 1`) is replaced in this sequence's table
+   by a fresh block, which inherits the source's `fill`, while the source loses one holder; the last
+   holder of a block writes in place. Then record the slots written in `alloc.fill` of the block
+   (the most of what it held and `end - j * bs`, at most bs) and the sequence's length in
+   `alloc.lengths`. Take every block with `alloc.take()` (it pops the free stack and sets the
+   block's count to 1 and its fill to 0). The checker's pool never runs out and never holds a freed
+   position, so leave out the room check and the window.
+2. `slot_of(block_table, position, block_size)`: the index, in the pool flattened to
+   [n_blocks * block_size] slots, of the slot that holds `position` of a sequence whose logical
+   block j lives in physical block block_table[j].
+3. `blocks_held(prompt_len, new_tokens, n, block_size)`: the physical blocks held after one prompt
+   of prompt_len tokens is forked into n sequences that each write new_tokens more tokens
+   (blocks are shared while unchanged and copied when a shared block is written).
 """
 
 from __future__ import annotations
 
+import math
+import random
+
 import torch
 
-from ...attention import attend, in_window, window_attention as package_window_attention, window_mask
-from ...caches.window import WindowKVCache
+from ...caches.paged import PagedKVCache
+from ...caches.blocks import BlockAllocator
 from . import ExerciseFailed, compare, forbidding, known_mistake
 
 
-def article_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 64) -> torch.Tensor:
-    """The article's window snippet as it is written: the last `window` stored keys, q k^T, softmax, v.
-
-    q [B, H, T, Dh], k, v [B, H, S, Dh] (no grouped-query heads) -> [B, H, T, Dh]. Its bugs: no
-    1/sqrt(Dh) scaling, no causal mask inside the window (with several queries, an early query
-    reads later keys), and "the last W" by storage index instead of by position (a ring buffer or
-    a paged cache stores positions out of order). It also has no sinks.
-    """
-    k_window, v_window = k[:, :, -window:], v[:, :, -window:]
-    return torch.softmax(q @ k_window.transpose(-1, -2), dim=-1) @ v_window
+def answers(fn, cases, solution, *package):
+    """fn(*args) for each case, with the package's own `package` functions and the worked solution
+    (unless fn is it) patched to raise; the checker compares them, hints included, outside the patch."""
+    with forbidding(*package, *(() if fn is solution else (solution,))):
+        got = [fn(*args) for _, args, _ in cases]
+    return iter(got)
 
 
-def _unless_given(solution, fn) -> tuple:
-    """The worked solution is forbidden too, except when it is the answer being checked (the cell
-    that checks it until the reader writes theirs): a wrapper around it still fails."""
-    return () if fn is solution else (solution,)
+# ---------------------------------------------------------------- 1. the allocator's write (copy-on-write)
+def solution_write(alloc: BlockAllocator, seq: int, start: int, end: int) -> list[tuple[int, int]]:
+    """New blocks where the table ends; a private copy of a shared block; the last holder in place."""
+    bs, table, copies = alloc.block_size, alloc.tables[seq], []
+    for j in range(start // bs, math.ceil(end / bs)):  # every block the positions touch, the last partial one too
+        if j >= len(table):
+            table.append(alloc.take())
+        elif alloc.refs[table[j]] > 1:  # another sequence reads this block: write into a copy
+            src, dst = table[j], alloc.take()
+            alloc.refs[src] -= 1
+            alloc.fill[dst] = alloc.fill[src]  # the copy holds what the source held
+            table[j] = dst
+            copies.append((src, dst))
+        alloc.fill[table[j]] = max(alloc.fill[table[j]], min(bs, end - j * bs))
+    alloc.lengths[seq] = max(alloc.lengths[seq], end)
+    return copies
 
 
-# ---------------------------------------------------------------- 1. the slot rule
-def solution_slot_of(pos: int, window_size: int, sink_tokens: int) -> int:
-    """Sinks stay put; after them, the window_size slots are reused in turn."""
-    if pos < sink_tokens:
-        return pos
-    return sink_tokens + (pos - sink_tokens) % window_size
+# The scripted history of a pool (block size 4): ("write", seq, start, end), ("fork", seq, n) or
+# ("truncate", seq, length). Sequence ids are handed out in order: 0 is the first added.
+WRITE_SCRIPT = [
+    ("add",), ("write", 0, 0, 10),  # a prompt of 10 tokens: two full blocks and a partial one
+    ("add",), ("write", 1, 0, 5),  # another request
+    ("fork", 0, 2),  # two parallel samples share the prompt's three blocks: sequences 2 and 3
+    ("write", 2, 10, 11),  # the first writer of the shared partial block copies it
+    ("write", 3, 10, 13),  # so does the second (the block is still shared with sequence 0)
+    ("write", 0, 10, 11),  # sequence 0 is now the last holder: it writes in place
+    ("write", 3, 13, 17),  # past the end of the table: new blocks, no copy
+    ("write", 1, 5, 6),  # a private block: in place
+    ("fork", 3, 1), ("truncate", 4, 9),  # a draft rolled back to 9 tokens, its block still shared
+    ("write", 4, 9, 10),  # copies a block that its source had filled further than this write
+    ("fork", 0, 1), ("write", 5, 0, 12),  # rewriting a whole shared prefix copies every block
+]
+
+
+def _replay(write) -> list[tuple]:
+    """Run WRITE_SCRIPT on a fresh pool with `write` -> the allocator's state after each write."""
+    alloc, states = BlockAllocator(n_blocks=32, block_size=4), []
+    for op, *args in WRITE_SCRIPT:
+        if op == "add":
+            alloc.add_sequence()
+        elif op == "fork":
+            alloc.fork(*args)
+        elif op == "truncate":
+            alloc.truncate(*args)
+        else:
+            copies = write(alloc, *args)
+            states.append((op, args, copies, {s: list(t) for s, t in alloc.tables.items()}, list(alloc.refs),
+                           list(alloc.fill), dict(alloc.lengths), list(alloc.free)))
+    return states
+
+
+def _write_hint(want: tuple, got: tuple) -> str:
+    _, (seq, start, end), w_copies, w_tables, w_refs, w_fill, w_lengths, _ = want
+    _, _, g_copies, g_tables, g_refs, g_fill, g_lengths, _ = got
+    if g_copies == [(d, s) for s, d in w_copies] and w_copies:
+        return "return (src, dst) pairs: the block to copy from, then the new one"
+    if len(g_tables[seq]) < len(w_tables[seq]):
+        return ("the blocks touched run from start // block_size to the block of end - 1: a partly written "
+                "last block counts (round end / block_size up)")
+    if not g_copies and w_copies:
+        return "a block shared with another sequence (refs > 1) must be copied before it is written"
+    if len(g_copies) > len(w_copies):
+        return "the last holder of a block (refs == 1) writes in place: a copy would waste a block"
+    if g_tables == w_tables and g_refs != w_refs:
+        return "the source block loses this sequence as a holder: decrement its reference count"
+    if g_tables == w_tables and g_fill != w_fill:
+        return "a copy holds everything its source held: its fill starts at the source's"
+    if g_lengths != w_lengths:
+        return "record the sequence's new length (the most of its old length and end)"
+    return ""
+
+
+def check_write(fn) -> bool:
+    """fn(alloc, seq, start, end) -> copies, leaving `alloc` as BlockAllocator.write does, step by step."""
+    want = _replay(lambda alloc, *args: alloc.write(*args))
+    with forbidding(BlockAllocator.write, BlockAllocator.claim, *(() if fn is solution_write else (solution_write,))):
+        got = _replay(fn)
+    for w, g in zip(want, got):
+        if w != g:
+            (_, (seq, start, end), w_copies, w_tables, w_refs, *_), (_, _, g_copies, g_tables, g_refs, *_) = w, g
+            hint = _write_hint(w, g)
+            raise ExerciseFailed(f"write: after write(seq {seq}, {start}, {end}) the allocator differs: "
+                                 f"expected copies {w_copies} and tables {w_tables}, got copies {g_copies} "
+                                 f"and tables {g_tables} (refs {g_refs[:16]}, expected {w_refs[:16]})"
+                                 + (f". Hint: {hint}" if hint else ""))
+    print(f"✓ write: all {len(want)} writes of the script leave the allocator as BlockAllocator.write does")
+    return True
+
+
+# ---------------------------------------------------------------- 2. the block-table lookup
+def solution_slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """Logical block position // block_size, found in the table; the offset inside it is the rest."""
+    return block_table[position // block_size] * block_size + position % block_size
 
 
 def check_slot_of(fn) -> bool:
-    """fn(pos, window_size, sink_tokens) -> int, the slot WindowKVCache writes `pos` to."""
+    """fn(block_table, position, block_size) -> int, the slot that a PagedKVCache writes the position to."""
+    rng = random.Random(3)
     cases = []
-    for W, s in ((8, 0), (8, 4), (5, 2), (128, 4), (3, 3)):
-        cache = WindowKVCache(1, 1, 1, 1, W, s)
-        for p in (0, 1, s, W - 1, W, W + s, W + s + 1, 3 * W + 1, 1000):
-            cases.append((f"position {p}, window {W}, {s} sinks", (p, W, s), int(cache.slot_of(torch.tensor(p)))))
+    for block_size in (1, 4, 16, 256):
+        pool = list(range(64))
+        rng.shuffle(pool)  # blocks handed out in any order, as after other sequences come and go
+        table = pool[:8]
+        for position in rng.sample(range(8 * block_size), min(4, 8 * block_size)):
+            cases.append((f"table {table}, position {position}, block size {block_size}",
+                          (table, position, block_size), _slot_by_package(table, position, block_size)))
 
     def hints(args, got):
-        p, W, s = args
+        table, position, bs = args
         return known_mistake(got, [
-            (p % W, "keep the sink slots: positions >= sink_tokens cycle through the slots after them"),
-            (s + p % W, "count the cycle from the first non-sink position: (pos - sink_tokens) % window_size"),
-            (p % (W + s), "the sinks are never overwritten: only the window_size slots after them cycle"),
-            (s + (p - s) % (W - 1), "the ring has window_size slots, not window_size - 1"),
-            (s + (p - s) % (W + 1), "the ring has window_size slots, not window_size + 1"),
-            (s + (p - s - 1) % W, "the first position after the sinks goes to the first slot after them: "
-                                  "do not shift by one"),
+            (position, "the slot is not the position: look the block up in the table"),
+            (table[position // bs] + position % bs, "multiply the physical block by block_size"),
+            (table[position % bs] * bs + position // bs if position % bs < len(table) else None,
+             "the logical block is position // block_size and the offset position % block_size"),
         ])
-    with forbidding(WindowKVCache.slot_of, *_unless_given(solution_slot_of, fn)):  # expected values computed above
-        return compare("slot_of", cases, fn, hints)
+
+    got = answers(fn, cases, solution_slot_of, PagedKVCache.prepare)
+    return compare("slot_of", cases, lambda *args: next(got), hints)
 
 
-# ---------------------------------------------------------------- 2. the snippet, fixed
-def solution_window_attention(q, k, v, query_pos, key_pos, window_size, sink_tokens=0):
-    """Scale by 1/sqrt(Dh), mask by position (causal, in the window, or a sink), then softmax."""
-    p, j = query_pos[:, None], key_pos[None, :]  # [T, 1] query positions, [1, S] key positions
-    mask = (j <= p) & ((j < sink_tokens) | (p - j < window_size))  # [T, S]: causal, and a sink or in the window
-    return attend(q, k, v, mask)
+def _slot_by_package(table: list[int], position: int, block_size: int) -> int:
+    """The slot PagedKVCache writes `position` to, when its sequence's block table is `table`."""
+    alloc = BlockAllocator(max(table) + 1, block_size)
+    seq = alloc.add_sequence()
+    alloc.share(seq, table)  # the sequence holds exactly these blocks, in this order
+    cache = PagedKVCache(1, 0, 1, 1, block_size, alloc.n_blocks, allocator=alloc)
+    cache.select_rows([seq])
+    cache.prepare(torch.tensor([position]))
+    return int(cache.write_slots()[0])
 
 
-def _cases():
-    g = torch.Generator().manual_seed(5)
-
-    def qkv(T, S, Dh=16):
-        return (3 * torch.randn(1, 2, T, Dh, generator=g), 3 * torch.randn(1, 2, S, Dh, generator=g),
-                torch.randn(1, 2, S, Dh, generator=g))
-
-    q, k, v = qkv(1, 12)
-    pos = torch.arange(12)
-    perm = torch.randperm(12, generator=g)
-    q6, k6, v6 = qkv(6, 6)
-    return [
-        ("one query, keys in order (tests the 1/sqrt(Dh) scaling)", (q, k, v, pos[-1:], pos, 6, 0),
-         "scale the scores by 1/sqrt(Dh) before the softmax"),
-        ("six queries over six keys (tests causality inside the window)", (q6, k6, v6, torch.arange(6), torch.arange(6), 6, 0),
-         "mask keys whose position is after the query's: a prompt has several queries"),
-        ("keys stored out of order (tests choosing the window by position)", (q, k[:, :, perm], v[:, :, perm], pos[-1:], pos[perm], 5, 0),
-         "choose the window by key_pos, not by storage index: a ring buffer stores positions out of order"),
-        ("a window of 4 with 2 sinks", (q, k, v, pos[-1:], pos, 4, 2),
-         "keep the sink_tokens first positions visible to every query"),
-    ]
+# ---------------------------------------------------------------- 3. prefix sharing
+def solution_blocks_held(prompt_len: int, new_tokens: int, n: int, block_size: int) -> int:
+    """The prompt's full blocks are stored once; its partly filled block is copied by each sequence
+    that writes into it, and every block after it is private."""
+    shared = prompt_len // block_size
+    per_sequence = math.ceil((prompt_len + new_tokens) / block_size)
+    if new_tokens == 0:  # nobody wrote: even the partial block is still shared
+        return per_sequence
+    return shared + n * (per_sequence - shared)
 
 
-def check_window_attention(fn) -> bool:
-    """fn(q, k, v, query_pos, key_pos, window_size, sink_tokens) -> [B, H, T, Dh], equal to
-    minigen.attention.window_attention on cases that each expose one of the snippet's bugs."""
-    cases = [(label, args, hint, package_window_attention(*args)) for label, args, hint in _cases()]
-    with forbidding(package_window_attention, window_mask, in_window, *_unless_given(solution_window_attention, fn)):
-        for label, args, hint, want in cases:
-            got = fn(*args)
-            if got is None or tuple(got.shape) != tuple(want.shape):
-                raise ExerciseFailed(f"window_attention: for {label} expected shape {tuple(want.shape)}, got "
-                                     f"{None if got is None else tuple(got.shape)}")
-            if not torch.allclose(got, want, atol=1e-5, rtol=1e-4):
-                err = (got - want).abs().max().item()
-                raise ExerciseFailed(f"window_attention: for {label} the output is off by up to {err:.3g}. "
-                                     f"Hint: {hint}")
-    print(f"✓ window_attention: all {len(cases)} cases agree with the package")
-    return True
+def _blocks_by_allocator(prompt_len: int, new_tokens: int, n: int, block_size: int) -> int:
+    """Run the package's allocator: prefill, fork, then each sequence writes its tokens one by one."""
+    alloc = BlockAllocator(n * math.ceil((prompt_len + new_tokens) / block_size) + 1, block_size)
+    first = alloc.add_sequence()
+    alloc.write(first, 0, prompt_len)
+    rows = [first] + alloc.fork(first, n - 1)
+    for p in range(prompt_len, prompt_len + new_tokens):
+        for row in rows:
+            alloc.write(row, p, p + 1)
+    return alloc.n_used
+
+
+def check_blocks_held(fn) -> bool:
+    """fn(prompt_len, new_tokens, n, block_size) -> int, the blocks BlockAllocator holds."""
+    cases = [(f"prompt {T}, {w} new tokens, n = {n}, block size {bs}", (T, w, n, bs), _blocks_by_allocator(T, w, n, bs))
+             for T, w, n, bs in ((100, 20, 4, 16), (96, 20, 4, 16), (100, 0, 4, 16), (37, 9, 3, 3),
+                                 (500, 100, 8, 256), (10, 50, 2, 1))]
+
+    def hints(args, got):
+        T, w, n, bs = args
+        per = math.ceil((T + w) / bs)
+        return known_mistake(got, [
+            (n * per, "the prompt's full blocks are shared, not copied per sequence"),
+            (math.ceil(T / bs) + n * (per - math.ceil(T / bs)),
+             "the prompt's partly filled block is copied on write by every sequence that writes into it"),
+            (per, "each sequence's new tokens need their own blocks"),
+        ])
+
+    got = answers(fn, cases, solution_blocks_held)
+    return compare("blocks_held", cases, lambda *args: next(got), hints)

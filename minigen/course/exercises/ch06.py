@@ -1,171 +1,135 @@
-"""Chapter 6 exercises: which keys dynamic sparse attention keeps, and the entropy of attention.
+"""Chapter 6 exercises: quantizing one group, and what a quantized cache really holds.
 
-1. `keep_keys(scores, top_k, threshold)`: for one head and one query, scores [S] are q.k/sqrt(Dh)
-   of the visible keys. Return a bool tensor [S]: True for the keys among the `top_k` largest
-   |score| whose |score| is also >= threshold x the largest |score|. None disables a rule.
-2. `attention_entropy(p)`: -sum p log p in nats of one attention distribution p [S] (a float),
-   where keys with probability 0 contribute 0.
-3. `victim(slot_pos, score, recent)`: H2O's eviction choice, for one row of a heavy-hitter cache
-   (caches.h2o.HeavyHitterCache). slot_pos [S] holds the position cached in each slot (-1: empty),
-   score [S] the attention each slot has received so far. Return the slot (an int) that the next
-   token is written to: an empty slot if there is one; otherwise the least attended slot, never one
-   of the `recent` slots holding the newest positions (by position: slots are reused out of order).
-   The checker runs it with the cache's own ranking (HeavyHitterCache.rank, prepare) patched to raise.
+1. `quantize_group(x, bits)`: asymmetric min-max quantization of one group x [G] (a 1-D float
+   tensor) -> (codes, scale, zero), with integer codes in [0, 2^bits - 1] such that
+   zero + codes * scale is within scale / 2 of x, and the smallest such scale. Write the arithmetic:
+   the checker runs it with the package's quantizers (numerics.quant.quantize and round_trip,
+   weight_quant.quantize_matrix) patched to raise.
+2. `quantized_cache_bytes(cfg, tokens, bits, group_size, residual)`: every byte the
+   `QuantizedKVCache` of an fp16 model allocated for `tokens` positions of one sequence holds:
+   packed codes (keys per channel, values per token), an fp16 scale and zero per group, and the
+   fp16 full-precision window of `residual` tokens. Only whole groups are quantized, so the store
+   is rounded up to whole groups of the tokens beyond the window:
+   group_size * ceil(max(0, tokens - residual) / group_size).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...attention import sparse_keep
-from ...caches.h2o import HeavyHitterCache
-from ...entropy import entropy
+from ...checkpoints.model_config import ModelConfig
+from ...caches.quantized import QuantizedKVCache
+from ...numerics import quant, weight_quant
 from . import ExerciseFailed, compare, forbidding, known_mistake
+from .ch01 import LLAMA2_7B, SMOLLM2_135M
 
 
-def _unless_given(solution, fn) -> tuple:
-    """The worked solution is forbidden too, except when it is the answer being checked."""
-    return () if fn is solution else (solution,)
+# ---------------------------------------------------------------- 1. one group
+def solution_quantize_group(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, float, float]:
+    """The grid starts at the minimum and has 2^bits points up to the maximum: 2^bits - 1 steps."""
+    lo, hi = x.min().item(), x.max().item()
+    scale = (hi - lo) / (2**bits - 1)
+    if scale == 0:  # a constant group: every element is the zero itself
+        return torch.zeros_like(x, dtype=torch.long), 0.0, lo
+    codes = torch.round((x - lo) / scale).clamp(0, 2**bits - 1).long()
+    return codes, scale, lo
 
 
-# ---------------------------------------------------------------- 1. the keys kept
-def solution_keep_keys(scores: torch.Tensor, top_k: int | None, threshold: float | None) -> torch.Tensor:
-    """Importance is |score|; keep the top k, then those at or above threshold x the maximum."""
-    importance = scores.abs()
-    keep = torch.ones_like(scores, dtype=torch.bool)
-    if top_k is not None and top_k < len(scores):
-        keep = torch.zeros_like(keep)
-        keep[importance.topk(top_k).indices] = True
-    if threshold is not None:
-        keep &= importance >= threshold * importance.max()
-    return keep
+def _groups() -> list[tuple[str, torch.Tensor, int]]:
+    g = torch.Generator().manual_seed(4)
+    normal = torch.randn(32, generator=g)
+    outlier = normal.clone()
+    outlier[7] = 25.0  # one large value stretches the whole group's step
+    shifted = torch.rand(32, generator=g) + 10.0  # all positive, far from 0: the zero matters
+    return [(f"{name}, {bits} bits", x, bits)
+            for name, x in (("32 normal values", normal), ("an outlier of 25", outlier),
+                            ("values in [10, 11]", shifted), ("a constant group", torch.full((32,), 0.75)))
+            for bits in (8, 4, 2)]
 
 
-def check_keep_keys(fn) -> bool:
-    """fn(scores [S], top_k, threshold) -> bool [S], equal to minigen.attention.sparse_keep."""
-    g = torch.Generator().manual_seed(6)
-    scores = torch.randn(16, generator=g) * 2
-    scores[3] = -5.0  # the most important key has a negative score: importance is |q.k|
-    cases = [(None, None), (4, None), (1, None), (16, None), (40, None), (None, 0.0), (None, 0.1),
-             (None, 0.5), (None, 1.0), (4, 0.5), (8, 0.3)]
-    wants = [sparse_keep(scores.view(1, 1, 1, -1), torch.ones(1, 16, dtype=torch.bool), top_k, threshold).view(-1)
-             for top_k, threshold in cases]  # expected values first: the package is forbidden below
-    with forbidding(sparse_keep, *_unless_given(solution_keep_keys, fn)):
-        _compare_keep(fn, scores, cases, wants)
-    print(f"✓ keep_keys: all {len(cases)} cases agree with the package")
+def check_quantize_group(fn) -> bool:
+    """fn(x [G], bits) -> (codes, scale, zero): codes integers in [0, 2^bits - 1], reconstruction
+    within scale / 2, and scale equal to (max - min) / (2^bits - 1)."""
+    forbidden = (quant.quantize, quant.round_trip, weight_quant.quantize_matrix)
+    with forbidding(*forbidden, *(() if fn is solution_quantize_group else (solution_quantize_group,))):
+        _check_groups(fn)
+    print(f"✓ quantize_group: all {len(_groups())} groups come back within scale / 2")
     return True
 
 
-def _compare_keep(fn, scores: torch.Tensor, cases: list, wants: list) -> None:
-    for (top_k, threshold), want in zip(cases, wants):
-        label = f"top_k={top_k}, threshold={threshold}"
-        got = fn(scores.clone(), top_k, threshold)
-        if got is None or torch.as_tensor(got).shape != want.shape:
-            raise ExerciseFailed(f"keep_keys: for {label} return a bool tensor of shape {tuple(want.shape)}")
-        got = torch.as_tensor(got).bool()
-        if not torch.equal(got, want):
-            hint = ""
-            if not got[3]:
-                hint = " Hint: rank keys by |score|; a large negative q.k is an important key"
-            elif int(got.sum()) != int(want.sum()) and threshold is not None:
-                hint = " Hint: the threshold is a fraction of the largest |score| of this head, kept when >="
-            raise ExerciseFailed(f"keep_keys: for {label} expected keys {want.nonzero().flatten().tolist()}, "
-                                 f"got {got.nonzero().flatten().tolist()}.{hint}")
+def _check_groups(fn) -> None:
+    for label, x, bits in _groups():
+        out = fn(x.clone(), bits)
+        if out is None:
+            raise ExerciseFailed("quantize_group returned None: return (codes, scale, zero)")
+        codes, scale, zero = out
+        codes = torch.as_tensor(codes)
+        scale, zero = float(scale), float(zero)
+        best = (x.max() - x.min()).item() / (2**bits - 1)
+        if codes.dtype.is_floating_point and not torch.equal(codes, codes.round()):
+            raise ExerciseFailed(f"quantize_group: for {label} the codes are not whole numbers: round them")
+        if codes.min() < 0:
+            raise ExerciseFailed(f"quantize_group: for {label} some codes are negative. Hint: asymmetric "
+                                 "quantization subtracts the group's minimum first, so codes are unsigned")
+        if codes.max() > 2**bits - 1:
+            raise ExerciseFailed(f"quantize_group: for {label} a code exceeds {2**bits - 1}: clamp to "
+                                 f"[0, 2^bits - 1]")
+        if scale != scale or zero != zero:
+            raise ExerciseFailed(f"quantize_group: for {label} the scale or zero is NaN. Hint: a constant "
+                                 "group has range 0; use scale 0 and code 0")
+        if abs(scale - best) > 1e-5 * max(best, 1e-12):
+            hint = " Hint: 2^bits codes make 2^bits - 1 steps" if abs(scale - best * (2**bits - 1) / 2**bits) \
+                < 1e-5 * best else ""
+            raise ExerciseFailed(f"quantize_group: for {label} expected scale {best:.6g}, got {scale:.6g}.{hint}")
+        error = (zero + codes.double() * scale - x.double()).abs().max().item()
+        if error > scale / 2 + 1e-5 * (1 + x.abs().max().item()):
+            raise ExerciseFailed(f"quantize_group: for {label} an element comes back {error:.4g} away, "
+                                 f"more than scale / 2 = {scale / 2:.4g}. Hint: round, do not truncate")
 
 
-# ---------------------------------------------------------------- 2. entropy
-def solution_attention_entropy(p: torch.Tensor) -> float:
-    """-sum p log p, skipping p = 0 (the limit of p log p is 0)."""
-    nz = p[p > 0]
-    return float(-(nz * nz.log()).sum())
+# ---------------------------------------------------------------- 2. bytes held
+def solution_quantized_cache_bytes(cfg: ModelConfig, tokens: int, bits: int, group_size: int,
+                                   residual: int) -> int:
+    """Codes + scales and zeros (fp16) for the quantized store; fp16 for the window."""
+    G, channels = group_size, cfg.n_layers * cfg.n_kv_heads * cfg.head_dim  # per K (or V) per token
+    stored = G * -(-max(0, tokens - residual) // G)  # whole groups beyond the window
+    codes = 2 * stored * channels * bits // 8  # keys and values
+    key_meta = (stored // G) * channels * 2 * 2  # one fp16 scale + zero per channel per G tokens
+    value_meta = stored * (channels // G) * 2 * 2  # one fp16 scale + zero per token per G channels
+    window = 2 * min(residual, tokens) * channels * 2  # fp16 keys and values
+    return codes + key_meta + value_meta + window
 
 
-def check_attention_entropy(fn) -> bool:
-    """fn(p [S]) -> float, the entropy in nats; masked keys (p = 0) included in the cases."""
-    g = torch.Generator().manual_seed(7)
-    peaked = torch.tensor([0.97, 0.01, 0.01, 0.01])
-    masked = torch.cat([torch.randn(6, generator=g).softmax(0), torch.zeros(4)])  # 4 masked keys
-    cases = [("uniform over 8 keys", (torch.full((8,), 1 / 8),), math.log(8)),
-             ("one key", (torch.tensor([1.0, 0.0, 0.0]),), 0.0),
-             ("a peaked head", (peaked,), float(entropy(peaked))),
-             ("a softmax with 4 masked keys", (masked,), float(entropy(masked)))]
-
-    def hints(args, got):
-        p = args[0]
-        nz = p[p > 0]
-        return known_mistake(round(float(got), 5), [
-            (round(float(-(nz * nz.log2()).sum()), 5), "use the natural log (nats), not log2 (bits)"),
-            (round(float((nz * nz.log()).sum()), 5), "entropy is minus the sum of p log p"),
-        ]) or ("0 log 0 counts as 0: skip the zero probabilities" if got != got else "")
-    with forbidding(entropy, *_unless_given(solution_attention_entropy, fn)):
-        return compare("attention_entropy", cases, fn, hints, rel_tol=1e-4)
+def _reference_bytes(cfg: ModelConfig, tokens: int, bits: int, group_size: int, residual: int) -> int:
+    cache = QuantizedKVCache(cfg.n_layers, 1, cfg.n_kv_heads, tokens, cfg.head_dim, bits, group_size,
+                             "channel", residual, torch.float16, device="meta")  # sizes only, no memory
+    return cache.nbytes
 
 
-# ---------------------------------------------------------------- 3. H2O's victim
-def solution_victim(slot_pos: torch.Tensor, score: torch.Tensor, recent: int) -> int:
-    """An empty slot first; else the least attended slot outside the `recent` newest positions."""
-    empty = (slot_pos < 0).nonzero().flatten()
-    if len(empty):
-        return int(empty[0])
-    protected = slot_pos.topk(recent).indices  # the slots of the `recent` largest positions
-    candidates = score.clone()
-    candidates[protected] = float("inf")
-    return int(candidates.argmin())
+def _mistaken_bytes(cfg: ModelConfig, tokens: int, bits: int, G: int, R: int, whole_groups: bool = True,
+                    meta_numbers: int = 2, window_bytes: int = 2) -> int:
+    """The byte count with one common mistake switched on (for the hints)."""
+    channels = cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    stored = G * -(-max(0, tokens - R) // G) if whole_groups else max(0, tokens - R)
+    meta = meta_numbers * 2 * ((stored // G) * channels + stored * (channels // G))
+    return 2 * stored * channels * bits // 8 + meta + 2 * min(R, tokens) * channels * window_bytes
 
 
-def _least(score: torch.Tensor, excluded: torch.Tensor) -> int:
-    """The slot of the least score outside `excluded` (a bool mask [S])."""
-    return int(score.masked_fill(excluded, float("inf")).argmin())
-
-
-def _mistakes(slot_pos: torch.Tensor, score: torch.Tensor, recent: int) -> list[tuple[int, str]]:
-    """(the slot a common wrong rule picks, its hint), for the hints."""
-    S, held = len(score), slot_pos >= 0
-    newest = lambda n: torch.zeros_like(held).index_fill_(0, slot_pos.topk(n).indices, True)  # noqa: E731
-    out = [(_least(score, ~held), "never evict the `recent` newest positions: H2O always keeps them"),
-           (_least(-score, ~held | newest(recent)), "evict the least attended slot; the heavy hitters stay"),
-           (_least(slot_pos.float(), ~held | newest(recent)),
-            "that evicts the oldest position, as a window does: H2O evicts the least attended"),
-           (_least(score, ~held | newest(min(recent + 1, S - 1))), "protect exactly `recent` newest positions, "
-                                                                   "not recent + 1"),
-           (_least(score, ~held | (torch.arange(S) >= S - recent)),
-            "the newest by position, not by slot index: the cache reuses slots out of order")]
-    if recent > 1:
-        out.append((_least(score, ~held | newest(recent - 1)), "protect exactly `recent` newest positions, "
-                                                                "not recent - 1"))
-    if not held.all():
-        out.append((_least(score, ~held | newest(recent)), "write into an empty slot first"))
-    return out
-
-
-def _victim_cases() -> list[tuple[str, tuple, int]]:
-    """Rows of heavy-hitter caches, and the slot the package's HeavyHitterCache writes next."""
-    g = torch.Generator().manual_seed(60)
-    cases = []
-    for budget, recent in ((8, 4), (6, 3), (10, 5), (5, 1), (7, 2)):
-        for i in range(8):
-            positions = torch.randperm(4 * budget, generator=g)[:budget]  # distinct, shuffled across slots
-            score = torch.rand(budget, generator=g) * 5  # distinct with probability 1
-            if i == 0:  # one slot left empty: the next token goes there
-                positions[int(torch.randint(budget, (1,), generator=g))] = -1
-            cache = HeavyHitterCache(1, 1, 1, 1, budget, recent)
-            cache.slot_pos[0], cache.score[0] = positions, score
-            nxt = int(positions.max()) + 1
-            cache.prepare(torch.tensor([nxt]))  # the next token
-            label = f"budget {budget}, recent {recent}, positions {positions.tolist()}"
-            cases.append((label, (positions, score, recent), int((cache.slot_pos[0] == nxt).nonzero()[0, 0])))
-    return cases
-
-
-def check_victim(fn) -> bool:
-    """fn(slot_pos [S], score [S], recent) -> int, the slot HeavyHitterCache writes the next token to."""
-    cases = _victim_cases()  # expected values first, from the package's own cache
+def check_quantized_cache_bytes(fn) -> bool:
+    """fn(cfg, tokens, bits, group_size, residual) -> int, exactly QuantizedKVCache(...).nbytes."""
+    cases = [(f"{name}, {tokens} tokens, {bits} bits, groups of {G}, window {R}", (cfg, tokens, bits, G, R),
+              _reference_bytes(cfg, tokens, bits, G, R))
+             for name, cfg in (("SmolLM2-135M", SMOLLM2_135M), ("Llama-2-7B", LLAMA2_7B))
+             for tokens, bits, G, R in ((4096, 4, 32, 32), (1000, 8, 64, 128), (100, 2, 32, 40), (20, 4, 32, 32))]
 
     def hints(args, got):
-        return known_mistake(got, _mistakes(*args))
+        return known_mistake(got, [
+            (_mistaken_bytes(*args, meta_numbers=0), "count the fp16 scale and zero of every group"),
+            (_mistaken_bytes(*args, meta_numbers=1), "each group has a scale and a zero: two fp16 numbers"),
+            (_mistaken_bytes(*args, window_bytes=0), "count the full-precision window of `residual` tokens"),
+            (_mistaken_bytes(*args, window_bytes=4), "the window is in the model's dtype, fp16: 2 bytes a number"),
+            (_mistaken_bytes(*args, whole_groups=False), "only whole groups are quantized: round the store "
+                                                         "up to a multiple of group_size"),
+        ])
 
-    answer = lambda slot_pos, score, recent: fn(slot_pos.clone(), score.clone(), recent)  # noqa: E731
-    with forbidding(HeavyHitterCache.rank, HeavyHitterCache.prepare, *_unless_given(solution_victim, fn)):
-        return compare("victim", cases, answer, hints)
+    return compare("quantized_cache_bytes", cases, fn, hints)

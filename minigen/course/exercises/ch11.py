@@ -1,113 +1,142 @@
-"""Chapter 11 exercise: the replica count the autoscaler asks for.
+"""Chapter 11 exercise: find and remove the host syncs in a decode step.
 
-`check_desired_replicas(fn)`: fn(pods, targets, min_replicas, max_replicas) -> int. `pods` holds one
-/metrics snapshot per running pod of minigen serve ({series under vLLM's names: value}); `targets`
-maps each series the HPA scales on to its per-pod target (deploy/minigen/hpa.yaml's AverageValue).
-Return the replica count one evaluation of Kubernetes' HPA proposes: for each metric, the ratio of
-the pods' average to the target; within 10% of 1 that metric keeps the current count, else it
-proposes ceil(ratio x current); the largest proposal, clamped to [min_replicas, max_replicas].
+1. `step_without_syncs(logits, finished, pad_id, stop_ids)`: the same results as `synced_step`
+   below, with no value read back to Python. A host sync is any place where Python needs a
+   tensor's value: `.item()`, `int(t)`, `float(t)`, `bool(t)`, or an `if` on a tensor. On a GPU
+   each one waits for the device to finish; in a compiled step it breaks the graph (fullgraph=True
+   refuses it); in a CUDA graph it cannot be recorded at all. The checker counts the syncs of your
+   step (a scalar read goes through one op, aten._local_scalar_dense; `.tolist()`, `.numpy()` and
+   `.cpu()` copy a whole tensor to the host and are counted too), compiles it with
+   torch.compile(fullgraph=True), and compares its outputs with the reference. An answer that
+   calls this module's worked solution fails.
 
-The checker draws fresh random cases at every call (and the cases of deploy/minigen/hpa.yaml), computes
-each with minigen's reference (course/autoscale.py), names the usual mistake, and fails an answer
-that calls the reference or the worked solution.
+`count_host_syncs(fn, *args)` is the counter, for the chapter's own use too.
 """
 
 from __future__ import annotations
 
-import math
-import random
-from pathlib import Path
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import yaml
-
-from ...production.deploy import load_manifests
-from ..autoscale import TOLERANCE, desired_replicas, hpa_targets
-from . import ExerciseFailed, forbidding, known_mistake
-
-WAITING, KV = "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
-DEPLOY = Path(__file__).resolve().parents[3] / "deploy"  # the repository's deploy/ (chapter 11 reads it too)
+from . import ExerciseFailed, forbidding
 
 
-def solution_desired_replicas(pods: list[dict[str, float]], targets: dict[str, float], min_replicas: int,
-                              max_replicas: int) -> int:
-    """Per metric: the pods' average over the target; keep the count within 10%, else ceil(ratio x count).
-    The largest proposal, clamped to the HPA's bounds."""
-    current, proposals = len(pods), []
-    for series, target in targets.items():
-        ratio = sum(pod[series] for pod in pods) / len(pods) / target
-        proposals.append(current if abs(ratio - 1) <= 0.1 else math.ceil(ratio * current))
-    return max(min_replicas, min(max_replicas, max(proposals)))
+def synced_step(logits: Tensor, finished: Tensor, pad_id: int, stop_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The greedy tail of a batched decode step, with two host syncs hidden in it.
+
+    logits [B, V] fp32; finished [B] bool (rows that already stopped); stop_ids [K] long ->
+    (tokens [B]: pad_id where the row had finished, log-probabilities of those tokens [B]: 0 where
+    finished, finished [B]: now also the rows that just produced a stop id).
+    """
+    top = logits.max().item()  # for a stable log-softmax: subtract the largest logit
+    shifted = logits - top
+    logprobs = shifted - shifted.exp().sum(dim=-1, keepdim=True).log()  # [B, V]
+    tokens = logits.argmax(dim=-1)  # [B]
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]  # [B]
+    if finished.any():  # rows that stopped repeat the pad token and score nothing
+        tokens = tokens.masked_fill(finished, pad_id)
+        chosen = chosen.masked_fill(finished, 0.0)
+    return tokens, chosen, finished | torch.isin(tokens, stop_ids)
 
 
-def _mistake(pods, targets, lo, hi, total=False, tolerance=True, rounding=math.ceil, combine=max, clamp=True,
-             times_current=True) -> int:
-    """The reference with one usual mistake switched on."""
-    current, proposals = len(pods), []
-    for series, target in targets.items():
-        ratio = sum(p[series] for p in pods) / (1 if total else current) / target
-        keep = tolerance and abs(ratio - 1) <= TOLERANCE
-        proposals.append(current if keep else rounding(ratio * (current if times_current else 1)))
-    out = combine(proposals)
-    return min(max(out, lo), hi) if clamp else out
+# ---------------------------------------------------------------- counting syncs
+class _SyncCounter(TorchDispatchMode):
+    """Counts aten._local_scalar_dense: the one op behind .item(), int(), float(), bool() on a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
-MISTAKES = [
-    ({"total": True}, "an AverageValue target is per pod: compare the pods' average, not their sum, with it"),
-    ({"tolerance": False}, "within 10% of the target (|ratio - 1| <= 0.1) the HPA keeps the current count"),
-    ({"rounding": round}, "the HPA rounds the proposal up: ceil(ratio x current)"),
-    ({"rounding": math.floor}, "the HPA rounds the proposal up: ceil(ratio x current)"),
-    ({"combine": min}, "with several metrics the HPA takes the largest proposal, so the metric most behind wins"),
-    ({"clamp": False}, "clamp the count to [minReplicas, maxReplicas]"),
-    ({"times_current": False}, "the proposal is ceil(ratio x the current replica count), not the ratio alone"),
-]
+class _CopyOutCounter(TorchFunctionMode):
+    """Counts the calls that copy a whole tensor to the host: .tolist(), .numpy(), .cpu() (on a CPU
+    tensor they copy nothing, and dispatch no op the counter above would see; on a GPU each waits)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("tolist", "numpy", "cpu"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
-def deployed_targets() -> tuple[dict[str, float], int, int]:
-    """deploy/minigen/hpa.yaml's targets (named back to /metrics by the Prometheus adapter) and bounds."""
-    hpa, = load_manifests(DEPLOY / "minigen" / "hpa.yaml")
-    adapter = yaml.safe_load(load_manifests(DEPLOY / "k8s" / "prometheus-adapter.yaml")[0].data["config.yaml"])
-    return hpa_targets(hpa, adapter["rules"]), hpa.spec.min_replicas, hpa.spec.max_replicas
+def count_host_syncs(fn, *args, **kwargs) -> int:
+    """How many times fn(*args) reads a tensor's value into Python (run eagerly, once)."""
+    with torch.no_grad(), _CopyOutCounter() as copies, _SyncCounter() as counter:
+        fn(*args, **kwargs)
+    return counter.count + copies.count
 
 
-def _clear(x: float) -> bool:
-    """Far from a rounding edge, so that float order of operations cannot flip a ceil or the tolerance."""
-    return abs(x - round(x)) > 1e-6
+# ---------------------------------------------------------------- 1. the step without syncs
+def solution_step_without_syncs(logits: Tensor, finished: Tensor, pad_id: int,
+                                stop_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Every value stays on the device: a per-row max as a tensor, torch.where instead of `if`."""
+    shifted = logits - logits.amax(dim=-1, keepdim=True)  # [B, V]; per row, which is also stabler
+    logprobs = shifted - shifted.exp().sum(dim=-1, keepdim=True).log()
+    tokens = logits.argmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None])[:, 0]
+    tokens = torch.where(finished, torch.full_like(tokens, pad_id), tokens)  # no branch: both sides computed
+    chosen = torch.where(finished, torch.zeros_like(chosen), chosen)
+    return tokens, chosen, finished | torch.isin(tokens, stop_ids)
 
 
-def cases(seed: int | None = None) -> list[tuple[str, tuple]]:
-    """(label, (pods, targets, min, max)): a few fixed cases on the deployed HPA, then random ones."""
-    rng = random.Random(seed)
-    targets, lo, hi = deployed_targets()
-    fixed = [("one idle pod", [{WAITING: 0, KV: 0.02}]),
-             ("two pods, queues a little over target (within 10%)", [{WAITING: 4, KV: 0.3}, {WAITING: 4.6, KV: 0.2}]),
-             ("three pods, long queues", [{WAITING: 9, KV: 0.5}, {WAITING: 14, KV: 0.6}, {WAITING: 3, KV: 0.4}]),
-             ("two pods, caches full, queues short", [{WAITING: 1, KV: 0.97}, {WAITING: 0, KV: 0.99}]),
-             ("four pods, quiet", [{WAITING: 0, KV: 0.1}, {WAITING: 1, KV: 0.2}, {WAITING: 0, KV: 0.05}, {WAITING: 0, KV: 0.1}]),
-             ("six pods, swamped", [{WAITING: 40, KV: 0.95}] * 6)]
-    out = [(f"{label} (deploy/minigen/hpa.yaml)", (pods, targets, lo, hi)) for label, pods in fixed]
-    while len(out) < 40:
-        n = rng.randint(1, 10)
-        pods = [{WAITING: float(rng.randint(0, 30)), KV: round(rng.uniform(0, 1), 3)} for _ in range(n)]
-        t = {WAITING: float(rng.choice([2, 4, 5, 8])), KV: rng.choice([0.5, 0.75, 0.8])}
-        lo_r, hi_r = rng.randint(1, 3), rng.randint(4, 12)
-        ratios = [sum(p[s] for p in pods) / n / t[s] for s in t]
-        if all(_clear(r * n) and abs(abs(r - 1) - TOLERANCE) > 1e-6 for r in ratios):
-            out.append((f"random case {len(out) - len(fixed) + 1}: {n} pod(s), targets {t}, bounds [{lo_r}, {hi_r}]",
-                        (pods, t, lo_r, hi_r)))
-    return out
+def _cases() -> list[tuple[str, tuple]]:
+    g = torch.Generator().manual_seed(8)
+    logits = 4 * torch.randn(4, 50, generator=g)
+    stop_ids = logits.argmax(-1)[2:3]  # row 2 produces a stop id
+    return [
+        ("no row finished", (logits, torch.zeros(4, dtype=torch.bool), 0, stop_ids)),
+        ("rows 0 and 3 finished", (logits, torch.tensor([True, False, False, True]), 7, stop_ids)),
+        ("every row finished", (logits, torch.ones(4, dtype=torch.bool), 7, stop_ids)),
+    ]
 
 
-def check_desired_replicas(fn, seed: int | None = None) -> bool:
-    """fn(pods, targets, min_replicas, max_replicas) -> int, on the deployed HPA's cases and fresh random ones."""
-    expected = [(label, args, desired_replicas(*args)) for label, args in cases(seed)]
-    forbidden = [desired_replicas, _mistake] + ([solution_desired_replicas] if fn is not solution_desired_replicas else [])
-    for label, (pods, targets, lo, hi), want in expected:
-        with forbidding(*forbidden):
-            got = fn([dict(p) for p in pods], dict(targets), lo, hi)
-        if got != want or isinstance(got, bool):
-            hint = known_mistake(got, [(_mistake(pods, targets, lo, hi, **s), h) for s, h in MISTAKES])
-            shown = pods if len(pods) <= 4 else f"{pods[:3]} ... ({len(pods)} pods)"
-            raise ExerciseFailed(f"desired_replicas: for {label}, pods {shown}, the HPA asks for {want} replicas, "
-                                 f"yours {got!r}" + (f". Hint: {hint}" if hint else ""))
-    print(f"✓ desired_replicas: all {len(expected)} cases agree with Kubernetes' algorithm (minigen.course.autoscale)")
+SYNC_HINT = ("keep every value on the device: logits.amax(dim=-1, keepdim=True) (a tensor) instead of "
+             "logits.max().item(), torch.where(finished, pad, tokens) on every row instead of "
+             "`if finished.any():`, and tensors instead of Python numbers or lists (no int(), .tolist())")
+
+
+def check_step_without_syncs(fn) -> bool:
+    """fn(logits, finished, pad_id, stop_ids) -> (tokens, log-probabilities, finished): no host sync,
+    compiles with fullgraph=True, and equals the reference (`synced_step`) on every case."""
+    cases = _cases()
+    wants = [synced_step(*args) for _, args in cases]  # the reference, before the solution is forbidden
+    forbidden = [] if fn is solution_step_without_syncs else [solution_step_without_syncs]  # (checked as itself)
+    with forbidding(*forbidden):  # the eager run: a call of the solution raises here
+        syncs = count_host_syncs(fn, *cases[1][1])
+    if syncs:
+        raise ExerciseFailed(f"step_without_syncs: your step still reads {syncs} tensor value(s) into Python "
+                             f"(.item(), int(), float(), bool(), .tolist() or an `if` on a tensor). Hint: {SYNC_HINT}")
+    # backend="eager": dynamo traces the step into one graph, as inductor and CUDA graphs need it, but
+    # generates no code, so the check takes a second instead of a C++ compile.
+    compiled = torch.compile(fn, fullgraph=True, backend="eager", dynamic=False)
+    for (label, args), want in zip(cases, wants):
+        try:
+            got = compiled(*args)
+        except Exception as err:  # dynamo's errors are many classes; the first line names the cause
+            raise ExerciseFailed(f"step_without_syncs: torch.compile(fullgraph=True) refused your step for {label}: "
+                                 f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200]}. Hint: a "
+                                 "compiled step is one graph of tensor ops, so no print or other Python side "
+                                 f"effect, and no Python decision on a tensor's value; {SYNC_HINT}") from None
+        if not (isinstance(got, tuple) and len(got) == 3):
+            raise ExerciseFailed("step_without_syncs: return (tokens, log-probabilities, finished), like synced_step")
+        for name, g_, w in zip(("tokens", "log-probabilities", "finished"), got, want):
+            if g_.shape != w.shape or g_.dtype != w.dtype:
+                raise ExerciseFailed(f"step_without_syncs: for {label}, {name} should be {w.dtype} {tuple(w.shape)}, "
+                                     f"got {g_.dtype} {tuple(g_.shape)}")
+            if not torch.allclose(g_.float(), w.float(), rtol=1e-5, atol=1e-5):
+                raise ExerciseFailed(f"step_without_syncs: for {label}, {name} differ: expected {w.tolist()}, got "
+                                     f"{g_.tolist()}. Hint: finished rows give pad_id and a log-probability of 0; "
+                                     "the others their argmax and its log-softmax")
+    print(f"✓ step_without_syncs: no host sync, one graph under fullgraph=True, and all {len(cases)} cases "
+          "agree with the reference")
     return True

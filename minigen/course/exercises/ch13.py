@@ -1,185 +1,216 @@
-"""Chapter 13 exercise: the memory planner's choice, built by hand.
+"""Chapter 13 exercise: the acceptance rule of speculative sampling.
 
-`plan_choice(rows, weights_bytes, budget_bytes)`: the settings `minigen.plan` would pick for SmolLM2
-at batch 8 and 8,192 tokens under a memory budget, from the numbers the planner works with:
+`accept(logits, proposal, q, config, generator) -> list[int]`, the signature of
+minigen.steps.speculative.accept_sampled: logits [k + 1, V] of the target at the last accepted token
+and at each of the k proposed tokens; the proposal (k token ids); q [k, V], the probabilities the
+proposer drew each proposal from (None for prompt lookup, which proposes each token for sure); the
+GenerationConfig (temperature, top-k, top-p); the torch.Generator to draw with. Return the tokens the
+round emits: the proposals kept, in order, then one token of the target's, so 1 to k + 1 tokens.
 
-- `rows`: one dict per cache setting (storage, window), in no particular order:
-  `{"config": {...GenerationConfig fields...}, "expected_loss_pct": float, "bytes": {chunk: (kv, acts)}}`.
-  `bytes` maps each way of running the prompt to its KV-cache bytes and its activation bytes:
-  `None` is the whole prompt in one forward, an integer is `prefill_chunk_size` (chapter 16);
-- `weights_bytes`: the model's weights;
-- `budget_bytes`: the memory there is.
+The checker first gives your rule a draft whose q equals the target's p (every guess must then be
+kept), then installs it in minigen's speculative loop and generates thousands of rows of a tiny
+random model (8 tokens of vocabulary), once with a layer-skipping draft and once with prompt lookup,
+and compares how often each 3-token continuation came out with its exact probability (chi-square).
+It fails when your rule calls minigen's own accept_sampled or this module's worked solution, by any
+name (`forbidding` swaps their code while your rule runs).
 
-Return the config to run (with `"prefill_chunk_size": chunk` added when the prompt runs in chunks),
-or None when no setting fits. Chapter 13, section 1 says what the planner weighs; the hints of a
-wrong answer say which part of its rule you missed.
-
-The checker compares your choice with `minigen.plan`'s under several budgets, with the planner's own
-functions patched to raise: your rule must do the work.
+`installed(rule)` is the same injection for the chapter's demonstrations; `keep_every_proposal` and
+`resample_from_target` are two planted mistakes.
 """
 
 from __future__ import annotations
 
-import importlib
-import random
+import contextlib
+from typing import Callable
+
+import torch
+from torch import Tensor
 
 from ...config import GenerationConfig
-from ...checkpoints.model_config import ModelConfig
+from ...drafts import layer_skip
+from ...generate import generate
+from ...sampling import probabilities
+from ...steps import speculative
+from ..distributions import chi_square, continuation_probabilities, outcome_counts, tiny_llama, total_variation
 from . import ExerciseFailed, forbidding
 
-planner = importlib.import_module("minigen.measure.plan")  # the module: `minigen.measure.plan` is the function
-
-# SmolLM2-135M's shape (its config.json), so that the checker needs no checkpoint
-SMOLLM2 = ModelConfig(arch="llama", vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
-                      hidden_dim=1536, max_seq_len=8192)
-BATCH, CONTEXT = 8, 8192
-MIB, GIB = 2**20, 2**30
-BUDGETS = {  # label -> budget in bytes: each picks another answer (the prompt in chunks where it must be)
-    "6 GiB (everything fits whole)": 6 * GIB,
-    "3 GiB": 3 * GIB,
-    "1.6 GiB": int(1.6 * GIB),
-    "1.2 GiB": int(1.2 * GIB),
-    "620 MiB": 620 * MIB,
-    "590 MiB (nothing fits)": 590 * MIB,
-}
+MINIGEN_RULE = speculative.accept_sampled  # the package's rule: an answer must not call it
+P_MIN = 1e-4  # a p-value below this fails: exact sampling strays that far once in 10,000 checks
+ROWS = 4000  # rows generated per case (one generate call); a wrong rule's p-value is then below 1e-20
+K, NEW = 2, 4  # proposals a round; new tokens a row: the first is the loop's, the next three the rounds'
 
 
 # ---------------------------------------------------------------- worked solution
-def solution_plan_choice(rows: list[dict], weights_bytes: int, budget_bytes: int) -> dict | None:
-    """Per setting, run the prompt whole if that fits, else in the largest chunk that does; among the
-    settings that fit, the least expected loss, then the fewest bytes."""
-    room = budget_bytes - weights_bytes  # what the cache and the activations may take
-    fitting = []  # (loss, total bytes, config)
-    for row in rows:
-        ways = sorted(row["bytes"], key=lambda c: -float("inf") if c is None else -c)  # whole, then 2048, 1024...
-        for chunk in ways:
-            kv, acts = row["bytes"][chunk]
-            if kv + acts <= room:
-                config = dict(row["config"], **({"prefill_chunk_size": chunk} if chunk else {}))
-                fitting.append((row["expected_loss_pct"], weights_bytes + kv + acts, config))
-                break
-    if not fitting:
-        return None
-    return min(fitting, key=lambda f: (f[0], f[1]))[2]
+def solution_accept_sampled(logits: Tensor, proposal: list[int], q: Tensor | None, config: GenerationConfig,
+                            generator: torch.Generator | None) -> list[int]:
+    """Keep proposal x with probability min(1, p(x) / q(x)); at the first rejection emit a token of
+    the residual max(0, p - q); with none rejected, one more from the target's last position."""
+    p = probabilities(logits, config)  # [k + 1, V]: what the target samples from (tempered, cut)
+    emitted: list[int] = []
+    for i, x in enumerate(proposal):
+        q_i = torch.zeros_like(p[i]).index_fill_(0, torch.tensor([x]), 1.0) if q is None else q[i]  # lookup: for sure
+        if torch.rand((), generator=generator) * q_i[x] < p[i, x]:  # u < p(x) / q(x), never dividing by 0
+            emitted.append(int(x))
+            continue
+        residual = (p[i] - q_i).clamp(min=0)  # where the target wants more than the proposer gave
+        if float(residual.sum()) <= 0:  # p == q up to rounding: this rejection had probability 0
+            residual = p[i]
+        return emitted + [int(torch.multinomial(residual, 1, generator=generator))]
+    return emitted + [int(torch.multinomial(p[len(proposal)], 1, generator=generator))]
+
+
+# ---------------------------------------------------------------- two planted mistakes
+def keep_every_proposal(logits, proposal, q, config, generator) -> list[int]:
+    """Wrong: keeps every proposal, then the target's token: the draft's distribution comes out."""
+    p = probabilities(logits, config)
+    return list(proposal) + [int(torch.multinomial(p[len(proposal)], 1, generator=generator))]
+
+
+def resample_from_target(logits, proposal, q, config, generator) -> list[int]:
+    """Wrong: the right test, but a rejected position draws from p itself instead of max(0, p - q):
+    tokens the draft likes come out too often (they were already offered, and kept as often as p allows)."""
+    p = probabilities(logits, config)
+    for i, x in enumerate(proposal):
+        q_x = 1.0 if q is None else float(q[i, x])
+        if float(torch.rand((), generator=generator)) * q_x >= float(p[i, x]):
+            return list(proposal[:i]) + [int(torch.multinomial(p[i], 1, generator=generator))]
+    return list(proposal) + [int(torch.multinomial(p[len(proposal)], 1, generator=generator))]
+
+
+# ---------------------------------------------------------------- running a rule inside generate
+@contextlib.contextmanager
+def installed(rule: Callable):
+    """Within the block, speculative sampling uses `rule` (SpeculativeStep picks accept_sampled from its
+    module when it is built, so generate calls inside the block get `rule`)."""
+    before = speculative.accept_sampled
+    speculative.accept_sampled = rule
+    try:
+        yield
+    finally:
+        speculative.accept_sampled = before
+
+
+_CALLS_MINIGEN = ("your rule calls minigen's own accept_sampled (minigen.steps.speculative.accept_sampled): "
+                  "write the rule yourself; minigen.sampling.probabilities(logits, config) gives the target's p")
+
+
+class _Guard:
+    """Wraps an answer: refuses a call of minigen's rule through its module (installed, it is this
+    wrapper) and checks the shape of what the answer returns. A call of the function itself, by any
+    name, is refused by `forbidding` around the run (`_forbidden`)."""
+
+    def __init__(self, fn: Callable):
+        self.fn, self.inside = fn, False
+
+    def __call__(self, logits, proposal, q, config, generator):
+        if self.inside:  # the answer called speculative.accept_sampled, which is this wrapper now
+            raise ExerciseFailed(_CALLS_MINIGEN)
+        self.inside = True
+        try:
+            got = self.fn(logits, proposal, q, config, generator)
+        finally:
+            self.inside = False
+        return _checked(got, proposal)
+
+
+def _forbidden(fn: Callable):
+    """minigen's rule and the worked solution raise while the answer runs (the worked solution is
+    allowed only as the answer itself: the chapter checks it so that nbval passes)."""
+    return forbidding(MINIGEN_RULE, *([] if fn is solution_accept_sampled else [solution_accept_sampled]))
+
+
+def _checked(got, proposal: list[int]) -> list[int]:
+    if got is None:
+        raise ExerciseFailed("accept returned None: return the list of tokens the round emits")
+    try:
+        got = [int(t) for t in got]
+    except (TypeError, ValueError):
+        raise ExerciseFailed(f"accept returned {type(got).__name__}: return a list of token ids (ints)") from None
+    if not 1 <= len(got) <= len(proposal) + 1:
+        raise ExerciseFailed(f"accept emitted {len(got)} tokens for {len(proposal)} proposals: a round emits the "
+                             f"proposals it keeps and then one token of the target's, 1 to {len(proposal) + 1}")
+    if got[:-1] != list(proposal[:len(got) - 1]):
+        raise ExerciseFailed(f"accept emitted {got} for the proposal {list(proposal)}: the tokens before the last "
+                             "must be the proposal's first ones, kept in order (the last is the target's own)")
+    return got
 
 
 # ---------------------------------------------------------------- the cases
-def _rows(cfg: ModelConfig, batch: int, context: int) -> list[dict]:
-    """Every setting the planner weighs, with its bytes for each way of running the prompt."""
-    rows = []
-    for fields, _, _, loss, _ in planner.options(cfg, batch, context):  # room=None: the prompt whole
-        ways = {}
-        for chunk in (None, *(c for c in planner.PREFILL_CHUNKS if c < context)):
-            config = GenerationConfig(**fields, prefill_chunk_size=chunk)
-            ways[chunk] = (planner.kv_cache_bytes(cfg, config, batch, context),
-                           planner.activation_bytes(cfg, batch, context, "float32", config))
-        rows.append({"config": dict(fields), "expected_loss_pct": loss, "bytes": ways})
-    return rows
+def _cases() -> list[tuple[str, dict, Tensor]]:
+    """(label, generate's keywords, the prompt) for the tiny target: a draft, and prompt lookup."""
+    draft_cfg = GenerationConfig(do_sample=True, temperature=0.8, top_k=6, speculative_method="draft",
+                                 num_speculative_tokens=K, max_new_tokens=NEW, stop_token_ids=[], seed=15)
+    lookup_cfg = GenerationConfig(do_sample=True, speculative_method="ngram", num_speculative_tokens=K,
+                                  max_new_tokens=NEW, stop_token_ids=[], seed=16)
+    return [("a one-layer draft (temperature 0.8, top-k 6)", {"config": draft_cfg, "draft": True},
+             torch.tensor([1, 5, 2, 7, 1, 5])),
+            ("prompt lookup (q is None: each proposal is certain)", {"config": lookup_cfg, "draft": False},
+             torch.tensor([3, 1, 4, 1, 5, 1, 4, 1]))]
 
 
-_CACHE: dict = {}
+def run_rule(rule: Callable, model, prompt: Tensor, config: GenerationConfig, draft=None, rows: int = ROWS):
+    """Generate `rows` rows with `rule` installed -> (the counts of the rounds' 3 tokens, the stats)."""
+    with installed(rule):
+        out = generate(model, prompt.expand(rows, -1), config, draft_model=draft)
+    return outcome_counts(out.tokens[:, len(prompt) + 1:], model.config.vocab_size), out.stats
 
 
-def _cases() -> list[tuple[str, list[dict], int, int, dict | None]]:
-    """(label, rows as the exercise gets them, weights bytes, budget, the planner's answer)."""
-    if not _CACHE:
-        rows = _rows(SMOLLM2, BATCH, CONTEXT)
-        weights = planner.weights_bytes(SMOLLM2)
-        budgets = dict(BUDGETS)
-        exact = planner.plan(SMOLLM2, batch=BATCH, context=CONTEXT, budget_bytes=budgets["1.6 GiB"])
-        budgets["exactly what the 1.6 GiB pick needs"] = exact.total_bytes  # a fit to the byte is a fit
-        wants = {}
-        for label, budget in budgets.items():
-            p = planner.plan(SMOLLM2, batch=BATCH, context=CONTEXT, budget_bytes=budget)
-            wants[label] = (budget, dict(p.config) if p.fits else None)
-        _CACHE.update(rows=rows, weights=weights, wants=wants)
-    rng = random.Random(13)
-    cases = []
-    for label, (budget, want) in _CACHE["wants"].items():
-        rows = [dict(r, config=dict(r["config"]), bytes=dict(rng.sample(list(r["bytes"].items()), len(r["bytes"]))))
-                for r in _CACHE["rows"]]
-        rng.shuffle(rows)  # the planner's order would give part of the answer away
-        cases.append((label, rows, _CACHE["weights"], budget, want))
-    return cases
+def _keeps_what_the_target_would_draw(fn: Callable) -> None:
+    """A draft whose q equals the target's p: min(1, p(x) / q(x)) = 1, so every guess must be kept. (A
+    rule that never keeps a guess and draws from p is exact too, and gives up the whole speed-up.)"""
+    g = torch.Generator().manual_seed(15)
+    config = GenerationConfig(do_sample=True)
+    logits = torch.randn(K + 1, 8, generator=g)
+    q = probabilities(logits[:K], config)
+    for _ in range(50):
+        proposal = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(K)]
+        with _forbidden(fn):
+            got = _Guard(fn)(logits.clone(), proposal, q.clone(), config, g)
+        if got[:K] != proposal:
+            raise ExerciseFailed(f"accept: with q equal to the target's p every guess must be kept (min(1, p / q) = 1), "
+                                 f"yet for the proposal {proposal} yours emitted {got}. Hint: keep x when u < p(x) / q(x), "
+                                 "u uniform in [0, 1); rejecting more often than that is still exact, but slow")
 
 
-def _cost(rows: list[dict], weights: int, budget: int, config) -> tuple | None:
-    """(loss, total bytes, fits) of a returned config, or None when it is no setting of `rows`."""
-    if not isinstance(config, dict):
-        return None
-    base = {k: v for k, v in config.items() if k != "prefill_chunk_size"}
-    for r in rows:
-        if r["config"] == base and config.get("prefill_chunk_size") in r["bytes"]:
-            kv, acts = r["bytes"][config.get("prefill_chunk_size")]
-            return r["expected_loss_pct"], weights + kv + acts, weights + kv + acts <= budget
-    return None
+def check_accept_sampled(fn: Callable) -> bool:
+    """Runs fn as speculative sampling's acceptance rule; its tokens must come out as the target's."""
+    # One thread: the tiny model's ops take microseconds, and a second thread's hand-offs cost far more
+    # (tests/conftest.py, one_thread: ten times slower on a busy two-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _check(fn)
+    finally:
+        torch.set_num_threads(threads)
 
 
-# ---------------------------------------------------------------- what a wrong answer missed
-def _variant(rows, weights, budget, *, count_weights=True, ways="largest", rank="loss", strict=False):
-    """The planner's rule with one part changed: a known wrong answer, to name it in a hint."""
-    room = budget - (weights if count_weights else 0)
-    fitting = []
-    for r in rows:
-        chunks = sorted((c for c in r["bytes"] if c is not None), reverse=True)
-        order = {"largest": [None, *chunks], "smallest": [None, *chunks[::-1]], "whole": [None],
-                 "always": chunks}[ways]
-        for chunk in order:
-            kv, acts = r["bytes"][chunk]
-            if kv + acts < room if strict else kv + acts <= room:
-                fitting.append((r["expected_loss_pct"], weights + kv + acts,
-                                dict(r["config"], **({"prefill_chunk_size": chunk} if chunk else {}))))
-                break
-    if not fitting:
-        return None
-    key = {"loss": lambda f: (f[0], f[1]), "bytes": lambda f: (f[1], f[0]), "most": lambda f: (f[0], -f[1])}[rank]
-    return min(fitting, key=key)[2]
-
-
-MISTAKES = [
-    (dict(count_weights=False), "the budget holds the weights too: a setting fits when weights + KV + activations "
-                                "stay within it"),
-    (dict(ways="whole"), "when the whole prompt does not fit, run it in chunks (prefill_chunk_size): the same "
-                         "tokens for far fewer activation bytes"),
-    (dict(ways="smallest"), "a larger chunk runs the prompt in fewer forwards: after the whole prompt, try the "
-                            "largest chunk first"),
-    (dict(ways="always"), "the whole prompt (chunk None) is the fastest prefill: take it wherever it fits"),
-    (dict(rank="bytes"), "the planner spends the budget on quality: among the settings that fit, rank by "
-                         "expected_loss_pct first"),
-    (dict(rank="most"), "equal losses: take the one with the fewest bytes"),
-    (dict(strict=True), "a setting that needs exactly the budget fits (<=, not <)"),
-]
-
-
-def _hint(rows, weights, budget, got, want) -> str:
-    if want is None:
-        return "nothing fits this budget: return None"
-    if got is None:
-        return "some settings fit: compare weights + KV + activations with the budget"
-    mine = _cost(rows, weights, budget, got)
-    if mine is None:
-        return ("return the `config` dict of one of the rows, with \"prefill_chunk_size\" added when the prompt "
-                "runs in chunks (one of the row's `bytes` keys)")
-    hits = [hint for kwargs, hint in MISTAKES if _variant(rows, weights, budget, **kwargs) == got]
-    if not mine[2]:
-        hits.insert(0, f"that choice needs {mine[1] / MIB:,.1f} MiB, more than the budget")
-    return "; or ".join(hits) or "among the settings that fit, the least expected loss, then the fewest bytes"
-
-
-def check_plan_choice(fn) -> bool:
-    """fn(rows, weights_bytes, budget_bytes) -> the config minigen.plan picks, or None when nothing fits."""
-    cases = _cases()  # the planner's answers, computed before its functions are patched to raise
-    answers = []
-    worked = fn is solution_plan_choice  # the notebook runs the worked solution until you write yours
-    with forbidding(planner.plan, planner.options, *([] if worked else [solution_plan_choice])):
-        for _, rows, weights, budget, _ in cases:
-            mine = [dict(r, config=dict(r["config"]), bytes=dict(r["bytes"])) for r in rows]
-            answers.append(fn(mine, weights, budget))
-    for (label, rows, weights, budget, want), got in zip(cases, answers):
-        tie = want is not None and _cost(rows, weights, budget, got) == _cost(rows, weights, budget, want)
-        if got != want and not tie:
-            raise ExerciseFailed(f"plan_choice: for a budget of {label} (batch {BATCH}, {CONTEXT:,} tokens) the "
-                                 f"planner picks {want}, you picked {got}. Hint: {_hint(rows, weights, budget, got, want)}")
-    print(f"✓ plan_choice: all {len(cases)} budgets agree with minigen.plan"
-          + (" (the worked solution: yours is not checked yet)" if worked else ""))
+def _check(fn: Callable) -> bool:
+    _keeps_what_the_target_would_draw(fn)
+    model = tiny_llama(8, seed=0)
+    for label, case, prompt in _cases():
+        config, draft = case["config"], layer_skip(model, 1) if case["draft"] else None
+        exact = continuation_probabilities(model, prompt, NEW, config).sum(0)  # [V, V, V]: the first token summed out
+        with _forbidden(fn):  # the exact distribution above and the hints' runs below use minigen's own
+            counts, stats = run_rule(_Guard(fn), model, prompt, config, draft)
+        stat, dof, p_value = chi_square(counts, exact)
+        if p_value < P_MIN:
+            _, right = run_rule(solution_accept_sampled, model, prompt, config, draft)
+            if stats.acceptance_rate > 0.99 > right.acceptance_rate:
+                hint = "you keep every proposal: keep x with probability min(1, p(x) / q(x))"
+            elif float(counts[exact == 0].sum()) > 0:
+                hint = ("your rounds emit tokens the target never samples with this config (top-k cuts them): "
+                        "take p from minigen.sampling.probabilities(logits, config), which applies the "
+                        "temperature, top-k and top-p")
+            elif abs(stats.acceptance_rate - right.acceptance_rate) > 0.05:
+                hint = (f"you kept {stats.acceptance_rate:.0%} of the proposals where the rule keeps about "
+                        f"{right.acceptance_rate:.0%}: keep x with probability min(1, p(x) / q(x)), p from "
+                        "minigen.sampling.probabilities(logits, config)")
+            else:
+                hint = ("after a rejection, draw from the residual max(0, p - q) normalised, not from p: the "
+                        "proposal has had its chance already")
+            raise ExerciseFailed(f"accept, {label}: the 3 tokens the rounds emit are not distributed as the "
+                                 f"target samples them (chi-square {stat:.0f} on {dof} degrees of freedom, p-value "
+                                 f"{p_value:.1e}; total variation {total_variation(counts, exact):.3f}). Hint: {hint}")
+        print(f"✓ accept, {label}: {ROWS:,} rows distributed as the target's "
+              f"(p-value {p_value:.2f}; {stats.acceptance_rate:.0%} of the proposals kept)")
     return True

@@ -1,4 +1,4 @@
-"""A function of yours, sent to spawned processes by its source: how chapter 17's checker runs an answer
+"""A function of yours, sent to spawned processes by its source: how chapter 16's checker runs an answer
 defined in a notebook cell inside each rank of a process group.
 
 A new process started with "spawn" unpickles a function by importing its module and looking up its

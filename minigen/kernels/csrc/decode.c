@@ -83,7 +83,7 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
  * L1, so a chunk of M tokens streams the weights once rather than M times. Each output is that
  * loop's own, so every row gets the bits it gets alone. The dequantizing is done M times, so
  * where that, not memory, sets the pace (int4 on Zen 4, measured in an earlier session) this buys
- * nothing; where memory does, it is most of the step (chapter 15's verify cost). */
+ * nothing; where memory does, it is most of the step (chapter 13's verify cost). */
 static void rows_each(const Mat *m, float *y, int64_t i) {
     for (int64_t r = 0; r < m[0].M; r++) m[r].each(&m[r], y + r * m[r].n, i);
 }

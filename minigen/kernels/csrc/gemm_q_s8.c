@@ -1,4 +1,4 @@
-/* A prompt's products with int4 / int8 group-wise weight codes and int8 activations (chapter 14,
+/* A prompt's products with int4 / int8 group-wise weight codes and int8 activations (chapter 10,
  * numerics/int8_act.py, which says why): y [M, n] = int8_act.reference_linear(x, W), in one C call.
  *     y[r, i] = sum_b s[i, g(b)] (dx[r, b] isum[r, i, b] + rdx[r, b] rsum[r, i, b])  (+ sum_g m[i, g] xsum[r, g]
  *     for int4: sum_{b in g} dx sum qx + rdx sum rx),  isum = sum_{j in b} q[i, j] qx[r, j] exact int32, rsum

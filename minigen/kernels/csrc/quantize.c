@@ -5,7 +5,7 @@
  * q = round(t / a) (half to even, as torch.round).
  * One call instead of torch's six operations, and single-threaded: a prompt of 512 rows of 576 is
  * 1 MB, read twice from cache, while each of torch's operations is a parallel region that on a busy
- * machine waits for a time slice (chapter 8). Each row alone: the same codes whatever M. gemm_s8
+ * machine waits for a time slice (chapter 11). Each row alone: the same codes whatever M. gemm_s8
  * calls the same row function inside its own parallel region (the rows shared out, no region more).
  * 8 lanes at a time (vec.h): one number at a time, 512 rows of 576 took 0.4 ms on the Xeon, a
  * quarter of gemm_s8's product after it on one core, and half of it on two.

@@ -3,13 +3,13 @@
  * rows_batch.c). parallel.c shares the rows out over the threads; a row is always summed by one
  * thread, in the order written here.
  *
- * bf16 weights (chapter 7): the same loop reads 2 bytes a weight instead of 4 and widens each to
+ * bf16 weights (chapter 9): the same loop reads 2 bytes a weight instead of 4 and widens each to
  * fp32 in a register (a bf16 number is the top half of an fp32 one), so the activations and every
  * sum stay fp32 while memory delivers half the bytes. 16 weights are loaded as 8 32-bit words:
  * shifting each word left by 16 gives the even weights as fp32, masking its low half gives the
  * odd ones, two instructions for 16 weights; x is reordered once per call to match (evens, odds).
  *
- * int8 and int4 weights (chapter 14): groups of G weights along a row share a scale (int8, as
+ * int8 and int4 weights (chapter 10): groups of G weights along a row share a scale (int8, as
  * GGUF's Q8_0: w = scale * q, q in [-127, 127]) or a scale and a minimum (int4, as GGUF's Q4_1:
  * w = min + scale * q, q in [0, 15]); int4 codes sit two to a byte, and in each block of 32 weights
  * byte j holds weight j in its low nibble and weight j + 16 in its high one. The codes become fp32

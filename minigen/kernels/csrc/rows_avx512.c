@@ -4,7 +4,7 @@
 #include "kernels.h"
 
 #ifdef __AVX512F__
-/* With AVX-512 (chapter 14), int8 and int4 rows run 16 lanes wide: a block of 32 codes becomes two
+/* With AVX-512 (chapter 10), int8 and int4 rows run 16 lanes wide: a block of 32 codes becomes two
  * vectors in four instructions instead of eight, and the widening, not memory, is what limits
  * these rows (measured on Zen 4, one thread: int4 10.9 -> 14.6 to 15.8 weights per ns).
  * A row's scales and minimums are widened to fp32 once, 16 at a time, into a small array

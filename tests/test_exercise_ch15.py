@@ -1,4 +1,4 @@
-"""Chapter 11's exercise (issue 46): the replica count an HPA asks for, from the pods' /metrics. The checker
+"""Chapter 15's exercise (issue 46): the replica count an HPA asks for, from the pods' /metrics. The checker
 draws random cases at every call, computes them with minigen's reference (course/autoscale.py), names
 the usual mistakes, and refuses an answer that calls the reference or the worked solution. The
 reference itself is checked here against Kubernetes' algorithm on cases worked by hand."""
@@ -10,13 +10,13 @@ import math
 import pytest
 
 from minigen.course import autoscale
-from minigen.course.exercises import ExerciseFailed, ch11
+from minigen.course.exercises import ExerciseFailed, ch15
 
-W, KV = ch11.WAITING, ch11.KV
+W, KV = ch15.WAITING, ch15.KV
 
 
 def test_the_deployed_hpa_reads_back_to_vllms_series():
-    targets, lo, hi = ch11.deployed_targets()
+    targets, lo, hi = ch15.deployed_targets()
     assert targets == {W: 4.0, KV: 0.75} and (lo, hi) == (1, 8)
 
 
@@ -33,9 +33,9 @@ def test_the_reference_follows_kubernetes_algorithm(pods, want):
 
 
 def test_the_worked_solution_passes_on_fresh_random_cases():
-    assert ch11.check_desired_replicas(ch11.solution_desired_replicas)
-    assert ch11.check_desired_replicas(ch11.solution_desired_replicas, seed=3)
-    assert ch11.cases(1) != ch11.cases(2)  # each call draws its own cases: a pasted table of answers fails
+    assert ch15.check_desired_replicas(ch15.solution_desired_replicas)
+    assert ch15.check_desired_replicas(ch15.solution_desired_replicas, seed=3)
+    assert ch15.cases(1) != ch15.cases(2)  # each call draws its own cases: a pasted table of answers fails
 
 
 def summed(pods, targets, lo, hi):
@@ -76,21 +76,21 @@ def unclamped(pods, targets, lo, hi):
 ])
 def test_the_usual_mistakes_fail_with_their_hint(answer, hint):
     with pytest.raises(ExerciseFailed, match=f"the HPA asks for .*Hint:.*{hint}"):
-        ch11.check_desired_replicas(answer, seed=0)
+        ch15.check_desired_replicas(answer, seed=0)
 
 
 def test_an_answer_that_calls_minigens_reference_fails():
     for cheat, name in ((autoscale.desired_replicas, "desired_replicas"),
                         (lambda *a: autoscale.desired_replicas(*a), "desired_replicas"),
-                        (lambda *a: ch11.solution_desired_replicas(*a), "solution_desired_replicas"),
-                        (lambda *a: ch11._mistake(*a), "_mistake")):
+                        (lambda *a: ch15.solution_desired_replicas(*a), "solution_desired_replicas"),
+                        (lambda *a: ch15._mistake(*a), "_mistake")):
         with pytest.raises(ExerciseFailed, match=f"calls minigen's own {name}"):
-            ch11.check_desired_replicas(cheat)
+            ch15.check_desired_replicas(cheat)
     assert autoscale.desired_replicas([{W: 0, KV: 0}], {W: 4.0}, 1, 8) == 1  # restored after
 
 
 def test_a_wrong_type_is_named():
     with pytest.raises(ExerciseFailed, match="yours None"):
-        ch11.check_desired_replicas(lambda *a: None)
+        ch15.check_desired_replicas(lambda *a: None)
     with pytest.raises(ExerciseFailed, match="yours True"):
-        ch11.check_desired_replicas(lambda *a: True)
+        ch15.check_desired_replicas(lambda *a: True)

@@ -1,4 +1,4 @@
-"""Chapter 10's admission-with-preemption exercise (issue 46): the checker replays a seeded workload through
+"""Chapter 14's admission-with-preemption exercise (issue 46): the checker replays a seeded workload through
 a real Engine and compares an answer's choices with the Engine's, step by step. The worked solution passes;
 the usual mistakes fail naming the step and the mistake; an answer that calls the Engine's own step or
 scheduler.can_admit (or the worked solution) fails."""
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from minigen.course.exercises import ExerciseFailed, ch10
+from minigen.course.exercises import ExerciseFailed, ch14
 from minigen.course.replay import Waiting
 from minigen.serving import scheduler
 from minigen.serving.engine import Engine
@@ -25,16 +25,16 @@ def one_thread():
 
 
 def test_the_worked_solution_makes_the_engines_choices_at_every_step():
-    assert ch10.check_schedule(ch10.solution_schedule)
-    choices = ch10.recorded()
+    assert ch14.check_schedule(ch14.solution_schedule)
+    choices = ch14.recorded()
     assert sum(len(c.preempted) for c in choices) >= 3 and any(len(c.preempted) > 1 for c in choices)
     assert any(len(c.running) + len(c.admitted) == c.max_batch_size and c.waiting for c in choices)
 
 
 def test_the_replay_reads_the_engine_not_the_solution():
     """Another seed, recorded from a real Engine: the solution still agrees (the recording is the Engine's)."""
-    for c in ch10.recorded(1):
-        assert ch10.solution_schedule(list(c.waiting), list(c.running), c.free_blocks, c.max_batch_size) == \
+    for c in ch14.recorded(1):
+        assert ch14.solution_schedule(list(c.waiting), list(c.running), c.free_blocks, c.max_batch_size) == \
             (list(c.preempted), list(c.admitted)), c
 
 
@@ -79,10 +79,10 @@ def no_room_for_next_token(waiting, running, free, b):
 ])
 def test_the_usual_mistakes_fail_naming_the_step_and_the_mistake(answer, hint):
     with pytest.raises(ExerciseFailed, match=rf"at step \d+ the Engine saw .*Hint:.*{hint}"):
-        ch10.check_schedule(answer)
+        ch14.check_schedule(answer)
 
 
-@pytest.mark.parametrize("switches, hint", ch10.MISTAKES)
+@pytest.mark.parametrize("switches, hint", ch14.MISTAKES)
 def test_every_listed_mistake_is_caught_with_its_hint(switches, hint):
     def answer(waiting, running, free, b):
         # the solution's logic, written out again (the checker forbids _rule itself)
@@ -106,7 +106,7 @@ def test_every_listed_mistake_is_caught_with_its_hint(switches, hint):
             free -= blocks
         return preempted, admitted
     with pytest.raises(ExerciseFailed, match="Hint:.*" + re.escape(hint.split(":")[0][:40])):
-        ch10.check_schedule(answer)
+        ch14.check_schedule(answer)
 
 
 def test_an_answer_that_calls_minigens_scheduler_fails():
@@ -123,17 +123,17 @@ def test_an_answer_that_calls_minigens_scheduler_fails():
         Engine.step(None)
 
     for cheat, name in ((uses_can_admit, "can_admit"), (uses_the_engine, "step"),
-                        (lambda *a: ch10.solution_schedule(*a), "solution_schedule"), (lambda *a: ch10._rule(*a), "_rule")):
+                        (lambda *a: ch14.solution_schedule(*a), "solution_schedule"), (lambda *a: ch14._rule(*a), "_rule")):
         with pytest.raises(ExerciseFailed, match=f"calls minigen's own .*{name}"):
-            ch10.check_schedule(cheat)
+            ch14.check_schedule(cheat)
     assert scheduler.can_admit(1, 2, 0, 0, 1)  # restored after
 
 
 def test_a_malformed_answer_is_named():
     with pytest.raises(ExerciseFailed, match="return two lists"):
-        ch10.check_schedule(lambda *a: None)
+        ch14.check_schedule(lambda *a: None)
     with pytest.raises(ExerciseFailed, match="preempted .* admitted"):
-        ch10.check_schedule(lambda *a: ([], []))
+        ch14.check_schedule(lambda *a: ([], []))
     assert Waiting(0, 1).blocks == 1
 
 
