@@ -64,7 +64,7 @@ test: model
 figures: model
 	@notebooks="$$($(PY) -c "$(LIST_NOTEBOOKS)" $(BOOK))"; \
 	echo "MINIGEN_FIGURES=$(CURDIR)/figures: running $$notebooks"; \
-	MINIGEN_FIGURES=$(CURDIR)/figures MPLBACKEND=Agg $(PY) -m pytest -q $(NBVAL) $$notebooks
+	MINIGEN_FIGURES=$(CURDIR)/figures MPLBACKEND=Agg $(PY) -m pytest -q $(PARALLEL) $(NBVAL) $$notebooks
 
 # Bound to this machine only; Jupyter's token stays on (open the URL with the token it prints).
 lab: model
