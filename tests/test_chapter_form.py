@@ -63,3 +63,12 @@ def test_the_history_guard_catches_a_changelog_sentence():
     assert history_in("Issue 25 made the scales fp32; an earlier run ranked them in another order.") == \
         ["Issue 25", "an earlier run"]
     assert history_in("the units no longer cancel; section 10 used to draw its pictures") == []
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_a_committed_chapter_holds_no_run(path):
+    """Outputs and widget state come from the reader's run (and the book's): a committed one would go
+    stale, and a saved widget state makes the book load the widget manager from the network."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    ran = [i for i, c in enumerate(nb["cells"]) if c["cell_type"] == "code" and (c.get("outputs") or c.get("execution_count"))]
+    assert not ran and "widgets" not in nb["metadata"], f"{path.name}: outputs in cells {ran} or widget state saved"
