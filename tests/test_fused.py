@@ -92,7 +92,9 @@ def test_smollm2_a_batch_in_one_call_matches_the_eager_batch(smollm2, english_te
     worst, same, eager, mine = side_by_side(model, prompt, 10, kv_dtype)
     assert worst < (1e-2 if kv_dtype else 1e-5) and (same == 10 or kv_dtype), (worst, same)
     if kv_dtype is None:
-        torch.testing.assert_close(mine.k[..., :130, :], eager.k[..., :130, :], atol=1e-5, rtol=1e-5)
+        # the bound the batch-1 test above holds the cache to: 30 layers of fp32 sums in another order
+        # (1e-5 failed once by 1.65e-5, on 2 of 2.2M keys in layer 17, in a fresh-clone run)
+        torch.testing.assert_close(mine.k[..., :130, :], eager.k[..., :130, :], atol=1e-4, rtol=1e-4)
 
 
 def test_a_batch_runs_fused_by_default_and_its_rows_are_their_own(smollm2, english_text_ids):
