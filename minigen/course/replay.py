@@ -14,80 +14,40 @@ The course's layer: the core never imports this.
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections import deque
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
 from ..generate import generate
+from ..measure.serve_bench import StaticBatches
 from ..serving.engine import Engine
-from ..serving.metrics import summarize
 from ..serving.scheduler import blocks_for
 from ..serving.workload import Workload
 
 
 # ---------------------------------------------------------------- static batches, same model code as the Engine
-class StaticGenerate:
-    """Static batching on `minigen.generate`: step() takes up to max_batch_size waiting requests, oldest
-    first, and runs them as one ragged batch until its longest reply is done (no stop token: each row
-    makes exactly its max_new_tokens, the rest of the batch's tokens are dropped). Each row's k-th token
-    is handed out when the batch's k-th token is made, the kindest reading for static batching."""
+class StaticGenerate(StaticBatches):
+    """Static batching on `minigen.generate`: StaticBatches' queue and records, each batch run as one
+    ragged batch until its longest reply is done (no stop token: each row makes exactly its
+    max_new_tokens, the rest of the batch's tokens are dropped). Each row's k-th token is handed out
+    when the batch's k-th token is made, the kindest reading for static batching."""
 
     def __init__(self, model, max_batch_size: int = 8):
-        self.model, self.max_batch_size = model, max_batch_size
-        self.t0 = time.perf_counter()
-        self.waiting: deque = deque()  # (id, prompt, max_new_tokens, arrival_s), oldest first
-        self.records: list[dict] = []
-        self.steps: list[dict] = []
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.next_id = 0
+        super().__init__(None, max_batch_size)
+        self.model = model
 
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
+    def default_new_tokens(self) -> int:
+        return 16
 
-    def add_request(self, prompt_ids, *, arrival_s: float | None = None, max_new_tokens: int = 16) -> int:
-        rid, self.next_id = self.next_id, self.next_id + 1
-        self.waiting.append((rid, [int(t) for t in prompt_ids], max_new_tokens,
-                             self.now() if arrival_s is None else arrival_s))
-        return rid
-
-    def step(self) -> list[int]:
-        """Run one whole static batch -> its request ids ([] when nothing waits)."""
-        if not self.waiting:
-            return []
-        batch = [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
-        longest = max(n for _, _, n, _ in batch)
-        scheduled = self.now()
+    def run_batch(self, batch: list[tuple], longest: int) -> tuple[list[float], list[torch.Tensor], int]:
         out = generate(self.model, [torch.tensor(p) for _, p, _, _ in batch], max_new_tokens=longest,
                        stop_token_ids=[])
-        end = self.now()
-        lat = out.stats.token_latencies_s
+        end, lat = self.now(), out.stats.token_latencies_s
         # anchored at the end, so the plan's set-up before the first token counts as the prefill's time
         times = [end - sum(lat) + t for t in accumulate(lat)]
-        for k, t in enumerate(times):
-            self.steps.append({"t_s": t - lat[k], "step_s": lat[k] if k else t - scheduled,
-                               "batch_size": len(batch), "kv_usage": float("nan"),
-                               "prefill_tokens": sum(len(p) for _, p, _, _ in batch) if k == 0 else 0,
-                               "decode_tokens": len(batch) if k else 0})
-        for row, (rid, prompt, n, arrival) in enumerate(batch):
-            self.outputs[rid] = out.tokens[row][:len(prompt) + n].clone()
-            first, finish = times[0], times[n - 1]
-            self.records.append({
-                "request_id": rid, "prompt_tokens": len(prompt), "output_tokens": n, "cached_tokens": 0,
-                "preemptions": 0, "arrival_s": arrival, "first_scheduled_s": scheduled, "first_token_s": first,
-                "finish_s": finish, "finish_reason": "length",
-                "phases": [["queued", arrival, scheduled], ["prefill", scheduled, first], ["decode", first, finish]]})
-        return [rid for rid, *_ in batch]
-
-    def run(self) -> dict[int, torch.Tensor]:
-        while self.waiting:
-            self.step()
-        return dict(self.outputs)
-
-    def metrics(self) -> dict:
-        return summarize(self.records, self.steps, max_batch_size=self.max_batch_size)
+        rows = [out.tokens[row][:len(prompt) + n].clone() for row, (_, prompt, n, _) in enumerate(batch)]
+        return times, rows, sum(len(p) for _, p, _, _ in batch)
 
 
 def with_burst(workload: Workload, n: int) -> Workload:

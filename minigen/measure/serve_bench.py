@@ -62,12 +62,14 @@ class _StepTimes:
 
 class StaticBatches:
     """transformers `generate` over static batches of up to max_batch_size waiting requests, oldest
-    first. step() runs one whole batch (prefill and every decode step) and returns its request ids."""
+    first, with the Engine's API (add_request, step, run, metrics). step() runs one whole batch (prefill
+    and every decode step) and returns its request ids. A subclass runs batches on another generator by
+    overriding run_batch and default_new_tokens (minigen.course.replay.StaticGenerate)."""
 
     def __init__(self, hf_model, max_batch_size: int = 8, pad_id: int = 0):
         self.hf, self.max_batch_size, self.pad_id = hf_model, max_batch_size, pad_id
         self.t0 = time.perf_counter()
-        self.waiting: deque = deque()
+        self.waiting: deque = deque()  # (id, prompt, max_new_tokens, arrival_s), oldest first
         self.records: list[dict] = []
         self.steps: list[dict] = []
         self.outputs: dict[int, torch.Tensor] = {}
@@ -76,32 +78,40 @@ class StaticBatches:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def default_new_tokens(self) -> int:
+        return self.hf.generation_config.max_new_tokens
+
     def add_request(self, prompt_ids, *, arrival_s: float | None = None, max_new_tokens: int | None = None) -> int:
         rid, self.next_id = self.next_id, self.next_id + 1
-        n = self.hf.generation_config.max_new_tokens if max_new_tokens is None else max_new_tokens
-        self.waiting.append((rid, list(prompt_ids), n, self.now() if arrival_s is None else arrival_s))
+        n = self.default_new_tokens() if max_new_tokens is None else max_new_tokens
+        self.waiting.append((rid, [int(t) for t in prompt_ids], n, self.now() if arrival_s is None else arrival_s))
         return rid
+
+    def run_batch(self, batch: list[tuple], longest: int) -> tuple[list[float], list[torch.Tensor], int]:
+        """Generate `longest` tokens for every row of the batch -> (the clock when each of the batch's
+        tokens was ready, each row's prompt + its own max_new_tokens, the prompt tokens computed)."""
+        padded = pad_batch([b[1] for b in batch], self.pad_id, pad_cap=self.hf.config.max_position_embeddings)
+        times = _StepTimes(self.now)
+        with torch.inference_mode():
+            out = self.hf.generate(padded.tokens, attention_mask=padded.attention_mask, max_new_tokens=longest,
+                                   min_new_tokens=longest, do_sample=False, logits_processor=[times])
+        L = padded.tokens.shape[1]
+        rows = [torch.cat([torch.tensor(prompt), out[row, L:L + n]]) for row, (_, prompt, n, _) in enumerate(batch)]
+        return times.times, rows, padded.tokens.numel()
 
     def step(self) -> list[int]:
         if not self.waiting:
             return []
         batch = [self.waiting.popleft() for _ in range(min(self.max_batch_size, len(self.waiting)))]
-        padded = pad_batch([b[1] for b in batch], self.pad_id, pad_cap=self.hf.config.max_position_embeddings)
-        longest = max(b[2] for b in batch)
-        times = _StepTimes(self.now)
         scheduled = self.now()
-        with torch.inference_mode():
-            out = self.hf.generate(padded.tokens, attention_mask=padded.attention_mask, max_new_tokens=longest,
-                                   min_new_tokens=longest, do_sample=False, logits_processor=[times])
-        L = padded.tokens.shape[1]
-        for k, t in enumerate(times.times):  # one record per decode iteration of the batch
-            self.steps.append({"t_s": t, "step_s": t - (times.times[k - 1] if k else scheduled),
-                               "batch_size": len(batch), "kv_usage": float("nan"),
-                               "prefill_tokens": padded.tokens.numel() if k == 0 else 0,
-                               "decode_tokens": len(batch) if k else 0})
-        for row, (rid, prompt, n, arrival) in enumerate(batch):
-            self.outputs[rid] = torch.cat([torch.tensor(prompt), out[row, L:L + n]])
-            first, finish = times.times[0], times.times[n - 1]
+        times, rows, prefill_tokens = self.run_batch(batch, max(b[2] for b in batch))
+        for k, t in enumerate(times):  # one record per iteration of the batch: it starts where the last ended
+            start = times[k - 1] if k else scheduled
+            self.steps.append({"t_s": start, "step_s": t - start, "batch_size": len(batch), "kv_usage": float("nan"),
+                               "prefill_tokens": prefill_tokens if k == 0 else 0, "decode_tokens": len(batch) if k else 0})
+        for (rid, prompt, n, arrival), tokens in zip(batch, rows):
+            self.outputs[rid] = tokens
+            first, finish = times[0], times[n - 1]
             self.records.append({
                 "request_id": rid, "prompt_tokens": len(prompt), "output_tokens": n, "cached_tokens": 0,
                 "preemptions": 0, "arrival_s": arrival, "first_scheduled_s": scheduled, "first_token_s": first,
