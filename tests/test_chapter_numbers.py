@@ -5,7 +5,7 @@ Each chapter's title line is "# N · Title" with its notebook's number and book.
 package and scripts/ names a chapter that exists; where the prose gives a title or links a notebook beside the
 number, they agree. (The README's generated chapter list is checked against book.toml by
 tests/test_packaging.py; its links are checked here too.) The checks are in
-minigen/course/references.py; chapter_number_refs is also what renumbering rewrites.
+minigen/course/references.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from minigen.course.book import Book, Chapter, load_book
 from minigen.course.references import (Prose, chapter_number_refs, chapter_ref_problems, prose_of_notebook,
-                                       renumber, title_problem)
+                                       title_problem)
 
 ROOT = Path(__file__).resolve().parent.parent
 # docs/CHANGELOG.md is history: it names chapters by the numbers they had on its dates
@@ -66,13 +66,6 @@ def test_chapter_number_refs_finds_each_number_and_its_digits():
     assert [n for n, _ in refs] == ["03", "02b", "05", "06", "03", "04", "05", "05", "06", "12", "04", "09", "17"]
     assert [text[a:b] for _, (a, b) in refs] == ["3", "2b", "5", "6", "3", "4", "5", "5", "6", "12", "04", "09", "17"]
     assert [n for n, _ in chapter_number_refs("chapter 4 and 12 layers")] == ["04"]  # a list needs "chapters"
-
-
-def test_renumber_keeps_the_form_each_number_was_written_in():
-    text = "chapter 3, chapters 2b and 12, ch03, exercises/ch12.py, chapter 5"
-    assert renumber(text, {"03": "04", "02b": "03", "12": "09"}) == \
-        "chapter 4, chapters 3 and 9, ch04, exercises/ch09.py, chapter 5"
-    assert renumber("chapter 9", {"09": "10"}) == "chapter 10" and renumber("ch09", {"09": "02b"}) == "ch02b"
 
 
 def fake_book() -> Book:

@@ -4,7 +4,6 @@
     path_references(text)       -> the backticked files, folders and `minigen.x.y` names a text mentions
     missing_reference(ref, ...) -> why a reference does not resolve ("" when it does)
     chapter_number_refs(text)   -> every "chapter N", "chapters N and M", "ch NN", "chNN": (number, span)
-    renumber(text, {"03": "04"}) -> the text with those chapter numbers rewritten, each as it was written
     chapter_ref_problems(...)   -> the chapter numbers a text names that book.toml lacks, or names with
                                    another chapter's title or notebook
 
@@ -192,7 +191,7 @@ def normalize(number: str) -> str:
 def chapter_number_refs(text: str) -> list[tuple[str, tuple[int, int]]]:
     """Every chapter number the text names, as (number, span): number as book.Chapter.number writes
     it ("03", "02b"), span the (start, end) of its digits as written ("3" in "chapter 3", "03" in
-    "ch03"), so that renumbering replaces text[start:end] and keeps the words around it."""
+    "ch03"), so that a message can point at the digits themselves."""
     out = []
     for m in CHAPTER_REF.finditer(text):
         if m.group("one"):
@@ -202,18 +201,6 @@ def chapter_number_refs(text: str) -> list[tuple[str, tuple[int, int]]]:
             out += [(normalize(n.group(0)), (start + n.start(), start + n.end()))
                     for n in NUMBER_IN_LIST.finditer(m.group("list"))]
     return out
-
-
-def renumber(text: str, new_numbers: dict[str, str]) -> str:
-    """`text` with each chapter number that `new_numbers` maps ("03" -> "04") rewritten, in the form it
-    was written: "chapter 3" -> "chapter 4", "ch03" -> "ch04", "chapter 12" -> "chapter 9"."""
-    for number, (start, end) in reversed(chapter_number_refs(text)):
-        if number in new_numbers:
-            new = new_numbers[number]
-            padded = text[start] == "0" or re.search(r"(?<![A-Za-z])[Cc]h\.?\s?$", text[:start])  # "ch03", "ch12"
-            written = new if padded else new.lstrip("0") or "0"
-            text = text[:start] + written + text[end:]
-    return text
 
 
 STOPWORDS = {"the", "and", "its", "with", "from", "into", "what", "that", "this", "their", "one", "how"}
