@@ -191,7 +191,7 @@ def normalize(number: str) -> str:
 def chapter_number_refs(text: str) -> list[tuple[str, tuple[int, int]]]:
     """Every chapter number the text names, as (number, span): number as book.Chapter.number writes
     it ("03", "02b"), span the (start, end) of its digits as written ("3" in "chapter 3", "03" in
-    "ch03"), so that a message can point at the digits themselves."""
+    "ch03"), so that chapter_ref_problems reads the title written right after it."""
     out = []
     for m in CHAPTER_REF.finditer(text):
         if m.group("one"):
