@@ -56,6 +56,14 @@ typedef struct {
  * + 11 min(8, k / 32) floats and k bytes: at most 21 k / 32 floats) in
  * `work`, which holds WORK_PER_ROW(k) floats; returns that row loop. */
 #define WORK_PER_ROW(k) (2 * (k))
+/* Attention shares its heads out among the threads from this many attended multiply-adds (slots times
+ * H * Dh: SmolLM2 from 29 cached positions). Below it the other thread waits at the next product's
+ * region while the calling thread attends alone. Measured on this course's Xeon (family 6 model 167,
+ * 2 threads, int4 SmolLM2, positions 5 to 104, builds in turns in one process, median of 6 rounds):
+ * 2^16 5.05 / 5.10 ms a token, 2^15 4.89, 2^14 4.85 / 4.93, 2^13 4.94, 2^12 5.01. */
+#ifndef ATTEND_PAR_MIN
+#define ATTEND_PAR_MIN (1 << 14)
+#endif
 static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
     *m = (Mat){.W = w->W, .scales = w->scales, .mins = w->mins, .x = x, .k = w->k, .G = w->G, .n = w->n};
     if (w->kind == 0) return row_f32;
@@ -206,7 +214,7 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
         }
         /* long enough to share out, and the products' regions have not backed off to one thread (a busy
          * neighbour: see the top of parallel.c) */
-        int par = d->threads > 1 && attended * H * Dh >= (1 << 16);
+        int par = d->threads > 1 && attended * H * Dh >= ATTEND_PAR_MIN;
 #ifdef _OPENMP
         par = par && !backing_off();
 #endif
