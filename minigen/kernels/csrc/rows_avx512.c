@@ -27,8 +27,9 @@ static inline __m512 i8x16_to_f32(const int8_t *p) {
 }
 static inline __m512 u4x16_to_f32(__m128i nibbles) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles)); }
 
-/* Prefetching the codes 4 KB ahead: a row of SmolLM2's int8 head is 576 bytes, so the hardware's
- * own prefetcher, which stops at each 4 KB page, leaves one thread waiting on memory. Measured on this
+/* Prefetching the codes 4 KB ahead: a decode step streams each row once, and the hardware's own
+ * prefetcher, which runs a short way ahead and starts over at each 4 KB page, left one thread waiting
+ * on memory (the int4 loop below prefetches for the same reason). Measured on this
  * course's Xeon (family 6 model 167, 2 threads, the fused decode step, builds with 0 / 2 / 4 / 8 KB
  * ahead in turns in one process, median of 6 rounds): int8 weights 11.5 -> 7.9 / 7.4 / 7.5 ms a
  * token; int4 weights (whose int8 head is 30 of 100 MB) 6.5 -> 5.6 / 5.6 / - ms. */
