@@ -5,7 +5,8 @@
  *     the same with rx: the residual x - dx qx of a row's marked blocks (<= RES_MAX, int8_act.residual_blocks)
  * Why: gemm_q.c widens the codes to fp32, 16 multiply-adds an AVX-512 FMA; `vpdpbusd` does 64 (4 unsigned
  * bytes times 4 signed bytes into each int32 lane), as llama.cpp's Q4_0 x Q8_0. int4 codes are unsigned
- * (0..15); int8 codes become q + 128, each block's sum starting at -128 sum qx (exact: 255 * 127 * 32).
+ * (0..15); int8 codes become q + 128, each block's sum starting at -128 sum qx (exact: 255 * 127 * 32),
+ * except in the AVX2 loop, where they stay signed (SIGNED_CODES, below).
  * Layout: x quantized once a call (rows shared out among the threads), packed MR rows at a time: [M / MR]
  * [k / 4][MR] int32 (4 codes of a row: what the micro-kernel broadcasts), dx, corrections and int4's group
  * sums [.][blocks or groups][MR]; each row's marked blocks apart. Each (group of rows, panel) unit repacks
@@ -16,7 +17,7 @@
  * loads of that block's panel codes, in L1 / L2, one broadcast, NV vpdpbusd a step). One unit sums each
  * output in a fixed order: the same bits whatever the threads, the grouping or the other rows (lanes never
  * mix rows; a row's blocks are marked from it alone). Variants: AVX512-VNNI (16 lanes), AVX-VNNI (8), AVX2
- * (vpdpbusd emulated exactly, as gemm_s8.c), portable C (GCC's vector extensions).
+ * (vpmaddubsw, as llama.cpp: exact on these operands), portable C (GCC's vector extensions).
  * Measured on this course's Xeon (family 6 model 167, AVX512-VNNI), one thread, M = 512, SmolLM2-135M's
  * [3072, 576], [576, 1536], [960, 576], [576, 576], G = 32, before / after the residual alternately, best
  * of 11, multiply-adds per ns over the four (after's range): randn x with 3 channels x100 (3 blocks a row
@@ -54,8 +55,10 @@ static inline vi bcast(int32_t x) { return _mm512_set1_epi32(x); }
 static inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s); }
 #elif defined(__AVXVNNI__) || defined(__AVX2__)
 #define LANES 8
+#ifndef MR
 #define MR 6
 #define NV 2
+#endif
 typedef __m256i vi;
 static inline vi loadv(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vi bcast(int32_t x) { return _mm256_set1_epi32(x); }
@@ -64,13 +67,24 @@ static inline vi bcast(int32_t x) { return _mm256_set1_epi32(x); }
 static inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 #define Q8_VARIANT "avx2"
-/* vpdpbusd's sums exactly (gemm_s8.c's emulation): even and odd bytes widened to int16, two vpmaddwd */
-static inline vi dot4(vi acc, vi u, vi s) {
-    const vi low = _mm256_set1_epi16(0x00FF);
-    const vi ue = _mm256_and_si256(u, low), uo = _mm256_srli_epi16(u, 8);
-    const vi se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+/* Without vpdpbusd, llama.cpp's AVX2 products, exact here: vpmaddubsw (unsigned bytes times signed ones,
+ * pairs summed into int16, saturating) never saturates on these operands. int4: a pair is at most
+ * 2 * 15 * 127 = 3,810, so a block's 16 products a lane stay in int16 (30,480) and one vpmaddwd with
+ * ones per block makes the int32 sums (DOT_INT16 below). int8: the codes stay signed (SIGNED_CODES: no
+ * +128, no correction) and give their sign to x (vpsignb): |q| * (+-qx), a pair at most 2 * 128 * 127
+ * = 32,512, into int32 at once. Measured on an AMD EPYC Zen 1 (family 23 model 1, AVX2 on 128-bit
+ * units), one thread, a 512-row prompt's SmolLM2 products: see the commit that brought it (the exact
+ * emulation before, gemm_s8.c's two vpmaddwd, ran these at 0.52x the fp32-activation panels). */
+#define SIGNED_CODES 1
+#define DOT_INT16 1
+static inline vi dot4(vi acc, vi u, vi s) {  /* int4: int16 sums, summed into int32 by block_sums */
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
 }
+static inline vi dot4_signed(vi acc, vi w, vi s) {  /* int8: signed codes w */
+    const vi p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(s, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+static inline vi block_sums(vi acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
 #endif
 #else
 #define Q8_VARIANT "portable"
@@ -86,6 +100,12 @@ static inline vi dot4(vi acc, vi u, vi s) {
     for (int i = 0; i < 4; i++) acc += ((u >> (8 * i)) & 0xFF) * (uint32_t)(int32_t)(int8_t)(x >> (8 * i));
     return acc;  /* unsigned wrap-around: the int32 sum's bits */
 }
+#endif
+#ifndef SIGNED_CODES  /* int8 codes as q + 128, each block's sum starting at -128 sum qx */
+#define SIGNED_CODES 0
+#define DOT_INT16 0
+static inline vi dot4_signed(vi acc, vi u, vi s) { return dot4(acc, u, s); }
+static inline vi block_sums(vi acc) { return acc; }
 #endif
 #define PANEL (NV * LANES)  /* output channels a panel */
 #define BLOCK 32            /* activations a scale */
@@ -215,7 +235,7 @@ static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
 }
 
 /* Channels c0 .. c0 + PANEL of the codes into wp [kq][PANEL][4] unsigned bytes (int4: 0..15; int8:
- * q + 128), their scales (and minimums) as fp32 into ws [ng][PANEL] (wm); channels past n: zeros.
+ * q + 128, or q itself where SIGNED_CODES), their scales (and minimums) as fp32 into ws [ng][PANEL] (wm); channels past n: zeros.
  * 4 bytes at a time: int4's word i of a block (bytes 4i..4i+3) holds codes 4i.. in its low nibbles
  * and 16 + 4i.. in its high ones (one byte at a time, it took 2 ns a weight on the Xeon). */
 static void repack_panel(const GemmQS8 *g, int64_t c0, uint8_t *wp, float *ws, float *wm) {
@@ -240,7 +260,7 @@ static void repack_panel(const GemmQS8 *g, int64_t c0, uint8_t *wp, float *ws, f
             for (int64_t p = 0; p < g->kq; p++) {
                 uint32_t d;
                 memcpy(&d, src + 4 * p, 4);
-                d ^= 0x80808080u;  /* each byte + 128 */
+                if (!SIGNED_CODES) d ^= 0x80808080u;  /* each byte + 128 */
                 memcpy(out + p * PANEL * 4, &d, 4);
             }
         }
@@ -269,7 +289,7 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
         vi s[MR][NV];
         #pragma GCC unroll 16
         for (int r = 0; r < MR; r++)
-            for (int v = 0; v < NV; v++) s[r][v] = has_mins ? bcast(0) : bcast(corr[b * MR + r]);
+            for (int v = 0; v < NV; v++) s[r][v] = has_mins || SIGNED_CODES ? bcast(0) : bcast(corr[b * MR + r]);
         #pragma GCC unroll 8
         for (int p = 0; p < BLOCK / 4; p++) {
             const uint8_t *w = wp + (b * (BLOCK / 4) + p) * PANEL * 4;
@@ -278,9 +298,13 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
             #pragma GCC unroll 16
             for (int r = 0; r < MR; r++) {
                 const vi u = bcast(xc[(b * (BLOCK / 4) + p) * MR + r]);
-                for (int v = 0; v < NV; v++) s[r][v] = dot4(s[r][v], wv[v], u);
+                for (int v = 0; v < NV; v++)
+                    s[r][v] = has_mins ? dot4(s[r][v], wv[v], u) : dot4_signed(s[r][v], wv[v], u);
             }
         }
+        if (has_mins && DOT_INT16)
+            for (int r = 0; r < MR; r++)
+                for (int v = 0; v < NV; v++) s[r][v] = block_sums(s[r][v]);
         f32v sc[NV];
         for (int v = 0; v < NV; v++) sc[v] = loadf(ws + gi * PANEL + v * LANES);
         #pragma GCC unroll 16
@@ -314,13 +338,16 @@ static inline __attribute__((always_inline)) void tile(const GemmQS8 *g, const u
             const int64_t rm = r0 + r * RES_MAX + m, b = g->ridx[rm], gi = g->rgi[rm];
             const int32_t *u = g->rxc + rm * (BLOCK / 4);
             vi s[NV];
-            for (int v = 0; v < NV; v++) s[v] = has_mins ? bcast(0) : bcast(g->rcorr[rm]);
+            for (int v = 0; v < NV; v++) s[v] = has_mins || SIGNED_CODES ? bcast(0) : bcast(g->rcorr[rm]);
             #pragma GCC unroll 8
             for (int p = 0; p < BLOCK / 4; p++) {
                 const uint8_t *w = wp + (b * (BLOCK / 4) + p) * PANEL * 4;
                 const vi ub = bcast(u[p]);
-                for (int v = 0; v < NV; v++) s[v] = dot4(s[v], loadv(w + v * LANES * 4), ub);
+                for (int v = 0; v < NV; v++)
+                    s[v] = has_mins ? dot4(s[v], loadv(w + v * LANES * 4), ub) : dot4_signed(s[v], loadv(w + v * LANES * 4), ub);
             }
+            if (has_mins && DOT_INT16)
+                for (int v = 0; v < NV; v++) s[v] = block_sums(s[v]);
             const float d = g->rdx[rm];
             for (int v = 0; v < NV; v++) {
                 i32v si;
