@@ -72,9 +72,11 @@ static inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, 
  * 2 * 15 * 127 = 3,810, so a block's 16 products a lane stay in int16 (30,480) and one vpmaddwd with
  * ones per block makes the int32 sums (DOT_INT16 below). int8: the codes stay signed (SIGNED_CODES: no
  * +128, no correction) and give their sign to x (vpsignb): |q| * (+-qx), a pair at most 2 * 128 * 127
- * = 32,512, into int32 at once. Measured on an AMD EPYC Zen 1 (family 23 model 1, AVX2 on 128-bit
- * units), one thread, a 512-row prompt's SmolLM2 products: see the commit that brought it (the exact
- * emulation before, gemm_s8.c's two vpmaddwd, ran these at 0.52x the fp32-activation panels). */
+ * = 32,512, into int32 at once. Measured on an AMD EPYC Zen 1 (family 23 model 1: AVX2 on 128-bit
+ * units, one integer-multiply pipe), one thread, the gemm_q4_s8 / gemm_q8_s8 probes (128 rows of
+ * [1536, 576] with outliers): 15.3 -> 7.2-7.9 ms (int4) and 15.2-15.5 -> 9.5-9.8 ms (int8) against the
+ * exact emulation before (gemm_s8.c's two vpmaddwd), 1.12x and 0.77x the fp32-activation panels.
+ * MR x NV of 6 x 2, 4 x 2, 3 x 2 and 2 x 3 alike there (4 x 3 slower): 16 registers spill either way. */
 #define SIGNED_CODES 1
 #define DOT_INT16 1
 static inline vi dot4(vi acc, vi u, vi s) {  /* int4: int16 sums, summed into int32 by block_sums */
