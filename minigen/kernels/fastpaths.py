@@ -35,7 +35,7 @@ busy neighbour slows both calls of a pair alike): about a second for all of them
 All at one thread: what each path does per core. More threads split the same work, and next to a
 busy neighbour every parallel region waits for its late thread (chapter 11), so a two-thread timing
 on a shared machine measures the neighbour, not the kernel. A fast path more than 4x slower than its
-reference on a first short product is not run longer. The results are kept per (CPU model and flags,
+reference in every pair of two short first tries is not run longer. The results are kept per (CPU model and flags,
 torch version, minigen's version and kernel sources) in $MINIGEN_CACHE/fastpaths/, written
 atomically, an entry per shape.
 
