@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from minigen.kernels import build as kernel_build
+from minigen.kernels import cpu
 from minigen.kernels import int8
 from minigen.numerics import w8a8
 
@@ -212,3 +213,14 @@ def test_each_variant_gives_the_native_bits(variant, monkeypatch, tmp_path):
                 assert torch.equal(int8.int8_linear(x, w8, "c"), y)
     finally:
         torch.set_num_threads(before)
+
+
+def test_onednn_is_not_available_where_the_cpu_has_no_int8_dot_products(monkeypatch):
+    """Without VNNI, oneDNN's int8 linear sums pairs of products in int16 and saturates (int8.py's
+    docstring: an AMD Zen 1), so it is not offered there, and a call to it gives None."""
+    x, w, w8 = _case(17, 64, 33, [3])
+    monkeypatch.setattr(cpu, "int8_dot_products", lambda: False)
+    assert not int8.available("onednn") and int8.int8_linear(x, w8, "onednn") is None
+    monkeypatch.setattr(cpu, "int8_dot_products", lambda: None)  # cannot tell (not Linux): as before
+    assert int8.available("onednn") == w8a8.onednn_int8()
+

@@ -215,6 +215,7 @@ def _fresh_tiny(tiny_llama, weights: str = "float32"):
     return quantize_weights(model, 4, 32, head_bits=8) if weights == "int4" else model
 
 
+@needs_bf16  # each generates with prefill_precision='bfloat16', refused without bf16 dot products
 @pytest.mark.parametrize("weights", ["float32", "int4"])
 def test_bf16_copies_are_made_once_reused_and_counted_and_the_head_has_none(tiny_llama, weights):
     model = _fresh_tiny(tiny_llama, weights)
@@ -301,6 +302,7 @@ def test_bf16_linear_gives_the_same_bits_with_the_copy_as_without(weights, monke
         assert with_copy is not None and torch.equal(with_copy, without), (weights, n, k)
 
 
+@needs_bf16  # each generates with prefill_precision='bfloat16', refused without bf16 dot products
 @pytest.mark.parametrize("weights", ["float32"])
 def test_no_weight_is_converted_to_bf16_per_call_after_the_first_bf16_prompt(tiny_llama, monkeypatch, weights):
     """A spy on every conversion of a weight (Tensor.bfloat16 on a block weight, codes widened by

@@ -131,7 +131,9 @@ def test_a_quantized_model_decodes_and_prefills_through_the_kernels():
     ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         torch.testing.assert_close(model(ids, torch.arange(10)), ref(ids, torch.arange(10)), atol=1e-4, rtol=1e-4)
-    out = minigen.generate(model, ids, max_new_tokens=12, stop_token_ids=[]).tokens
+    # fp32 activations: int8_activations="auto" takes 8-bit ones where they measured faster (an AMD Zen 1),
+    # a lossy path whose bounds tests/test_int8_act*.py check; this test's oracle is exact
+    out = minigen.generate(model, ids, max_new_tokens=12, stop_token_ids=[], int8_activations=False).tokens
     assert torch.equal(out, minigen.generate(ref, ids, max_new_tokens=12, stop_token_ids=[]).tokens)
 
 

@@ -13,9 +13,13 @@ differ in who sums the codes:
   "c"       csrc/gemm_s8.c: our vpdpbusd GEMM (AVX512-VNNI, AVX-VNNI, or exact emulations where the
             CPU has neither), on the weight's codes blocked once (w8a8.Int8Weight.blocked);
   "onednn"  oneDNN's int8 linear (torch.ops.onednn.qlinear_pointwise): fast on this course's Xeon, but
-            a reference loop on an AMD Zen 5 (10 s for 512 x 576 x 1,536, fp32 took 12 ms);
+            a reference loop on an AMD Zen 5 (10 s for 512 x 576 x 1,536, fp32 took 12 ms), and
+            wrong on an x86 CPU without int8 dot products: on an AMD EPYC Zen 1 (family 23 model 1,
+            AVX2 only) 0.3% to 2.5% of tests/test_int8_products.py's outputs were off by up to 57
+            where the reference holds within 1e-5 (pairs of products summed in int16 by vpmaddubsw
+            saturate, as this module's own AVX2 emulation avoids), so it is not `available` there;
   "int_mm"  torch._int_mm, int8 x int8 -> int32 (22 ms there: slower than fp32).
-All three sums are exact int32, so the results are the reference's up to the fp32 rounding of its
+All three sums are exact int32 where they are available, so the results are the reference's up to the fp32 rounding of its
 sums (bit for bit where those are exact too), and rows never influence each other: a row's scale
 is its own, and no backend sums across rows.
 """
@@ -27,7 +31,7 @@ from torch import Tensor
 
 from ..numerics import w8a8
 from ..numerics.w8a8 import Int8Weight
-from . import build
+from . import build, cpu
 
 BACKENDS = ("c", "onednn", "int_mm")
 # gemm_s8's int32 sums hold k products of (q + 128) in [1, 255] and codes in [-127, 127] without
@@ -37,11 +41,11 @@ MAX_K = 65536
 
 def available(backend: str) -> bool:
     """Whether `backend` runs here: "c" the C kernels switched on and built, "onednn" torch's oneDNN
-    int8 linear, "int_mm" torch._int_mm."""
+    int8 linear on a CPU with int8 dot products (or one that cannot tell), "int_mm" torch._int_mm."""
     if backend == "c":
         return build.is_enabled() and build.library() is not None
-    if backend == "onednn":
-        return w8a8.onednn_int8()
+    if backend == "onednn":  # not where the CPU says it has no int8 dot products (the module docstring)
+        return w8a8.onednn_int8() and cpu.int8_dot_products() is not False
     if backend == "int_mm":
         return hasattr(torch, "_int_mm")
     raise ValueError(f"backend={backend!r}: not one of {BACKENDS}")
