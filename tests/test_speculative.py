@@ -22,6 +22,7 @@ from minigen import ConfigError, GenerationConfig, drafts
 from minigen.caches import make
 from minigen.caches.window import WindowKVCache
 from minigen.sampling import probabilities
+from minigen.steps.speculative import draft_config
 from minigen.steps import speculative
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -496,3 +497,11 @@ def test_bad_speculative_input_is_a_config_error_naming_the_settings_and_the_fix
         "a library traceback is chained to the error"
     for fragment in fragments:
         assert fragment in str(e.value), (fragment, str(e.value))
+
+
+def test_the_draft_keeps_fp32_activations_where_the_target_config_asks_for_them():
+    """int8_activations=False reaches the draft's own config (chapter 13's int4 draft on the target's grid is
+    the target only so); otherwise the draft decides for itself ("auto")."""
+    assert draft_config(GenerationConfig(int8_activations=False)).int8_activations is False
+    assert draft_config(GenerationConfig()).int8_activations == "auto"
+    assert draft_config(GenerationConfig(int8_activations=True)).int8_activations == "auto"

@@ -90,9 +90,12 @@ class NgramProposer:
 
 def draft_config(config: GenerationConfig) -> GenerationConfig:
     """The draft's own config: the target's sampling (so that q is what the draft draws from), a plain
-    full-precision cache, no speculation."""
+    full-precision cache, no speculation, and int8_activations=False where the target's config says so
+    (an int4 draft of an fp32 target then proposes with fp32 activations; else "auto": a quantized
+    draft takes int8 ones where they measured faster, as on an AMD Zen 1)."""
     sampling = {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p, "min_p": config.min_p}
     return GenerationConfig(max_new_tokens=config.max_new_tokens, do_sample=not greedy(config),
+                            int8_activations=False if config.int8_activations is False else "auto",
                             **(sampling if not greedy(config) else {}))
 
 
