@@ -16,8 +16,9 @@ differ in who sums the codes:
             a reference loop on an AMD Zen 5 (10 s for 512 x 576 x 1,536, fp32 took 12 ms), and
             wrong on an x86 CPU without int8 dot products: on an AMD EPYC Zen 1 (family 23 model 1,
             AVX2 only) 0.3% to 2.5% of tests/test_int8_products.py's outputs were off by up to 57
-            where the reference holds within 1e-5 (pairs of products summed in int16 by vpmaddubsw
-            saturate, as this module's own AVX2 emulation avoids), so it is not `available` there;
+            where the reference holds within 1e-5 (a few outputs far off, as int16 sums of pairs of
+            products that saturate would give: not confirmed in oneDNN's source; csrc/gemm_s8.c's own
+            AVX2 loop sums exactly), so it is not `available` there;
   "int_mm"  torch._int_mm, int8 x int8 -> int32 (22 ms there: slower than fp32).
 All three sums are exact int32 where they are available, so the results are the reference's up to the fp32 rounding of its
 sums (bit for bit where those are exact too), and rows never influence each other: a row's scale

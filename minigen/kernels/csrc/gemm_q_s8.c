@@ -76,7 +76,7 @@ static inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, 
  * units, one integer-multiply pipe), one thread, the gemm_q4_s8 / gemm_q8_s8 probes (128 rows of
  * [1536, 576] with outliers): 15.3 -> 7.2-7.9 ms (int4) and 15.2-15.5 -> 9.5-9.8 ms (int8) against the
  * exact emulation before (gemm_s8.c's two vpmaddwd), 1.12x and 0.77x the fp32-activation panels.
- * MR x NV of 6 x 2, 4 x 2, 3 x 2 and 2 x 3 alike there (4 x 3 slower): 16 registers spill either way. */
+ * MR x NV of 6 x 2, 4 x 2, 3 x 2 and 2 x 3 ran alike there (within the VM's noise), 4 x 3 slower. */
 #define SIGNED_CODES 1
 #define DOT_INT16 1
 static inline vi dot4(vi acc, vi u, vi s) {  /* int4: int16 sums, summed into int32 by block_sums */
