@@ -77,7 +77,7 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
         float *dx = work + w->k / w->G;
         S8Residual *res = (S8Residual *)(dx + w->k / 32);
         int8_t *qx = (int8_t *)(dx + w->k / 32 + S8_RESIDUALS(w->k) * S8_RESIDUAL_FLOATS);
-        m->nres = prepare_s8(x, w->k, w->G, qx, dx, work, res);
+        m->nres = prepare_s8(x, w->k, w->G, qx, dx, work, res, w->kind == 5);
         m->xsum = work, m->dx = dx, m->qx = qx, m->res = res;
         return w->kind == 4 ? row_q8_s8 : row_q4_s8;
     }

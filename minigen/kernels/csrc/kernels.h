@@ -103,7 +103,8 @@ INTERNAL row_fn several_rows(const Mat *m);
 
 /* rows_s8.c: int8 / int4 codes against int8 activations (numerics/int8_act.py): x -> its codes qx [k],
  * block scales dx [k / 32], group sums xsum [k / G] and its blocks quantized twice res [at most
- * S8_RESIDUALS(k)] (quantize_activations' bits; returns how many blocks res holds), then one row */
+ * S8_RESIDUALS(k)] (quantize_activations' bits; returns how many blocks res holds), then one row; q4: qx
+ * for row_q4_s8, in the order its loop reads (the AVX2 build's pairs of blocks, rows_s8.c: pair_order) */
 #define S8_RESIDUAL_RATIO 2.0f  /* int8_act.RESIDUAL_RATIO: a block's largest |x| over its second largest */
 #define S8_RESIDUAL_BLOCKS 8    /* int8_act.RESIDUAL_BLOCKS: at most this many blocks a row */
 #define S8_RESIDUALS(k) ((k) / 32 < S8_RESIDUAL_BLOCKS ? (k) / 32 : S8_RESIDUAL_BLOCKS)
@@ -115,7 +116,8 @@ struct S8Residual {
     int32_t b, g;    /* the block, and its weight group b / (G / 32): no division in the rows' loops */
 };
 #define S8_RESIDUAL_FLOATS (sizeof(S8Residual) / sizeof(float))
-INTERNAL int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum, S8Residual *res);
+INTERNAL int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, float *dx, float *xsum, S8Residual *res,
+                            int q4);
 INTERNAL void row_q8_s8(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_s8(const Mat *m, float *y, int64_t i);
 
