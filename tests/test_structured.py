@@ -4,7 +4,8 @@ The decoding tests walk the masks alone (test_structured_own.py, test_structured
 model writes. A chat prompt asks for JSON following each of the 30 schemas of tests/data/schemas/;
 every reply, greedy and sampled, must end (a stop token, which the mask allows only once the JSON
 is complete), parse with json.loads and validate with jsonschema. On minigen's subset both backends
-give the same greedy tokens. Then: rows of different schemas never influence each other (the
+give the same greedy tokens. The corpus's runs are requests of one Engine (Corpus: each writes what
+generate writes alone, and together they share the prompts' few-shot blocks and each step's weights). Then: rows of different schemas never influence each other (the
 Engine, a ragged batch); every step kind (fused, eager, speculative, paged) writes the same greedy
 tokens under a mask; stop strings cut the text across token boundaries.
 
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 SCHEMAS = sorted((Path(__file__).parent / "data" / "schemas").glob("*.json"))
 SUBSET = [p for p in SCHEMAS if json.loads(p.read_text())["$comment"].startswith("In minigen's subset")]
 # Unmarked: a representative few (an object, a bare number; prefixItems and $ref for llguidance only);
-# the other schemas are slow (about 1 to 8 s each per backend on two cores; all of them: about 3 min)
+# the other schemas are slow (all of them: the corpus's Engine takes minutes on a two-core CPU)
 FAST = {"01_person.json", "17_top_scalar.json", "30_jsts_prefix_items_ref.json"}
 MAX_NEW = 256  # the longest reply measured needs 73 tokens (29, sampled; 26_pattern_format's UUID: 70)
 EOS = 2  # <|im_end|>: SmolLM2-Instruct's eos, the row's stop token
@@ -97,52 +98,93 @@ def smol(smollm2):
     return smollm2
 
 
-class Runs:
-    """Each (schema, backend, sampled) generation once per module: the backends' comparison reuses them."""
+CORPUS_TESTS = {  # the corpus's tests -> the backends each reads
+    "test_llguidance_replies_parse_and_validate": ("llguidance",),
+    "test_minigen_replies_parse_and_validate": ("minigen",),
+    "test_backends_write_the_same_greedy_tokens": ("minigen", "llguidance"),
+}
+CORPUS_BATCH = 16  # rows of the corpus's Engine a step
+CORPUS_CHUNK = 256  # prompt tokens a step (max_num_batched_tokens): later prompts find the few-shot blocks cached
+# The first corpus test to run sets the Engine up for all of them, inside its time limit (pytest-timeout
+# counts fixture setup): 268-284 s on one thread of a two-core AMD EPYC Zen 1, 442 s with both cores busy
+CORPUS_TIMEOUT = 1200
 
-    def __init__(self, model, tok):
-        self.model, self.tok, self.done = model, tok, {}
 
-    def __call__(self, path: Path, backend: str, sampled: bool):
-        key = (path.name, backend, sampled)
-        if key not in self.done:
-            schema = schema_of(path)
-            ids = chat_ids(self.tok, schema, TASKS.get(path.name, ""))
-            settings = dict(do_sample=True, seed=SEED) if sampled else {}
-            ids = ids.expand(3, -1) if sampled else ids  # three samples: seeds SEED, SEED + 1, SEED + 2
-            out = minigen.generate(self.model, ids, tokenizer=self.tok, response_format=response_format(schema),
-                                   guided_backend=backend, max_new_tokens=MAX_NEW, **settings)
-            self.done[key] = (out, ids.shape[1])
-        return self.done[key]
+def corpus_keys(items) -> list[tuple[str, str, bool]]:
+    """(schema file, backend, sampled) of every corpus run that the session's selected items of this module
+    read (the backends' comparison: both greedy runs), in a fixed order: -m "not slow" runs only FAST's."""
+    keys = set()
+    for item in items:
+        backends = CORPUS_TESTS.get(getattr(item, "originalname", ""))
+        if backends is None or item.module.__name__ != __name__:
+            continue
+        params = item.callspec.params
+        keys |= {(params["path"].name, b, params.get("sampled", False)) for b in backends}
+    return sorted(keys)
+
+
+class Corpus:
+    """The corpus's runs, all in one Engine on first use (continuous batching, the prompts' shared few-shot
+    blocks from its prefix cache): run r of a sampled request is its own request with seed SEED + r, as
+    generate's three rows with seed=SEED are, and the Engine writes each request's tokens as generate does
+    alone (tests/test_engine.py; for these prompts the same tokens were checked on 01, 08, 23 and 29, greedy
+    and sampled)."""
+
+    def __init__(self, model, tok, keys):
+        self.tok, self.done = tok, {}
+        engine = Engine(model, tokenizer=tok, max_batch_size=CORPUS_BATCH, max_num_batched_tokens=CORPUS_CHUNK)
+        ids = {}
+        for name, backend, sampled in keys:
+            schema = schema_of(Path(__file__).parent / "data" / "schemas" / name)
+            prompt = chat_ids(tok, schema, TASKS.get(name, ""))[0]
+            settings = dict(response_format=response_format(schema), guided_backend=backend, max_new_tokens=MAX_NEW)
+            seeds = [dict(do_sample=True, seed=SEED + r) for r in range(3)] if sampled else [{}]  # three samples
+            ids[name, backend, sampled] = (prompt.numel(), [engine.add_request(prompt, **settings, **s) for s in seeds])
+        out = engine.run()
+        for key, (T, requests) in ids.items():
+            self.done[key] = [out[i][T:].tolist() for i in requests]
+
+    def __call__(self, path: Path, backend: str, sampled: bool) -> list[list[int]]:
+        """The run's new tokens, a list per row (up to and including the stop)."""
+        return self.done[path.name, backend, sampled]
 
 
 @pytest.fixture(scope="module")
-def runs(smol):
-    return Runs(*smol)
+def runs(smol, request):
+    return Corpus(*smol, corpus_keys(request.session.items))
+
+
+def check_rows(tok, rows: list[list[int]], schema: dict, label: str) -> None:
+    """Every row of new tokens ended with the stop (not cut by MAX_NEW), and its text parses and validates."""
+    for r, new in enumerate(rows):
+        text = tok.decode(new, skip_special_tokens=True)
+        assert new[-1:] == [EOS], f"{label} row {r}: cut by max_new_tokens={MAX_NEW}, no stop: {text[:120]!r}..."
+        jsonschema.validate(json.loads(text), schema)
 
 
 # ---------------------------------------------------------------- every schema, both backends
+@pytest.mark.timeout(CORPUS_TIMEOUT)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("path", params(SCHEMAS))
-def test_llguidance_replies_parse_and_validate(runs, path, sampled):
-    out, T = runs(path, "llguidance", sampled)
-    check_replies(out, T, schema_of(path), f"{path.stem} llguidance {'sampled' if sampled else 'greedy'}")
+def test_llguidance_replies_parse_and_validate(smol, runs, path, sampled):
+    check_rows(smol[1], runs(path, "llguidance", sampled), schema_of(path),
+               f"{path.stem} llguidance {'sampled' if sampled else 'greedy'}")
 
 
+@pytest.mark.timeout(CORPUS_TIMEOUT)
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("path", params(SUBSET))
-def test_minigen_replies_parse_and_validate(runs, path, sampled):
-    out, T = runs(path, "minigen", sampled)
-    check_replies(out, T, schema_of(path), f"{path.stem} minigen {'sampled' if sampled else 'greedy'}")
+def test_minigen_replies_parse_and_validate(smol, runs, path, sampled):
+    check_rows(smol[1], runs(path, "minigen", sampled), schema_of(path),
+               f"{path.stem} minigen {'sampled' if sampled else 'greedy'}")
 
 
+@pytest.mark.timeout(CORPUS_TIMEOUT)
 @pytest.mark.parametrize("path", params(SUBSET))
 def test_backends_write_the_same_greedy_tokens(runs, path):
     """On the subset the two masks are equal (test_structured_own.py compares them token by token),
     so the model's argmax under them is too."""
-    own, _ = runs(path, "minigen", False)
-    llg, _ = runs(path, "llguidance", False)
-    assert torch.equal(own.tokens, llg.tokens) and own.texts == llg.texts
+    assert runs(path, "minigen", False) == runs(path, "llguidance", False)
 
 
 def test_the_corpus_is_thirty_schemas_and_its_subset_twenty_two():
