@@ -5,9 +5,10 @@ model writes. A chat prompt asks for JSON following each of the 30 schemas of te
 every reply, greedy and sampled, must end (a stop token, which the mask allows only once the JSON
 is complete), parse with json.loads and validate with jsonschema. On minigen's subset both backends
 give the same greedy tokens. The corpus's runs are requests of one Engine (Corpus: each writes what
-generate writes alone, and together they share the prompts' few-shot blocks and each step's weights). Then: rows of different schemas never influence each other (the
-Engine, a ragged batch); every step kind (fused, eager, speculative, paged) writes the same greedy
-tokens under a mask; stop strings cut the text across token boundaries.
+generate writes alone, and together they share the prompts' few-shot blocks and each step's weights).
+Then: rows of different schemas never influence each other (the Engine, a ragged batch); every step
+kind (fused, eager, speculative, paged) writes the same greedy tokens under a mask; stop strings cut
+the text across token boundaries.
 
 The prompt shows the model two answered requests first (an object and a bare number): without them
 SmolLM2-135M, asked for a bare number, writes digits until max_new_tokens (the mask allows the stop
@@ -106,7 +107,7 @@ CORPUS_TESTS = {  # the corpus's tests -> the backends each reads
 CORPUS_BATCH = 16  # rows of the corpus's Engine a step
 CORPUS_CHUNK = 256  # prompt tokens a step (max_num_batched_tokens): later prompts find the few-shot blocks cached
 # The first corpus test to run sets the Engine up for all of them, inside its time limit (pytest-timeout
-# counts fixture setup): 268-284 s on one thread of a two-core AMD EPYC Zen 1, 442 s with both cores busy
+# counts fixture setup): 268-284 s on one thread of a two-core AMD EPYC Zen 1, 442-485 s with both cores busy
 CORPUS_TIMEOUT = 1200
 
 
@@ -131,7 +132,7 @@ class Corpus:
     and sampled)."""
 
     def __init__(self, model, tok, keys):
-        self.tok, self.done = tok, {}
+        self.done = {}
         engine = Engine(model, tokenizer=tok, max_batch_size=CORPUS_BATCH, max_num_batched_tokens=CORPUS_CHUNK)
         ids = {}
         for name, backend, sampled in keys:
