@@ -79,15 +79,15 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
         int8_t *qx = (int8_t *)(dx + w->k / 32 + S8_RESIDUALS(w->k) * S8_RESIDUAL_FLOATS);
         m->nres = prepare_s8(x, w->k, w->G, qx, dx, work, res, w->kind == 5);
         m->xsum = work, m->dx = dx, m->qx = qx, m->res = res;
-        return w->kind == 4 ? row_q8_s8 : row_q4_s8;
+        return w->kind == 4 ? q8_s8_rows(m) : q4_s8_rows(m);
     }
     m->xsum = work;  /* int4: work holds k / G sums and k reordered activations */
     if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m->xperm = work + w->k / w->G;
     return q4_rows(m);
 }
 
-/* Row i of W against each of the M rows of x that m[0..M-1] describe (m[0].M = M), through their
- * one-row loop m->each: the row comes from memory once and meets every row of x while it sits in
+/* Row i of W (rows m->per i .. where that loop takes several a call) against each of the M rows of x
+ * that m[0..M-1] describe (m[0].M = M), through their row loop m->each: the row comes from memory once and meets every row of x while it sits in
  * L1, so a chunk of M tokens streams the weights once rather than M times. Each output is that
  * loop's own, so every row gets the bits it gets alone. The dequantizing is done M times, so
  * where that, not memory, sets the pace (int4 on Zen 4, measured in an earlier session) this buys
@@ -139,7 +139,8 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
  * several-row kernel (rows_batch.c); int8 and int4 in groups of 32 through their several-row loops
  * (rows_avx512.c: each row of codes widened once, then every row of x in the one-row loop's order);
  * the rest (int8 activations among them: kinds 4, 5) each row of W through its one-row loop B times
- * (rows_each), each row of x quantized once by describe. Every kind gives each row of
+ * (rows_each; kinds 4 and 5 four rows of W a call in the AVX2 build, rows_s8.c), each row of x
+ * quantized once by describe. Every kind gives each row of
  * x the bits it gets alone. An int8 or int4 row is paced by widening its codes and the multiply-adds,
  * not by memory (an fp32 row is paced by memory), so the several-row loops widen each row of codes
  * once for all B rows: a 5-token verify of SmolLM2 on 2 threads of a Xeon costs about 2.8 decode
@@ -152,11 +153,12 @@ static void product(const Weight *w, const float *x, float *y, int64_t B, int th
     }
     Mat m[DECODE_MAX_ROWS];
     for (int64_t b = 0; b < B; b++) m[b].each = describe(w, x + b * w->k, work + b * WORK_PER_ROW(w->k), &m[b]);
-    if (B == 1) { gemv(m[0].each, &m[0], y, w->n, threads); return; }
+    const int64_t calls = m[0].per > 1 ? (w->n + m[0].per - 1) / m[0].per : w->n;  /* m->per rows of W a call */
+    if (B == 1) { gemv(m[0].each, &m[0], y, calls, threads); return; }
     m[0].M = B;
     row_fn several = several_rows(&m[0]);
     if (several) gemv(several, m, y, (w->n + SEVERAL_W - 1) / SEVERAL_W, threads);  /* SEVERAL_W rows of W a call */
-    else gemv(rows_each, m, y, w->n, threads);
+    else gemv(rows_each, m, y, calls, threads);
 }
 
 /* M rows through every layer, embedding to logits. Row r is token tokens[r] at position pos_of[r],

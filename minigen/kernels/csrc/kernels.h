@@ -69,6 +69,8 @@ struct Mat {
     const float *dx;           /* int8 activations: the scale of each block of 32 [k / 32] (xsum as int4's) */
     const S8Residual *res;     /* int8 activations: the blocks quantized twice, in block order [nres] */
     int64_t nres;              /* how many (0 to S8_RESIDUALS) */
+    int64_t per;               /* rows of W one call of the row function writes (call p: rows per p ..; */
+                               /* rows_s8.c's four-row int8-activation loops: 4); 0 or 1: one, row i */
 };  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
 /* rows.c: the portable row loops */
@@ -120,6 +122,9 @@ INTERNAL int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, fl
                             int q4);
 INTERNAL void row_q8_s8(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_s8(const Mat *m, float *y, int64_t i);
+/* the int4 loop of this build: row_q4_s8, or four rows a call (m->per = 4) where AVX2 has no VNNI */
+INTERNAL row_fn q4_s8_rows(Mat *m);
+INTERNAL row_fn q8_s8_rows(Mat *m);  /* the same for int8 codes */
 
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
