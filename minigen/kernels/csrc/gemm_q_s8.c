@@ -26,7 +26,10 @@
  * more time: their vpdpbusd run at about half the main loop's rate (two chains a block, no idiv: no change).
  * x's quantization, 512 rows of 576: 0.12 ms before, 0.20 after (a block's second largest |x| only where
  * one lane alone has 2|x| >= amax). A shared machine (load ~2 on 2 vCPUs): +-10% between runs.
- * Repacking costs ~4 integer operations a word of 4 codes (byte by byte: 2 ns a weight, half the product).
+ * Repacking costs ~4 integer operations a word of 4 codes (byte by byte: 2 ns a weight, half the product);
+ * with AVX2, eight channels at a time (repack8: a 4 x 4 transpose of words in each half of a register),
+ * measured on the Zen 1 above (MR = 4, same runs): int4 M = 8 1.11 -> 1.03 ms, M = 1 0.76 -> 0.70; int8
+ * M = 8 1.68 -> 1.56. -DGQ_BYTE_REPACK builds the word-at-a-time repack to compare.
  * Profiling switches: -DGQ_PROFILE (with $GQ_PROFILE set: the quantization's and products' times on stderr),
  * -DGQ_NO_MINS (int4's minimums left out: wrong results), -DMR=.. -DNV=.., -DX_GROUP_BYTES=...
  */
@@ -56,7 +59,7 @@ static inline vi dot4(vi acc, vi u, vi s) { return _mm512_dpbusd_epi32(acc, u, s
 #elif defined(__AVXVNNI__) || defined(__AVX2__)
 #define LANES 8
 #ifndef MR
-#define MR 6
+#define MR 4
 #define NV 2
 #endif
 typedef __m256i vi;
@@ -76,7 +79,12 @@ static inline vi dot4(vi acc, vi u, vi s) { return _mm256_dpbusd_avx_epi32(acc, 
  * units, one integer-multiply pipe), one thread, the gemm_q4_s8 / gemm_q8_s8 probes (128 rows of
  * [1536, 576] with outliers): 15.3 -> 7.2-7.9 ms (int4) and 15.2-15.5 -> 9.5-9.8 ms (int8) against the
  * exact emulation before (gemm_s8.c's two vpmaddwd), 1.12x and 0.77x the fp32-activation panels.
- * MR x NV of 6 x 2, 4 x 2, 3 x 2 and 2 x 3 ran alike there (within the VM's noise), 4 x 3 slower. */
+ * MR x NV of 6 x 2, 4 x 2, 3 x 2 and 2 x 3 ran alike there (within the VM's noise), 4 x 3 slower.
+ * 4 x 2 since 2026-12-06 (AVX2 and AVX-VNNI): rows come MR at a time, so a batch's decode step of 8 rows
+ * (the Engine's) ran 12 rows' tiles at MR = 6. Same Zen 1, one thread, 8 matrices [3072, 576] with
+ * outliers in turn, builds in turns, best of 5, MR = 6 -> 4: int4 M = 8 1.40 -> 1.03 ms a matrix,
+ * M = 16 1.92 -> 1.70, M = 512 47.9 -> 44.2; int8 M = 8 2.05 -> 1.56, M = 512 64.6 -> 62.7; the
+ * Engine's batch-8 int4 decode step 194 -> 158 ms (with repack8, below). */
 #define SIGNED_CODES 1
 #define DOT_INT16 1
 static inline vi dot4(vi acc, vi u, vi s) {  /* int4: int16 sums, summed into int32 by block_sums */
@@ -240,9 +248,58 @@ static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
  * q + 128, or q itself where SIGNED_CODES), their scales (and minimums) as fp32 into ws [ng][PANEL] (wm); channels past n: zeros.
  * 4 bytes at a time: int4's word i of a block (bytes 4i..4i+3) holds codes 4i.. in its low nibbles
  * and 16 + 4i.. in its high ones (one byte at a time, it took 2 ns a weight on the Xeon). */
+#if defined(__AVX2__) && !defined(GQ_BYTE_REPACK)
+/* Eight channels' codes at once (AVX2; -DGQ_BYTE_REPACK: each channel alone, below): each block's words (4 bytes) of the eight, transposed so that
+ * word p of channels c .. c + 7 is one 32-byte store. int4: a block's 16 bytes a channel, 4 words, each
+ * split into its low and high nibbles; int8: 32 bytes a channel, 8 words. */
+static inline void transpose4x(__m256i r[4]) {  /* 4 x 4 dwords in each 128-bit half */
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm256_unpacklo_epi64(t0, t2), r[1] = _mm256_unpackhi_epi64(t0, t2);
+    r[2] = _mm256_unpacklo_epi64(t1, t3), r[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+static inline __m256i two(const uint8_t *lo, const uint8_t *hi) {  /* 16 bytes of channel c | of c + 4 */
+    return _mm256_set_m128i(_mm_loadu_si128((const __m128i *)hi), _mm_loadu_si128((const __m128i *)lo));
+}
+static void repack8(const GemmQS8 *g, int64_t ch, uint8_t *out) {
+    const int64_t k = g->m.k, nb = g->nb;
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    if (g->mins) {
+        const uint8_t *src = g->codes + ch * (k / 2);
+        const int64_t row = k / 2;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *p = src + 16 * b;
+            __m256i r[4] = {two(p, p + 4 * row), two(p + row, p + 5 * row), two(p + 2 * row, p + 6 * row),
+                            two(p + 3 * row, p + 7 * row)};
+            transpose4x(r);  /* r[i]: word i of channels 0-3 | 4-7 */
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_si256((__m256i *)(out + (b * 8 + i) * PANEL * 4), _mm256_and_si256(r[i], nib));
+                _mm256_storeu_si256((__m256i *)(out + (b * 8 + 4 + i) * PANEL * 4),
+                                    _mm256_and_si256(_mm256_srli_epi16(r[i], 4), nib));
+            }
+        }
+        return;
+    }
+    const uint8_t *src = g->codes + ch * k;
+    const __m256i flip = _mm256_set1_epi8(SIGNED_CODES ? 0 : (char)0x80);  /* each byte + 128 */
+    for (int64_t b = 0; b < nb; b++)
+        for (int h = 0; h < 2; h++) {  /* words 0-3 of the block, then 4-7 */
+            const uint8_t *p = src + 32 * b + 16 * h;
+            __m256i r[4] = {two(p, p + 4 * k), two(p + k, p + 5 * k), two(p + 2 * k, p + 6 * k), two(p + 3 * k, p + 7 * k)};
+            transpose4x(r);
+            for (int i = 0; i < 4; i++)
+                _mm256_storeu_si256((__m256i *)(out + (b * 8 + 4 * h + i) * PANEL * 4), _mm256_xor_si256(r[i], flip));
+        }
+}
+#endif
+
 static void repack_panel(const GemmQS8 *g, int64_t c0, uint8_t *wp, float *ws, float *wm) {
     const int64_t k = g->m.k, n = g->m.n, nb = g->nb, ng = g->ng;
-    for (int64_t c = 0; c < PANEL; c++) {
+    int64_t c = 0;
+#if defined(__AVX2__) && !defined(GQ_BYTE_REPACK)
+    for (; c + 8 <= PANEL && c0 + c + 8 <= n; c += 8) repack8(g, c0 + c, wp + c * 4);
+#endif
+    for (; c < PANEL; c++) {
         const int64_t ch = c0 + c;
         uint8_t *out = wp + c * 4;
         if (ch >= n) {
@@ -266,6 +323,9 @@ static void repack_panel(const GemmQS8 *g, int64_t c0, uint8_t *wp, float *ws, f
                 memcpy(out + p * PANEL * 4, &d, 4);
             }
         }
+    }
+    for (c = 0; c < PANEL; c++) {
+        const int64_t ch = c0 + c;
         for (int64_t gi = 0; gi < ng; gi++) {
             ws[gi * PANEL + c] = ch < n ? f16_to_f32(g->scales[ch * ng + gi]) : 0.0f;
             if (wm) wm[gi * PANEL + c] = ch < n ? f16_to_f32(g->mins[ch * ng + gi]) : 0.0f;
