@@ -79,7 +79,7 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
         int8_t *qx = (int8_t *)(dx + w->k / 32 + S8_RESIDUALS(w->k) * S8_RESIDUAL_FLOATS);
         m->nres = prepare_s8(x, w->k, w->G, qx, dx, work, res, w->kind == 5);
         m->xsum = work, m->dx = dx, m->qx = qx, m->res = res;
-        return w->kind == 4 ? q8_s8_rows(m) : q4_s8_rows(m);
+        return s8_rows(m, w->kind == 5);
     }
     m->xsum = work;  /* int4: work holds k / G sums and k reordered activations */
     if (prepare_q4(x, w->k, w->G, work, work + w->k / w->G)) m->xperm = work + w->k / w->G;

@@ -122,9 +122,9 @@ INTERNAL int64_t prepare_s8(const float *x, int64_t k, int64_t G, int8_t *qx, fl
                             int q4);
 INTERNAL void row_q8_s8(const Mat *m, float *y, int64_t i);
 INTERNAL void row_q4_s8(const Mat *m, float *y, int64_t i);
-/* the int4 loop of this build: row_q4_s8, or four rows a call (m->per = 4) where AVX2 has no VNNI */
-INTERNAL row_fn q4_s8_rows(Mat *m);
-INTERNAL row_fn q8_s8_rows(Mat *m);  /* the same for int8 codes */
+/* this build's loop for int4 (q4) or int8 codes: row_q4_s8 / row_q8_s8, or four rows a call (m->per = 4)
+ * where AVX2 has no VNNI */
+INTERNAL row_fn s8_rows(Mat *m, int q4);
 
 /* rows_batch.c: y [M, n] = x [M, k] @ W [n, k]^T, fp32, through gemv (gemm_f32) */
 INTERNAL void gemm_rows(const Mat *m, float *y, int threads);

@@ -32,7 +32,7 @@
  *               activations, builds in turns in one process, 5 rounds of 64 tokens: one thread 23.4 ->
  *               21.7 ms a token (each round 1.06-1.10x), two threads 12.7 -> 12.5 (1.00-1.05x);
  *               -DROWS_S8_SINGLE builds the block-at-a-time loop (the VNNI builds' shape) to compare;
- *               and four rows a call (rows4_q4_s8, rows4_q8_s8; q4_s8_rows / q8_s8_rows name the loop
+ *               and four rows a call (rows4_q4_s8, rows4_q8_s8; s8_rows names the loop
  *               and set Mat.per): each lane of the fp32 sums holds one row's block, so one convert and
  *               one multiply-add serve four rows, and no row ends in a horizontal sum of its own; the
  *               rows' int16 (int4) or int32 (int8) sums are folded into those lanes by unpacks and
@@ -579,23 +579,14 @@ void rows4_q8_s8(const Mat *m, float *y, int64_t p) {
 }
 #endif
 
-row_fn q8_s8_rows(Mat *m) {
+/* This build's row loop for int4 (q4) or int8 codes: four rows a call (m->per = 4) with S8_FOUR, else one */
+row_fn s8_rows(Mat *m, int q4) {
 #ifdef S8_FOUR
     m->per = 4;
-    return rows4_q8_s8;
+    return q4 ? rows4_q4_s8 : rows4_q8_s8;
 #else
     m->per = 1;
-    return row_q8_s8;
-#endif
-}
-
-row_fn q4_s8_rows(Mat *m) {
-#ifdef S8_FOUR
-    m->per = 4;
-    return rows4_q4_s8;
-#else
-    m->per = 1;
-    return row_q4_s8;
+    return q4 ? row_q4_s8 : row_q8_s8;
 #endif
 }
 
@@ -610,7 +601,7 @@ static int gemv_s8(row_fn row, Mat *m, const float *x, float *y, int64_t n, int 
     int8_t *qx = (int8_t *)(xsum + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS);
     m->nres = prepare_s8(x, k, G, qx, dx, xsum, res, row == row_q4_s8);
     m->qx = qx, m->dx = dx, m->xsum = xsum, m->res = res;
-    row = row == row_q4_s8 ? q4_s8_rows(m) : q8_s8_rows(m);
+    row = s8_rows(m, row == row_q4_s8);
     gemv(row, m, y, m->per > 1 ? (n + m->per - 1) / m->per : n, threads);
     free(buf);
     return 0;
