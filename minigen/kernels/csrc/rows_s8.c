@@ -33,7 +33,7 @@
  *               21.7 ms a token (each round 1.06-1.10x), two threads 12.7 -> 12.5 (1.00-1.05x);
  *               -DROWS_S8_SINGLE builds the block-at-a-time loop (the VNNI builds' shape) to compare;
  *               and four rows a call (rows4_q4_s8, rows4_q8_s8; s8_rows names the loop
- *               and set Mat.per): each lane of the fp32 sums holds one row's block, so one convert and
+ *               and sets Mat.per): each lane of the fp32 sums holds one row's block, so one convert and
  *               one multiply-add serve four rows, and no row ends in a horizontal sum of its own; the
  *               rows' int16 (int4) or int32 (int8) sums are folded into those lanes by unpacks and
  *               adds (vphaddw measured no faster than one row a call). The next call's rows are
