@@ -37,8 +37,10 @@
  *               one multiply-add serve four rows, and no row ends in a horizontal sum of its own; the
  *               rows' int16 (int4) or int32 (int8) sums are folded into those lanes by unpacks and
  *               adds (vphaddw measured no faster than one row a call). The next call's rows are
- *               prefetched: four rows read side by side ran 0.75x the one-row loop from memory
- *               without it (the hardware prefetcher did not follow them), 1.14-1.18x with it. Measured
+ *               prefetched: four rows read side by side ran about 0.8x the one-row loop from memory
+ *               without it (the hardware prefetcher did not follow them; about 1.1x when the matrices
+ *               sat in cache), 1.06-1.18x a round with it (120 matrices of SmolLM2's 30 layers' shapes,
+ *               one thread, 7 rounds; int8 1.16-1.25x). Measured
  *               on the same Zen 1, fused step, builds in turns in one process, 5 rounds of 64 tokens,
  *               2 threads: int4 12.0 -> 10.4 ms a token (each round 1.10-1.17x), int8 14.1 -> 12.2
  *               (1.13-1.18x); one thread, int4 with its int8 head still one row a call in both
