@@ -87,11 +87,12 @@ static row_fn describe(const Weight *w, const float *x, float *work, Mat *m) {
 }
 
 /* Row i of W (rows m->per i .. where that loop takes several a call) against each of the M rows of x
- * that m[0..M-1] describe (m[0].M = M), through their row loop m->each: the row comes from memory once and meets every row of x while it sits in
- * L1, so a chunk of M tokens streams the weights once rather than M times. Each output is that
- * loop's own, so every row gets the bits it gets alone. The dequantizing is done M times, so
- * where that, not memory, sets the pace (int4 on Zen 4, measured in an earlier session) this buys
- * nothing; where memory does, it is most of the step (chapter 13's verify cost). */
+ * that m[0..M-1] describe (m[0].M = M), through their row loop m->each: the row comes from memory
+ * once and meets every row of x while it sits in L1, so a chunk of M tokens streams the weights once
+ * rather than M times. Each output is that loop's own, so every row gets the bits it gets alone. The
+ * dequantizing is done M times, so where that, not memory, sets the pace (int4 on Zen 4, measured in
+ * an earlier session) this buys nothing; where memory does, it is most of the step (chapter 13's
+ * verify cost). */
 static void rows_each(const Mat *m, float *y, int64_t i) {
     for (int64_t r = 0; r < m[0].M; r++) m[r].each(&m[r], y + r * m[r].n, i);
 }
@@ -153,7 +154,7 @@ static void product(const Weight *w, const float *x, float *y, int64_t B, int th
     }
     Mat m[DECODE_MAX_ROWS];
     for (int64_t b = 0; b < B; b++) m[b].each = describe(w, x + b * w->k, work + b * WORK_PER_ROW(w->k), &m[b]);
-    const int64_t calls = m[0].per > 1 ? (w->n + m[0].per - 1) / m[0].per : w->n;  /* m->per rows of W a call */
+    const int64_t calls = row_calls(&m[0], w->n);
     if (B == 1) { gemv(m[0].each, &m[0], y, calls, threads); return; }
     m[0].M = B;
     row_fn several = several_rows(&m[0]);

@@ -248,10 +248,12 @@ static void quantize_block(const GemmQS8 *g, const float *x, int64_t blk) {
  * q + 128, or q itself where SIGNED_CODES), their scales (and minimums) as fp32 into ws [ng][PANEL] (wm); channels past n: zeros.
  * 4 bytes at a time: int4's word i of a block (bytes 4i..4i+3) holds codes 4i.. in its low nibbles
  * and 16 + 4i.. in its high ones (one byte at a time, it took 2 ns a weight on the Xeon). */
-#if defined(__AVX2__) && !defined(GQ_BYTE_REPACK)
-/* Eight channels' codes at once (AVX2; -DGQ_BYTE_REPACK: each channel alone, below): each block's words (4 bytes) of the eight, transposed so that
- * word p of channels c .. c + 7 is one 32-byte store. int4: a block's 16 bytes a channel, 4 words, each
- * split into its low and high nibbles; int8: 32 bytes a channel, 8 words. */
+#if defined(__AVX2__) && LANES == 8 && !defined(GQ_BYTE_REPACK)
+/* Eight channels' codes at once (the 8-lane builds, AVX2 and AVX-VNNI: measured on the AVX2 one only;
+ * the AVX-512 build keeps the copy below, unmeasured there; -DGQ_BYTE_REPACK: each channel alone): each
+ * block's words (4 bytes) of the eight, transposed so that word p of channels c .. c + 7 is one 32-byte
+ * store. int4: a block's 16 bytes a channel, 4 words, each split into its low and high nibbles; int8:
+ * 32 bytes a channel, 8 words. */
 static inline void transpose4x(__m256i r[4]) {  /* 4 x 4 dwords in each 128-bit half */
     const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
     const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
@@ -296,7 +298,7 @@ static void repack8(const GemmQS8 *g, int64_t ch, uint8_t *out) {
 static void repack_panel(const GemmQS8 *g, int64_t c0, uint8_t *wp, float *ws, float *wm) {
     const int64_t k = g->m.k, n = g->m.n, nb = g->nb, ng = g->ng;
     int64_t c = 0;
-#if defined(__AVX2__) && !defined(GQ_BYTE_REPACK)
+#if defined(__AVX2__) && LANES == 8 && !defined(GQ_BYTE_REPACK)
     for (; c + 8 <= PANEL && c0 + c + 8 <= n; c += 8) repack8(g, c0 + c, wp + c * 4);
 #endif
     for (; c < PANEL; c++) {

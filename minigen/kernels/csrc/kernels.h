@@ -73,6 +73,9 @@ struct Mat {
                                /* rows_s8.c's four-row int8-activation loops: 4); 0 or 1: one, row i */
 };  /* filled by name, {.W = W, .x = x, .k = k}: a field left out is 0 or NULL */
 
+/* the calls of m's row function that write n rows of W (m->per rows a call) */
+static inline int64_t row_calls(const Mat *m, int64_t n) { return m->per > 1 ? (n + m->per - 1) / m->per : n; }
+
 /* rows.c: the portable row loops */
 INTERNAL void row_f32(const Mat *m, float *y, int64_t i);
 INTERNAL void row_bf16(const Mat *m, float *y, int64_t i);

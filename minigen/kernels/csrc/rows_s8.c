@@ -594,17 +594,17 @@ row_fn s8_rows(Mat *m, int q4) {
 
 /* The products' entry points: x prepared once (k + 4 (k / 32 + k / G) + 44 min(8, k / 32) bytes), then every row.
  * Return 0, or -1 without memory for the prepared x (y is then not written). */
-static int gemv_s8(row_fn row, Mat *m, const float *x, float *y, int64_t n, int threads) {
+static int gemv_s8(int q4, Mat *m, const float *x, float *y, int64_t n, int threads) {
     const int64_t k = m->k, G = m->G;
     float *buf = malloc((size_t)(k / 32 + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS) * sizeof(float) + (size_t)k);
     if (!buf) return -1;
     float *dx = buf, *xsum = buf + k / 32;
     S8Residual *res = (S8Residual *)(xsum + k / G);
     int8_t *qx = (int8_t *)(xsum + k / G + S8_RESIDUALS(k) * S8_RESIDUAL_FLOATS);
-    m->nres = prepare_s8(x, k, G, qx, dx, xsum, res, row == row_q4_s8);
+    m->nres = prepare_s8(x, k, G, qx, dx, xsum, res, q4);
     m->qx = qx, m->dx = dx, m->xsum = xsum, m->res = res;
-    row = s8_rows(m, row == row_q4_s8);
-    gemv(row, m, y, m->per > 1 ? (n + m->per - 1) / m->per : n, threads);
+    const row_fn row = s8_rows(m, q4);
+    gemv(row, m, y, row_calls(m, n), threads);
     free(buf);
     return 0;
 }
@@ -613,12 +613,12 @@ static int gemv_s8(row_fn row, Mat *m, const float *x, float *y, int64_t n, int 
 int gemv_q8_s8(const int8_t *codes, const uint16_t *scales, const float *x, float *y, int64_t n, int64_t k,
                int64_t G, int threads) {
     Mat m = {.W = codes, .scales = scales, .k = k, .G = G, .n = n};
-    return gemv_s8(row_q8_s8, &m, x, y, n, threads);
+    return gemv_s8(0, &m, x, y, n, threads);
 }
 
 /* int4 codes [n, k / 2], fp16 scales and minimums [n, k / G]; the same k and G */
 int gemv_q4_s8(const uint8_t *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y,
                int64_t n, int64_t k, int64_t G, int threads) {
     Mat m = {.W = codes, .scales = scales, .mins = mins, .k = k, .G = G, .n = n};
-    return gemv_s8(row_q4_s8, &m, x, y, n, threads);
+    return gemv_s8(1, &m, x, y, n, threads);
 }
