@@ -116,11 +116,12 @@ _REFUSED_BESIDE: dict[str, dict[str, str]] = {
         **_STATIC_STEP,
     },
     "compile": _STATIC_STEP,
-    # The fused step writes the contiguous cache's slots from C and attends every cached token.
+    # The fused step writes the cache's slots from C (a contiguous cache's, or a paged pool's through its
+    # block tables) and attends every cached token.
     "fused_decode": {
         "use_cache=False": "the naive loop keeps no cache to decode from",
-        "attention_backend": "the Triton kernel reads paged blocks; the fused step writes the contiguous cache",
-        "cache_chunk_size": "the fused step writes the contiguous cache, not blocks",
+        "attention_backend": "the Triton kernel and the fused step each read the paged blocks their own way: one "
+                             "decode step runs one of them",
         "prefetch_depth": "the fused step reads every layer's cache in one C call; the tier moves them from Python",
         "quant_bits": "the fused step stores keys and values in fp32 or bf16, not codes",
         "window_size": "the fused step attends every cached token; it has no window",
@@ -181,6 +182,12 @@ _APPLIED_BESIDE: dict[str, dict[str, str]] = {
         "quant_bits": "8- and 4-bit codes are dequantized as they are loaded; the open block is read from its own "
                       "full-precision buffer",
         "window_size": "the kernel masks the window and sinks from positions",
+    },
+    "fused_decode": {
+        "cache_chunk_size": "a decode step reads and writes the blocks in place through the tables (the serving "
+                            "engine's rows each at its own position); prompts and verify chunks run eagerly; "
+                            "generate takes it on a paged cache when fused_decode=True, the engine on \"auto\" "
+                            "where it measured faster",
     },
     "prefetch_depth": {other: "the offload tier wraps the cache, whatever it stores"
                        for other in ("cache_chunk_size", "quant_bits", "window_size", "sparse", "speculative_method")},

@@ -45,8 +45,8 @@ _BEAMS = "generate(model, ids, num_beams=k) runs beam search"
 WHERE_REFUSED: dict[str, tuple[str, dict[str, tuple[str, str]]]] = {
     "ragged": ("a ragged batch (rows at different positions)", {
         **_ROWS, "num_beams": (RAGGED_REFUSED["num_beams"], "num_beams=1, or prompts of one length as a [B, T] tensor")}),
-    "engine": ("the serving engine", {
-        **_ROWS,
+    "engine": ("the serving engine", {  # its rows sit in a paged pool, which the fused step reads in place
+        **{feature: rows for feature, rows in _ROWS.items() if feature != "fused_decode"},
         "prefetch_depth": ("the engine's pool of blocks stays on the device", "prefetch_depth=None"),
         "speculative_method": ("the engine's steps decode one token per sequence: speculative decoding runs in "
                                "generate and stream (a list of prompts is a ragged batch)", "speculative_method=None"),

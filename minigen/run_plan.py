@@ -178,7 +178,7 @@ def make_plan(model, config: GenerationConfig | None = None, batch: int = 1, whe
     run = run_of(model, config, batch, tuple(observers))
     decode_i8, prompt_i8 = int8_activations(model, config, run)  # int4 / int8 codes times int8 activations
     step = choose_step(model, config, batch, tuple(observers), sample, generators, ragged=ragged,
-                       draft_model=draft_model, draft_plan=draft, int8_act=decode_i8)
+                       draft_model=draft_model, draft_plan=draft, int8_act=decode_i8, engine=where == "engine")
     fast = measurements(model) if model.device.type == "cpu" and kernel_build.available() else None
     # the prompt's ops carry its format; a bf16 prompt's attention in bf16 where that measured no slower here
     plan = Plan(where, config, batch, max_len, run, step, tuple(observers), generators, fast,
@@ -257,6 +257,9 @@ def step_words(step, plan: Plan) -> str:
     name = step.name
     if name == "naive":
         return "the naive loop (no cache: every step runs the whole sequence so far, chapter 1)"
+    if name == "fused" and plan.where == "engine":
+        return ("the fused C step over the paged pool (every layer of every running sequence's token in one C "
+                "call, the blocks read in place, chapter 10" + _ratio(plan, "fused_paged", "the eager step") + ")")
     if name == "fused":
         return "the fused C step (every layer of a token in one C call, chapter 10" + \
             _ratio(plan, "fused_step", "the eager step") + ")"

@@ -40,6 +40,7 @@ class Run:
     model_window: int | None = None  # the window the model's sliding layers were trained with; 0: none slides
     quantized: bool | None = None  # the linear weights are int4 / int8 codes (load's weight_bits)
     tp_size: int | None = None  # ranks the model is split over (parallel/tensor.py); 1: the whole model here
+    paged: bool | None = None  # the cache is paged (cache_chunk_size; the serving engine's pool)
 
     @classmethod
     def of_shapes(cls, model_config) -> "Run":
@@ -96,9 +97,11 @@ RUN_RULES: tuple[RunRule, ...] = (
      f"fused_decode=True takes an even head dim up to 1024, not {r.head_dim}. {_FUSED}"),
     ("fused_decode", ("c_kernel_ok", "c_kernel"), lambda c, r: not r.c_kernel_ok, lambda c, r:
      f"fused_decode=True needs minigen's C kernel, which is {r.c_kernel}. {_FUSED}"),
-    ("fused_decode", ("batch", "weight_dtypes"), lambda c, r: r.batch > 1 and r.weight_dtypes != {"float32"},
-     lambda c, r: f"fused_decode=True decodes a batch of {r.batch} rows with fp32 weights only (its products run "
-     f"the several-row fp32 kernel), and these are {', '.join(sorted(r.weight_dtypes))}. Fix: fused_decode=False, "
+    ("fused_decode", ("batch", "weight_dtypes", "paged"),
+     lambda c, r: r.batch > 1 and r.weight_dtypes != {"float32"} and not r.paged,
+     lambda c, r: f"fused_decode=True decodes a batch of {r.batch} rows in a contiguous cache with fp32 weights only "
+     f"(its products run the several-row fp32 kernel), and these are {', '.join(sorted(r.weight_dtypes))}. Fix: "
+     "cache_chunk_size=16 (a paged cache's rows run the batch GEMMs of int8 / int4 codes), fused_decode=False, "
      "or one prompt per call."),
     ("fused_decode", ("batch",), lambda c, r: r.batch > FUSED_MAX_ROWS, lambda c, r:
      f"fused_decode=True decodes up to {FUSED_MAX_ROWS} rows at once, not {r.batch}: past that, torch's GEMM "

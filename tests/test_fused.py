@@ -113,7 +113,8 @@ def test_a_batch_runs_fused_by_default_and_its_rows_are_their_own(smollm2, engli
 def test_a_quantized_batch_is_refused_and_auto_runs_it_eager():
     model = minigen.quantize_weights(minigen.from_hf(tiny_hf("llama")), 4)
     prompts = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ConfigError, match="decodes a batch of 2 rows with fp32 weights only.*int4"):
+    with pytest.raises(ConfigError, match="decodes a batch of 2 rows in a contiguous cache with fp32 weights only.*"
+                                          "int4.*cache_chunk_size=16"):
         minigen.generate(model, prompts, max_new_tokens=3, fused_decode=True)
     assert minigen.generate(model, prompts, max_new_tokens=3).stats.step == "eager"
     skip_where_aside("fused_step", model)
@@ -175,8 +176,8 @@ def test_what_the_fused_step_cannot_run_is_refused_up_front(smollm2):
         GenerationConfig(fused_decode=True, window_size=16)
     with pytest.raises(ConfigError, match="fused_decode=True does not combine with a ragged batch"):
         minigen.generate(model, [ids[0], ids[0, :2]], max_new_tokens=2, fused_decode=True)
-    with pytest.raises(ConfigError, match="fused_decode=True does not combine with the serving engine"):
-        minigen.Engine(model, GenerationConfig(fused_decode=True))
+    with pytest.raises(ConfigError, match="fused_decode=True decodes up to 16 rows at once, not 17"):
+        minigen.Engine(model, GenerationConfig(fused_decode=True), max_batch_size=17)
     with pytest.raises(ConfigError, match="fused_decode=True runs the Llama family.*'gpt2'"):
         minigen.generate(minigen.from_hf(tiny_hf("gpt2")), ids, max_new_tokens=2, fused_decode=True)
     low = minigen.from_hf(tiny_hf("llama"))

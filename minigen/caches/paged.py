@@ -225,6 +225,32 @@ class PagedKVCache:
         key_pos = (long_tensor(kept)[:, None] * bs + torch.arange(bs)).flatten()  # [S]
         return key_pos.masked_fill(key_pos >= end, -1).to(self.device)  # unwritten slots: -1
 
+    def read_tables(self, input_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """For a step that reads the blocks in place (the fused C step, steps/fused.py), after `reserve`: one
+        token per row at input_pos ([1] shared, or [B, 1] per row) -> (the rows' block tables [B, n], each
+        row's first n logical blocks, the physical block of each; the rows' positions [B]). Every block up
+        to a row's position must be held (no window has freed one): PositionError otherwise. The copies on
+        write that reserve decided are made here, in every layer, before the step writes."""
+        pos = (input_pos.reshape(-1) if input_pos.dim() == 2 else input_pos[:1].expand(len(self.rows))).tolist()
+        alloc, bs = self.allocator, self.block_size
+        if len(pos) != len(self.rows) or min(pos) < 0:
+            raise PositionError(f"a step that reads the blocks in place takes one position >= 0 per row, got {pos} "
+                                f"for {len(self.rows)} rows")
+        n = max(pos) // bs + 1
+        tables = []
+        for row, p in zip(self.rows, pos):
+            held = alloc.tables[row][:p // bs + 1]
+            if alloc.lengths[row] <= p or len(held) <= p // bs or min(held) < 0:
+                raise PositionError(f"sequence {row} holds no block for some position up to {p}: call "
+                                    "cache.reserve(input_pos) before the forward (and no window may free a block "
+                                    "a step reads in place)")
+            tables.append(held + [0] * (n - len(held)))
+        if self._copies is not None:  # copy-on-write, every layer at once: the step writes them all
+            for pool in (self.k, self.v):
+                pool[:, self._copies[1]] = pool[:, self._copies[0]]
+            self._copies = None
+        return long_tensor(tables, self.device), long_tensor(pos, self.device)
+
     # --- storage, once per layer
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v [B, Hkv, T, Dh] into their blocks; return the rows' blocks [B, Hkv, S, Dh]

@@ -195,6 +195,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.decode_layers, lib.verify_layers):
         fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64]
         fn.restype = ctypes.c_int
+    # decode_paged: layers, L, dims, tokens [B], B, x [B, D], positions [B], block tables [B, stride], stride,
+    # block size (the serving engine's paged cache)
+    lib.decode_paged.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
+    lib.decode_paged.restype = ctypes.c_int
     lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
     lib.attend_decode.restype = ctypes.c_int
     lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps

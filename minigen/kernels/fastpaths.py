@@ -27,6 +27,8 @@ shapes, and one that loses stands aside:
                     a prompt's rows, the same, C's GEMM          C's panels with fp32 activations
     fused_step, fused_verify (steps/fused.py)
                     a decode token / 4 tokens of one sequence in one C call   the eager step
+    fused_paged     8 rows of a paged cache at their own positions       the eager step
+                    (the serving engine's decode step), one C call
 
 How (probes.py): each probe runs a few products (one to 128 rows of the model's own matrices; every
 dimension at least SmolLM2-135M's, since a test model's 32 channels would measure call overhead, not

@@ -3,8 +3,10 @@ and the batch (eager.py lists the kinds).
 
 The default is the fastest exact step the config allows. `fused_decode="auto"` (the default) runs
 the fused C step wherever it applies: on a CPU, a Llama-family model in fp32 precision, batch 1
-(or a tensor batch of up to 16 rows with fp32 weights), the contiguous cache in fp32 or bf16, no feature that the combination table refuses beside
-fused_decode (combinations.REFUSED), no observers; elsewhere the eager step. `fused_decode=True`
+(or a tensor batch of up to 16 rows with fp32 weights), the contiguous cache in fp32 or bf16 (and the
+serving engine's paged pool: up to 16 rows at their own positions, any weights), no feature that the
+combination table refuses beside fused_decode (combinations.REFUSED), no observers; elsewhere the
+eager step. `fused_decode=True`
 demands it (refused, with the reason, where it cannot run) and `False` forbids it. Both steps
 give the same greedy tokens (tests/test_fused.py), so "auto" changes the speed, never the text.
 The rules are data in combinations.py (REFUSED, RUN_RULES); this module reads the model and the
@@ -43,7 +45,7 @@ def run_of(model, config: GenerationConfig, batch: int, observers: tuple = ()) -
               device=model.device.type, tp_size=model.config.tp_size,
               fp32_compute=p.compute == torch.float32 and p.fp32_norms and p.fp32_softmax and p.fp32_logits,
               precision=p.describe(model.dtype), kv_dtype=config.kv_dtype or _name(model.dtype), batch=batch,
-              observers=bool(observers),
+              observers=bool(observers), paged=config.cache_chunk_size is not None,
               triton="missing" if not triton_attention.AVAILABLE else
               "interpreted" if triton_attention.INTERPRETED else "compiled")
     run = dataclasses.replace(run, quantized=quantized(model))
@@ -177,13 +179,15 @@ def fused_applies(config: GenerationConfig, run: Run, ragged: bool = False) -> b
 
 def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = (),
                 sample: Callable | None = None, generators: Generators = None,
-                ragged: bool = False, draft_model=None, draft_plan=None, int8_act: bool | None = None) -> EagerStep:
+                ragged: bool = False, draft_model=None, draft_plan=None, int8_act: bool | None = None,
+                engine: bool = False) -> EagerStep:
     """The step object for one generation of `batch` rows (sample and generators, one per row: for
     a CUDA graph, which samples inside the graph, and for speculative sampling). Here, once, the config meets the
     model and the machine (run_rules.check_run): a setting they cannot run is refused with
     ConfigError and the fix. Speculative decoding wraps the target's step (speculative.py); a draft
     model runs the draft_plan that run_plan.make_plan built for it; several rows run at their own positions.
-    int8_act: whether the decode step's products take int8 activations (None: int8_activations() decides)."""
+    int8_act: whether the decode step's products take int8 activations (None: int8_activations() decides).
+    engine: the serving engine's rows (ragged, in its paged pool), which the fused step decodes in place."""
     speculative.check_draft(config, model, draft_model)
     if config.speculative_method is not None:
         if batch > 1 and not ragged:
@@ -196,14 +200,18 @@ def choose_step(model, config: GenerationConfig, batch: int, observers: tuple = 
             proposer = speculative.DraftProposer(draft_model, draft_plan.config, draft_plan.step, batch,
                                                  draft_plan.make_cache(draft_model))
         return speculative.SpeculativeStep(target, proposer, config, generators, ragged or batch > 1)
-    return _choose(model, config, batch, observers, sample, generators, ragged, int8_act)
+    return _choose(model, config, batch, observers, sample, generators, ragged, int8_act, engine)
 
 
 def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sample: Callable | None,
-            generators: Generators, ragged: bool, int8_act: bool | None = None) -> EagerStep:
-    """choose_step's plain steps (and a speculative step's target)."""
-    if ragged:
-        check_rows(config, "a ragged batch (rows at different positions)", RAGGED_REFUSED)
+            generators: Generators, ragged: bool, int8_act: bool | None = None, engine: bool = False) -> EagerStep:
+    """choose_step's plain steps (and a speculative step's target). The fused step on "auto": generate's
+    contiguous cache where its probe measured it faster (fused_step), and the serving engine's paged
+    rows where theirs did (fused_paged); generate's paged cache (cache_chunk_size) runs it when
+    fused_decode=True (no probe measures that one)."""
+    if ragged:  # the engine's rows sit in its paged pool, which the fused step reads at their own positions
+        check_rows(config, "a ragged batch (rows at different positions)",
+                   {k: why for k, why in RAGGED_REFUSED.items() if not (engine and k == "fused_decode")})
     run = run_of(model, config, batch, observers)
     check_run(config, run)
     warn_demanded(model, config)
@@ -213,12 +221,14 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
         step = GraphedStep(sample, config, generators)
     elif config.compile:
         step = CompiledStep(model)
-    elif config.fused_decode is True or (config.fused_decode == "auto" and fused_applies(config, run, ragged)
-                                         and measured_fast(model, "fused_step")):
+    elif config.fused_decode is True or (config.fused_decode == "auto"
+                                         and fused_applies(config, run, ragged and not engine)
+                                         and (engine or not run.paged)
+                                         and measured_fast(model, "fused_paged" if engine else "fused_step")):
         step = fused.FusedStep(verify_in_c=measured_fast(model, "fused_verify"),  # ragged: refused True above
                                int8_act=int8_activations(model, config, run)[0] if int8_act is None else int8_act)
         if config.fused_decode is True:
-            fastpaths.demanded(measurements(model).get("fused_step"), "fused_decode=True")
+            fastpaths.demanded(measurements(model).get("fused_paged" if engine else "fused_step"), "fused_decode=True")
     else:
         step = EagerStep()
     step.prefill_chunk_size = config.prefill_chunk_size  # every step prefills eagerly, in pieces or whole

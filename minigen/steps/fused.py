@@ -16,13 +16,19 @@ once for every row: decode.c's product), and everything else loops over the rows
 Speculative decoding's verify (chapter 13) is the same call on a chunk of one sequence
 (`verify_layers`): T tokens at consecutive positions, each its own row, every row's keys and
 values written before any row attends, so that the chunk is causal.
+The serving engine's decode step (chapter 14) is the same body over its paged pool
+(`decode_paged`): up to 16 sequences, each at its own position, whose blocks C reads and writes in
+place through the block tables (the eager step gathers them into a buffer every layer,
+PagedKVCache.update); its rows are separate sequences, so their int8 / int4 products run the
+batch GEMMs the eager step runs for them (csrc/gemm_q_s8.c, gemm_q.c), whose rows never mix.
 
 What it takes (everything else is refused up front with the reason, never run another way:
 run_rules.RUN_RULES and REFUSED):
 a Llama-family model (RMSNorm, RoPE, SwiGLU, grouped-query attention, q/k/v biases) on the CPU
 with the default precision (fp32 activations, norms, softmax and logits) and weights in fp32, bf16,
 int8 or int4 at batch 1, fp32 for a batch of up to 16 rows in lockstep (not a ragged batch); the
-contiguous cache (chapter 2) in fp32 or bf16; no window, sparse selection, observers or compile.
+contiguous cache (chapter 2) in fp32 or bf16, or a paged one (any weights, rows at their own positions
+in the serving engine); no window, sparse selection, observers or compile.
 A prompt of up to 16 tokens of one sequence is a verify chunk at positions 0..T-1: in one C call
 too, where a short prompt's products, bound by reading the weights like a decode step, read each
 weight once for every row and never widen int8 / int4 codes into an fp32 tile (chapter 3). A
@@ -48,6 +54,7 @@ from ..kernels import dispatch
 from ..kernels.probes import Probe, Shapes
 from ..errors import PromptError
 from ..caches.contiguous import KVCache
+from ..caches.paged import PagedKVCache
 from .eager import EagerStep
 from ..model import Model
 from ..numerics.weight_quant import QuantizedWeight
@@ -104,7 +111,7 @@ class _Plan:
     """The C descriptions of one (model, cache) pair, built at its first step; `keep` holds the fp32
     copies (norms, biases) whose addresses the descriptions point to."""
 
-    def __init__(self, model: Model, cache: KVCache, int8_act: bool = False):
+    def __init__(self, model: Model, cache: KVCache | PagedKVCache, int8_act: bool = False):
         cfg = model.config
         self.keep: list[Tensor] = []
 
@@ -115,7 +122,8 @@ class _Plan:
             self.keep.append(t)
             return t.data_ptr()
 
-        k, v = cache.layer_tensors()  # [L, B, Hkv, S, Dh] each: C writes layer i's slots in place
+        # [L, B, Hkv, S, Dh] each, or a paged pool [L, N, bs, Hkv, Dh]: C writes layer i's slots in place
+        k, v = cache.layer_tensors()
         layers = (_Layer * cfg.n_layers)()
         for i, b in enumerate(model.blocks):
             layers[i] = _Layer(fp32(b.attn_norm.weight), fp32(b.mlp_norm.weight),
@@ -123,7 +131,8 @@ class _Plan:
                                fp32(b.attn.bqkv),
                                k[i].data_ptr(), v[i].data_ptr())
         self.layers = layers
-        self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, k.shape[3],
+        S = k.shape[3] if isinstance(cache, KVCache) else 0  # slots a head of the contiguous cache (paged: none)
+        self.dims = _Dims(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_dim, S,
                           int(k.dtype == torch.bfloat16), 1, cfg.norm_eps, _weight(model.embed),
                           int(model.dtype == torch.bfloat16), fp32(model.inv_freq), fp32(model.norm.weight),
                           _weight(model.head, int8_act), None)
@@ -151,19 +160,24 @@ class FusedStep(EagerStep):
         of its last token [1, V]. Anything else runs EagerStep.prefill (torch's GEMMs)."""
         T = input_ids.shape[1]
         C = min(self.prefill_chunk_size or T, T)
-        if not (self.verify_in_c and input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
+        if not (self.verify_in_c and type(cache) is KVCache and input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
             return super().prefill(model, input_ids, input_pos, cache, policy, ops)
         for start in range(0, T, C):  # a last piece of one token runs verify's torch fallback
             logits = self.verify(model, input_ids[:, start:start + C], input_pos[start:start + C], cache, ops=ops)
         return logits[:, -1]
 
-    def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache, policy=None, ops=None) -> Tensor:
+    def decode(self, model: Model, tokens: Tensor, input_pos: Tensor, cache: KVCache | PagedKVCache, policy=None,
+               ops=None) -> Tensor:
         """eager.decode_step's contract, fused: a token for each row [B, 1], every row at the one
-        position input_pos [1] (a tensor batch decodes in lockstep) -> logits [B, V]."""
+        position input_pos [1] (a tensor batch decodes in lockstep) -> logits [B, V]. A paged cache
+        (the serving engine's, or cache_chunk_size) also takes each row at its own position [B, 1]:
+        `_run_paged`."""
         B = tokens.shape[0]
-        assert policy is None and tokens.shape == (B, 1) and input_pos.shape == (1,) and B <= FUSED_MAX_ROWS, \
-            "fused_decode takes one token per row at one shared position and no attention policy (the config " \
-            "refuses the rest)"
+        assert policy is None and tokens.shape == (B, 1) and B <= FUSED_MAX_ROWS, \
+            "fused_decode takes one token per row and no attention policy (the config refuses the rest)"
+        if isinstance(cache, PagedKVCache):
+            return self._run_paged(model, tokens[:, 0], input_pos, cache)
+        assert input_pos.shape == (1,), "fused_decode decodes a contiguous cache's rows at one shared position"
         lib = kernel_build.library()
         return self._run(lib.decode_layers, model, tokens[:, 0], input_pos, cache, B)
 
@@ -173,7 +187,7 @@ class FusedStep(EagerStep):
         attends, so the chunk is causal) -> logits [1, T, V]. Anything else (several rows at their own
         positions, a longer chunk) runs EagerStep's torch forward."""
         B, T = tokens.shape
-        if not (self.verify_in_c and B == 1 and policy is None and input_pos.dim() == 1 and 2 <= T <= FUSED_MAX_ROWS
+        if not (self.verify_in_c and type(cache) is KVCache and B == 1 and policy is None and input_pos.dim() == 1 and 2 <= T <= FUSED_MAX_ROWS
                 and bool((input_pos.diff() == 1).all())):
             return super().verify(model, tokens, input_pos, cache, policy, ops)
         lib = kernel_build.library()
@@ -184,26 +198,59 @@ class FusedStep(EagerStep):
         positions input_pos ([1] shared, or [M] consecutive) in a cache of `rows` rows -> logits [M, V].
         Builds the plan of (model, cache) on first use and checks, before C reads or writes anything,
         the cache, the ids and the cache's room."""
-        M = ids.shape[0]
         assert type(cache) is KVCache and cache.k.shape[1] == rows and cache.k.dtype in CACHE_DTYPES, \
             "fused_decode writes a contiguous cache in fp32 or bf16 (run_rules.RUN_RULES refuses the rest)"
-        if self.planned_for != (id(model), id(cache)):
-            self.plan, self.planned_for = _Plan(model, cache, self.int8_act), (id(model), id(cache))
-        plan = self.plan
+        plan = self._plan(model, cache)
         cache.reserve(input_pos)  # the contract's moves (a contiguous cache has none to make) and its check:
         cache.prepare(input_pos)  # a position past the allocation raises CacheFullError
-        pos = int(input_pos[0])
+        ids, logits = self._ids(model, ids), self._logits(model, plan, ids.shape[0])
+        # each row's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
+        if entry(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), ids.data_ptr(), ids.shape[0],
+                 plan.x.data_ptr(), int(input_pos[0])) != 0:
+            raise MemoryError("fused_decode: the C step could not allocate its work buffers")
+        return logits
+
+    def _run_paged(self, model: Model, ids: Tensor, input_pos: Tensor, cache: PagedKVCache) -> Tensor:
+        """One C call of decode.c's decode_paged: token ids [B] of the cache's rows (its sequences) at
+        input_pos ([1] shared, or [B, 1] each row's own) -> logits [B, V]. C reads and writes the pool's
+        blocks in place, through the block tables that `reserve` set (the step's own call, or the
+        engine's scheduler's: reserves=False), where the eager step gathers them (PagedKVCache.update)."""
+        assert type(cache) is PagedKVCache and cache.dtype in CACHE_DTYPES and cache.window_size is None, \
+            "fused_decode reads a paged cache of fp32 or bf16 blocks, no window (run_rules.RUN_RULES refuses the rest)"
+        plan = self._plan(model, cache)
+        if self.reserves:
+            cache.reserve(input_pos)
+        tables, pos = cache.read_tables(input_pos)  # checks that every block read is held; copies on write
+        ids, logits = self._ids(model, ids), self._logits(model, plan, ids.shape[0])
+        if kernel_build.library().decode_paged(plan.layers, model.config.n_layers, ctypes.byref(plan.dims),
+                                               ids.data_ptr(), ids.shape[0], plan.x.data_ptr(), pos.data_ptr(),
+                                               tables.data_ptr(), tables.shape[1], cache.block_size) != 0:
+            raise MemoryError("fused_decode: the C step could not allocate its work buffers")
+        return logits
+
+    def _plan(self, model: Model, cache) -> _Plan:
+        """The C descriptions of (model, cache), built at their first step."""
+        if self.planned_for != (id(model), id(cache)):
+            self.plan, self.planned_for = _Plan(model, cache, self.int8_act), (id(model), id(cache))
+        return self.plan
+
+    @staticmethod
+    def _ids(model: Model, ids: Tensor) -> Tensor:
+        """Token ids as C reads them (int64, contiguous); PromptError for one outside the vocabulary (C
+        would read past the embedding)."""
         ids = ids.to(torch.int64).contiguous()
-        if not bool(((ids >= 0) & (ids < model.config.vocab_size)).all()):  # C would read past the embedding
+        if not bool(((ids >= 0) & (ids < model.config.vocab_size)).all()):
             bad = int(ids[(ids < 0) | (ids >= model.config.vocab_size)][0])
             raise PromptError(f"token id {bad} is outside the vocabulary [0, {model.config.vocab_size})")
+        return ids
+
+    @staticmethod
+    def _logits(model: Model, plan: _Plan, M: int) -> Tensor:
+        """The step's logits [M, V], which C writes: a new tensor each step (a caller may keep the last);
+        the threads the products share out to are torch's now."""
         plan.dims.threads = torch.get_num_threads()
-        logits = torch.empty(M, model.config.vocab_size)  # a new tensor each step: a caller may keep the last
+        logits = torch.empty(M, model.config.vocab_size)
         plan.dims.logits = logits.data_ptr()
-        # each row's embedding, every layer, the final norm and the head, in C (x: the last layer's output)
-        if entry(plan.layers, model.config.n_layers, ctypes.byref(plan.dims), ids.data_ptr(), M,
-                 plan.x.data_ptr(), pos) != 0:
-            raise MemoryError("fused_decode: the C step could not allocate its work buffers")
         return logits
 
 
@@ -211,10 +258,15 @@ class FusedStep(EagerStep):
 VERIFY_TOKENS = 4  # a verify chunk of the probe: speculative decoding's k = 3 proposals and the last token
 
 
+PAGED_ROWS, PAGED_POSITION = 8, 40  # the paged probe: the engine's default max_batch_size, each row at 40
+
+
 def _probe(kind: str):
     """fastpaths' probe of the fused step: a two-layer Llama of the model's shapes (random weights, a
     4,096-token vocabulary), one decode token (or a verify chunk of VERIFY_TOKENS) at position 8, in C
-    and through the eager step, on one cache (each call rewrites the same slots)."""
+    and through the eager step, on one cache (each call rewrites the same slots); "paged": a decode
+    token for each of PAGED_ROWS sequences of a paged cache at their own positions ([B, 1], the serving
+    engine's decode step), blocks of 16 reserved once."""
     def make(s: Shapes, rows: int):
         if not kernel_build.available():
             return None
@@ -226,6 +278,13 @@ def _probe(kind: str):
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         dispatch.install(model)
+        if kind == "paged":
+            cache = PagedKVCache(2, PAGED_ROWS, s.kv_heads, s.head_dim, 16, PAGED_ROWS * 4)
+            cache.reserve(torch.arange(PAGED_POSITION + 1).expand(PAGED_ROWS, -1))  # the blocks of every slot read
+            ids, pos = torch.arange(1, PAGED_ROWS + 1)[:, None], torch.full((PAGED_ROWS, 1), PAGED_POSITION)
+            fused, eager = FusedStep(), EagerStep()
+            fused.reserves = eager.reserves = False  # as the engine's: the blocks are held already
+            return (lambda: fused.decode(model, ids, pos, cache)), (lambda: eager.decode(model, ids, pos, cache))
         cache = KVCache.for_model(model, 1, 64)
         T = 1 if kind == "decode" else VERIFY_TOKENS
         ids, pos = torch.arange(1, T + 1)[None], torch.arange(8, 8 + T)
@@ -238,4 +297,6 @@ def _probe(kind: str):
 
 PROBES = (Probe("fused_step", "the fused C step (a decode token)", "the eager step", _probe("decode")),
           Probe("fused_verify", f"the fused C verify ({VERIFY_TOKENS} tokens)", "the eager verify",
-                          _probe("verify")))
+                          _probe("verify")),
+          Probe("fused_paged", f"the fused C step over a paged cache ({PAGED_ROWS} rows at their own positions)",
+                "the eager step", _probe("paged")))

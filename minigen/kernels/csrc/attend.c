@@ -34,20 +34,26 @@ static inline float load_cache1(const void *c, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)c)[i]) : ((const float *)c)[i];
 }
 
+/* Slot s of a head's keys and values starts at element base + s Dh (a contiguous cache), or at base +
+ * slot[s] where slot is given (a paged cache: the slots of a row's blocks, in table order) */
+static inline int64_t slot_at(const int64_t *slot, int64_t base, int64_t s, int64_t Dh) {
+    return base + (slot ? slot[s] : s * Dh);
+}
+
 /* out [Dh] = sum over slots s of scores[s] / total * v_s, each element summed over s in order. The
  * first Dh / 64 * 64 elements are summed 64 at a time in eight registers (an element kept in memory
  * waits on its own store every slot: measured 2x slower at Dh = 64), the rest in memory; the same
  * additions in the same order either way. */
 #define PV_LANES 64
-static void weigh_values(const float *scores, float total, const void *vc, int bf16, int64_t base, int64_t n,
-                         int64_t Dh, float *out) {
+static void weigh_values(const float *scores, float total, const void *vc, int bf16, const int64_t *slot,
+                         int64_t base, int64_t n, int64_t Dh, float *out) {
     const int64_t wide = Dh - Dh % 8, blocks = Dh / PV_LANES * PV_LANES;
     for (int64_t d0 = 0; d0 < blocks; d0 += PV_LANES) {
         f32x8 acc[PV_LANES / 8] = {{0}};
         for (int64_t s = 0; s < n; s++) {
             if (scores[s] == 0.0f) continue;
             float p = scores[s] / total;
-            const int64_t row = base + s * Dh + d0;
+            const int64_t row = slot_at(slot, base, s, Dh) + d0;
             for (int u = 0; u < PV_LANES / 8; u++) acc[u] = acc[u] + p * load_cache8(vc, bf16, row + 8 * u);
         }
         memcpy(out + d0, acc, sizeof acc);
@@ -57,7 +63,7 @@ static void weigh_values(const float *scores, float total, const void *vc, int b
     for (int64_t s = 0; s < n; s++) {
         if (scores[s] == 0.0f) continue;
         float p = scores[s] / total;
-        int64_t row = base + s * Dh;
+        int64_t row = slot_at(slot, base, s, Dh);
         for (int64_t d = blocks; d < wide; d += 8) {
             f32x8 o = load_f32(out + d) + p * load_cache8(vc, bf16, row + d);
             memcpy(out + d, &o, sizeof o);
@@ -67,15 +73,16 @@ static void weigh_values(const float *scores, float total, const void *vc, int b
 }
 
 /* One query head against the first n slots of its key/value head: softmax(q k / sqrt(Dh) + mask) v,
- * fp32; mask is additive (0 or -inf per slot; NULL: none), and a -inf slot is skipped. The dot
+ * fp32; mask is additive (0 or -inf per slot; NULL: none), and a -inf slot is skipped. Slot s at
+ * slot_at(slot, base, s, Dh): the same additions in the same order, contiguous or paged. The dot
  * products run 8 lanes wide (a scalar sum would wait on each add: 4x slower at Dh = 64). */
-void attend_head(const float *q, const void *kc, const void *vc, int bf16, int64_t base, int64_t n,
-                        int64_t Dh, const float *mask, float *scores, float *out) {
+void attend_head(const float *q, const void *kc, const void *vc, int bf16, const int64_t *slot, int64_t base,
+                 int64_t n, int64_t Dh, const float *mask, float *scores, float *out) {
     const int64_t wide = Dh - Dh % 8;
     float scale = 1.0f / sqrtf((float)Dh), best = -INFINITY;
     for (int64_t s = 0; s < n; s++) {
         if (mask && mask[s] == -INFINITY) { scores[s] = -INFINITY; continue; }
-        int64_t row = base + s * Dh;
+        int64_t row = slot_at(slot, base, s, Dh);
         f32x8 acc = {0};
         for (int64_t d = 0; d < wide; d += 8) acc += load_f32(q + d) * load_cache8(kc, bf16, row + d);
         float dot = sum8(acc);
@@ -93,7 +100,7 @@ void attend_head(const float *q, const void *kc, const void *vc, int bf16, int64
     }
     total = sum8(sums);
     for (; s < n; s++) { scores[s] = expf(scores[s] - best); total += scores[s]; }
-    weigh_values(scores, total, vc, bf16, base, n, Dh, out);
+    weigh_values(scores, total, vc, bf16, slot, base, n, Dh, out);
 }
 
 /* Attention of one new token per row (a decode step; attention.attend on a CPU): q [B, H, Dh],
@@ -113,7 +120,7 @@ int attend_decode(const float *q, const float *k, const float *v, const float *m
     #pragma omp parallel for num_threads(threads) if(par) schedule(static)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H;
-        attend_head(q + bh * Dh, k, v, 0, (b * Hkv + h / group) * S * Dh, S, Dh, mask + b * mask_stride,
+        attend_head(q + bh * Dh, k, v, 0, NULL, (b * Hkv + h / group) * S * Dh, S, Dh, mask + b * mask_stride,
                     scores + bh * S, out + bh * Dh);
     }
     free(scores);

@@ -15,8 +15,9 @@
  * torch's .to(torch.bfloat16) rounds). One body (run_layers) runs up to DECODE_MAX_ROWS rows, each
  * at its own position in its own cache row; its two entry points say which: decode_layers, a tensor
  * batch (B rows, one shared position), and verify_layers, a chunk of one sequence (T consecutive
- * positions, speculative decoding's verify). minigen/steps/fused.py builds the descriptions and
- * checks what applies. */
+ * positions, speculative decoding's verify); a third, decode_paged, runs the serving engine's rows,
+ * each at its own position, in its paged pool read through block tables. minigen/steps/fused.py
+ * builds the descriptions and checks what applies. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -145,37 +146,60 @@ static void embed_row(const Weight *e, int64_t token, int round_bf16, float *x) 
  * x the bits it gets alone. An int8 or int4 row is paced by widening its codes and the multiply-adds,
  * not by memory (an fp32 row is paced by memory), so the several-row loops widen each row of codes
  * once for all B rows: a 5-token verify of SmolLM2 on 2 threads of a Xeon costs about 2.8 decode
- * steps in int8 and 3.3 in int4, fp32's about 1.0. work: B * WORK_PER_ROW(k) floats. */
-static void product(const Weight *w, const float *x, float *y, int64_t B, int threads, float *work) {
+ * steps in int8 and 3.3 in int4, fp32's about 1.0. work: B * WORK_PER_ROW(k) floats.
+ * gemm (rows that are separate sequences: the serving engine's, decode_paged): B > 1 rows of int8 /
+ * int4 codes run the GEMMs the eager step runs for them (kernels/cpu.py: gemm_q_s8.c with int8
+ * activations, gemm_q.c without), which tile rows and channels rather than widening or quantizing a row
+ * of codes per row of x: each row's bits are then the eager batch's, not a lone row's. Returns 0, or -1
+ * where a GEMM found no memory for its buffers. */
+static int product(const Weight *w, const float *x, float *y, int64_t B, int threads, float *work, int gemm) {
     if (B > 1 && w->kind == 0) {
         Mat m = {.W = w->W, .x = x, .k = w->k, .M = B, .n = w->n};
         gemm_rows(&m, y, threads);
-        return;
+        return 0;
     }
+    if (gemm && B > 1 && (w->kind == 4 || w->kind == 5))
+        return gemm_q_s8(w->W, w->scales, w->mins, w->kind == 5 ? 4 : 8, x, y, B, w->n, w->k, w->G, threads);
+    if (gemm && B > 1 && (w->kind == 2 || w->kind == 3))
+        return gemm_q(w->W, w->scales, w->mins, x, y, B, w->n, w->k, w->G, threads);
     Mat m[DECODE_MAX_ROWS];
     for (int64_t b = 0; b < B; b++) m[b].each = describe(w, x + b * w->k, work + b * WORK_PER_ROW(w->k), &m[b]);
     const int64_t calls = row_calls(&m[0], w->n);
-    if (B == 1) { gemv(m[0].each, &m[0], y, calls, threads); return; }
+    if (B == 1) { gemv(m[0].each, &m[0], y, calls, threads); return 0; }
     m[0].M = B;
     row_fn several = several_rows(&m[0]);
     if (several) gemv(several, m, y, (w->n + SEVERAL_W - 1) / SEVERAL_W, threads);  /* SEVERAL_W rows of W a call */
     else gemv(rows_each, m, y, calls, threads);
+    return 0;
 }
 
+/* Where each row's keys and values sit in a layer's cache: a contiguous cache [B, Hkv, S, Dh], row r in
+ * cache row row_of[r] (tables NULL), or the paged pool [N, bs, Hkv, Dh] read through block tables, row
+ * r's logical block j (positions j bs .. j bs + bs - 1) in physical block tables[r * stride + j] */
+typedef struct {
+    const int64_t *row_of;
+    const int64_t *tables;
+    int64_t stride, block_size;
+} Where;
+
 /* M rows through every layer, embedding to logits. Row r is token tokens[r] at position pos_of[r],
- * in cache row cache_row[r]: x [M, D] gets the tokens' embeddings, then each layer's output in turn;
+ * its keys and values where `where` says: x [M, D] gets the tokens' embeddings, then each layer's output in turn;
  * RoPE's angles of each row's position are worked out here (fp32 pos * inv_freq, as Model.forward);
  * every row's keys and values are written at its slot before any row attends, so a row sees the
  * rows before it in the same call (a chunk of one sequence is causal), and attends to slots
- * 0..its own position; then the final norm and the head write d->logits [M, V]. Returns 0, or -1
- * without memory for the work buffers (or for M past DECODE_MAX_ROWS or Dh past 1024).
+ * 0..its own position; then the final norm and the head write d->logits [M, V]. Each row's slots are
+ * worked out once a call (slot: the element where slot s of its first key/value head starts; head j
+ * at j times head_stride after it), the same for every layer. Returns 0, or -1 without memory for the
+ * work buffers (or for M past DECODE_MAX_ROWS or Dh past 1024).
  * The norm and the head are here, not in torch, for what surrounds them: after a step has streamed
  * the weights through the caches, torch's first small operations run cold (~0.2 ms for a norm that
  * takes 8 us in a loop), a few percent of an int4 step. */
 static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t M,
-                      float *x, const int64_t *pos_of, const int64_t *cache_row) {
+                      float *x, const int64_t *pos_of, const Where *where) {
     const int64_t D = d->D, H = d->H, Hkv = d->Hkv, Dh = d->Dh, F = d->F, S = d->S;
     const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F, row_cache = Hkv * S * Dh;
+    const int paged = where->tables != NULL;
+    const int64_t head_stride = paged ? Dh : S * Dh, bs = where->block_size;
     if (M < 1 || M > DECODE_MAX_ROWS || Dh > 1024) return -1;
     int64_t last = 0, attended = 0;  /* the furthest position, and the slots all rows attend to */
     for (int64_t r = 0; r < M; r++) {
@@ -185,7 +209,13 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
     const int64_t span = last + 1;  /* scores of each (row, head): room for the longest row's slots */
     float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + 2 * Dh + H * span
                                                       + WORK_PER_ROW(widest))));
-    if (!buf) return -1;
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(M * span));
+    if (!buf || !slots) { free(buf), free(slots); return -1; }
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t s = 0; s <= pos_of[r]; s++)
+            slots[r * span + s] = paged ? (where->tables[r * where->stride + s / bs] * bs + s % bs) * Hkv * Dh
+                                        : where->row_of[r] * row_cache + s * Dh;
+    int failed = 0;
     float *h = buf, *qkv = h + M * D, *att = qkv + M * qkv_n, *o = att + M * H * Dh, *gu = o + M * D,
           *cos = gu + M * 2 * F, *sin_signed = cos + M * Dh, *scores = sin_signed + M * Dh,
           *work = scores + M * H * span;
@@ -195,15 +225,15 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
     for (int64_t l = 0; l < n_layers; l++) {
         const Layer *L = &layers[l];
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, L->attn_norm, h + r * D, D, d->eps);
-        product(&L->wqkv, h, qkv, M, d->threads, work);
+        failed |= product(&L->wqkv, h, qkv, M, d->threads, work, paged);
         for (int64_t r = 0; r < M; r++) {
             float *q = qkv + r * qkv_n;
             if (L->bqkv) for (int64_t i = 0; i < qkv_n; i++) q[i] += L->bqkv[i];
             for (int64_t hd = 0; hd < H + Hkv; hd++)  /* q and k heads */
                 rope(q + hd * Dh, cos + r * Dh, sin_signed + r * Dh, Dh);
             const float *k_new = q + H * Dh, *v_new = k_new + Hkv * Dh;
-            for (int64_t j = 0; j < Hkv; j++) {  /* write row r's slot: its position, in its cache row */
-                int64_t at = cache_row[r] * row_cache + (j * S + pos_of[r]) * Dh;
+            for (int64_t j = 0; j < Hkv; j++) {  /* write row r's slot: its position, in its cache row or block */
+                int64_t at = slots[r * span + pos_of[r]] + j * head_stride;
                 for (int64_t i = 0; i < Dh; i++) {
                     if (bf16) {
                         ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
@@ -224,14 +254,13 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
         #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
         for (int64_t rh = 0; rh < M * H; rh++) {  /* row rh / H, query head rh % H */
             const int64_t r = rh / H, hd = rh % H;
-            attend_head(qkv + r * qkv_n + hd * Dh, L->kc, L->vc, bf16,
-                        cache_row[r] * row_cache + (hd / group) * S * Dh, pos_of[r] + 1, Dh, NULL, scores + rh * span,
-                        att + rh * Dh);
+            attend_head(qkv + r * qkv_n + hd * Dh, L->kc, L->vc, bf16, slots + r * span, (hd / group) * head_stride,
+                        pos_of[r] + 1, Dh, NULL, scores + rh * span, att + rh * Dh);
         }
-        product(&L->wo, att, o, M, d->threads, work);
+        failed |= product(&L->wo, att, o, M, d->threads, work, paged);
         for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
         for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, L->mlp_norm, h + r * D, D, d->eps);
-        product(&L->wgu, h, gu, M, d->threads, work);
+        failed |= product(&L->wgu, h, gu, M, d->threads, work, paged);
         for (int64_t r = 0; r < M; r++) {  /* silu(gate) * up, into the first half of the row's [2F] */
             float *g_row = gu + r * 2 * F;
             int64_t i = 0;
@@ -243,13 +272,13 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
             /* pack the rows as [M, F]: row r moves down to r * F, over nothing a later row still holds */
             if (r > 0) memmove(gu + r * F, g_row, sizeof(float) * (size_t)F);
         }
-        product(&L->wdown, gu, o, M, d->threads, work);
+        failed |= product(&L->wdown, gu, o, M, d->threads, work, paged);
         for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
     }
     for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, d->final_norm, h + r * D, D, d->eps);
-    product(&d->head, h, d->logits, M, d->threads, work);
-    free(buf);
-    return 0;
+    failed |= product(&d->head, h, d->logits, M, d->threads, work, paged);
+    free(buf), free(slots);
+    return failed ? -1 : 0;
 }
 
 /* A decode token for each of B rows of a tensor batch, all at position pos: row b is cache row b.
@@ -259,7 +288,8 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
     int64_t pos_of[DECODE_MAX_ROWS], cache_row[DECODE_MAX_ROWS];
     if (B < 1 || B > DECODE_MAX_ROWS) return -1;
     for (int64_t b = 0; b < B; b++) { pos_of[b] = pos; cache_row[b] = b; }
-    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, cache_row);
+    const Where where = {.row_of = cache_row};
+    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, &where);
 }
 
 /* T tokens of one sequence (cache row 0) at positions pos..pos + T - 1: speculative decoding's
@@ -271,5 +301,18 @@ int verify_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
     int64_t pos_of[DECODE_MAX_ROWS], cache_row[DECODE_MAX_ROWS];
     if (T < 1 || T > DECODE_MAX_ROWS) return -1;
     for (int64_t t = 0; t < T; t++) { pos_of[t] = pos + t; cache_row[t] = 0; }
-    return run_layers(layers, n_layers, d, tokens, T, x, pos_of, cache_row);
+    const Where where = {.row_of = cache_row};
+    return run_layers(layers, n_layers, d, tokens, T, x, pos_of, &where);
+}
+
+/* A decode token for each of B sequences of the serving engine's paged cache, each at its own position
+ * pos_of[b]: every layer's kc / vc is its pool [N, bs, Hkv, Dh] (d->S unused), and row b's logical
+ * block j is physical block tables[b * stride + j], which the engine's scheduler gave it before the
+ * call (positions 0..pos_of[b] each in a block: steps/fused.py checks). The rows are separate sequences,
+ * so B > 1 rows of codes run the batch GEMMs (product). x [B, D]; logits to d->logits [B, V]. */
+int decode_paged(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t B,
+                 float *x, const int64_t *pos_of, const int64_t *tables, int64_t stride, int64_t block_size) {
+    if (B < 1 || B > DECODE_MAX_ROWS || block_size < 1) return -1;
+    const Where where = {.tables = tables, .stride = stride, .block_size = block_size};
+    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, &where);
 }

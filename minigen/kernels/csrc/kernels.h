@@ -136,6 +136,13 @@ INTERNAL void gemm_rows(const Mat *m, float *y, int threads);
 INTERNAL void widen_row_q8(const Mat *m, int64_t i, float *out, int64_t step);
 INTERNAL void widen_row_q4(const Mat *m, int64_t i, float *out, int64_t step);
 
+/* gemm_q.c and gemm_q_s8.c: a batch's products with int8 / int4 codes (entry points; decode.c's paged
+ * step calls them for the serving engine's rows) */
+int gemm_q(const void *codes, const uint16_t *scales, const uint16_t *mins, const float *x, float *y, int64_t M,
+           int64_t n, int64_t k, int64_t G, int threads);
+int gemm_q_s8(const void *codes, const uint16_t *scales, const uint16_t *mins, int bits, const float *x, float *y,
+              int64_t M, int64_t n, int64_t k, int64_t G, int threads);
+
 /* decode.c: the rows one fused decode step or verify chunk takes (cpu.MAX_ROWS: where the several-row
  * kernel stops paying; steps/fused.py refuses more) */
 #define DECODE_MAX_ROWS 16
@@ -155,7 +162,7 @@ INTERNAL float quantize_row(const float *x, const float *keep, int8_t *q, int64_
 
 /* attend.c: one RMSNorm row, and one query head against its cached keys and values */
 INTERNAL void rms_norm(const float *x, const float *weight, float *out, int64_t D, float eps);
-INTERNAL void attend_head(const float *q, const void *kc, const void *vc, int bf16, int64_t base, int64_t n,
-                          int64_t Dh, const float *mask, float *scores, float *out);
+INTERNAL void attend_head(const float *q, const void *kc, const void *vc, int bf16, const int64_t *slot,
+                          int64_t base, int64_t n, int64_t Dh, const float *mask, float *scores, float *out);
 
 #endif
