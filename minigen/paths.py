@@ -329,6 +329,18 @@ def total_memory_bytes(device: torch.device | str = "cpu") -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_bytes(device: torch.device) -> int:
+    """Memory free now (the serving engine's pool takes a share of it): CUDA's free memory, or the host's
+    MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_fits(needed_bytes: int, what: str, fix: str, error: type[MinigenError] = ConfigError,
                device: torch.device | str = "cpu") -> None:
     """Raise `error` when `needed_bytes` exceed all the memory of `device`: a size no run could hold,

@@ -301,6 +301,10 @@ def _prompt_words(plan: Plan, model) -> str:
     # the fused step runs a prompt (or piece) of 16 tokens or fewer in its own C call, as it decodes
     fused = "; a prompt of 16 tokens or fewer runs in the fused step's C call, as a decode step" \
         if plan.step.name == "fused" else ""
+    if plan.step.name == "fused" and plan.where == "engine":
+        fused = ("; each step's prompt chunks and decodes in one C call, no padding" +
+                 _ratio(plan, "fused_paged_prompt", "the eager prefill")
+                 if plan.step.takes_decodes_with_prompts(plan.prompt_ops) else "; in torch, op by op")
     if plan.run.quantized and plan.prompt_ops.int8_act:
         return (f"int8 activations (a scale per 32) times the weights' codes, int32 sums, C's GEMM"
                 f"{_ratio(plan, _s8(model, 'gemm'), 'fp32 activations')}{pieces}{fused}")

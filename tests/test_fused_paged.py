@@ -171,3 +171,54 @@ def test_the_engine_runs_it_on_auto_where_it_measured_faster(smollm2):
     engine = Engine(model, GenerationConfig(), max_batch_size=4, num_blocks=32)
     assert engine.forward_step.name == "fused"
     assert "over the paged pool" in engine.plan.parts["decode"] and "measured" in engine.plan.parts["decode"]
+
+
+def ragged_prompts(lengths, seed=0):
+    """Left-padded ids [B, T] and positions [B, T] (-1: padding) of prompts of `lengths`."""
+    g, T = torch.Generator().manual_seed(seed), max(lengths)
+    ids, pos = torch.zeros(len(lengths), T, dtype=torch.long), torch.full((len(lengths), T), -1)
+    for r, n in enumerate(lengths):
+        ids[r, T - n:], pos[r, T - n:] = torch.randint(0, 97, (n,), generator=g), torch.arange(n)
+    return ids, pos
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_prompt_chunks_in_one_c_call_match_the_eager_prefill(bits):
+    """The engine's ragged prompts (left padding) as C's rows, no padding: the last tokens' logits and every
+    key and value written, against the eager prefill on a twin cache."""
+    model = minigen.from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128))
+    model = minigen.quantize_weights(model, bits) if bits else model
+    (eager, mine), _ = twin_caches(model, [torch.tensor([0])] * 3)  # three sequences, blocks scrambled
+    for cache in (eager, mine):
+        cache.reset()
+    ids, pos = ragged_prompts([5, 11, 2])
+    step = fused.FusedStep(prompts_in_c=True)
+    with torch.inference_mode():
+        a = EagerStep().prefill(model, ids, pos, eager)
+        b = step.prefill(model, ids, pos, mine)
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
+    torch.testing.assert_close(mine.k, eager.k, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine.v, eager.v, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("budget", [None, 12])  # 12: chunked prefill, a prompt over several steps
+def test_the_engine_runs_decodes_in_its_prompts_forward_with_their_own_bits(budget):
+    """int8 blocks: each step's prompt chunks and decodes in one C call (the weights stream once). Every
+    request's tokens equal the eager engine's, and a decode row's log-probabilities are its decode step's."""
+    model = minigen.quantize_weights(minigen.from_hf(tiny_hf("llama", hidden_size=64, intermediate_size=128)), 8)
+    skip_where_aside("fused_paged_prompt", model)
+    prompts = prompts_of([4, 13, 7, 2, 9, 5], seed=2)
+    out, mixed_steps = {}, 0
+    for mode in (True, False):
+        engine = Engine(model, {"cache_chunk_size": 4, "fused_decode": mode, "int8_activations": False},
+                        max_batch_size=3, max_num_batched_tokens=budget)
+        assert engine.forward_step.takes_decodes_with_prompts(engine.plan.prompt_ops) == mode
+        ids = [engine.add_request(p, max_new_tokens=4 + 2 * i, stop_token_ids=[], logprobs=1)
+               for i, p in enumerate(prompts)]  # rows finish apart: a prompt joins rows that decode
+        tokens = engine.run()
+        out[mode] = [(tokens[i], engine.requests[i].logprobs) for i in ids]
+        mixed_steps += mode * sum(s["prefill_tokens"] > 0 and s["decode_tokens"] > 0 for s in engine.steps)
+    assert mixed_steps > 0  # steps that ran decodes beside prompts
+    for (a, lp_a), (b, lp_b) in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+        assert max(abs(x[0] - y[0]) for x, y in zip(lp_a, lp_b)) < 1e-4

@@ -199,6 +199,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     # block size (the serving engine's paged cache)
     lib.decode_paged.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, i64, i64]
     lib.decode_paged.restype = ctypes.c_int
+    # prefill_paged: layers, L, dims, tokens [M], M, x [M, D], positions [M], sequence of each row [M], block
+    # tables, stride, block size, the rows whose logits are wanted [n_out], n_out
+    lib.prefill_paged.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i64]
+    lib.prefill_paged.restype = ctypes.c_int
     lib.attend_decode.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, i64, ctypes.c_int]
     lib.attend_decode.restype = ctypes.c_int
     lib.rms_norm_rows.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]  # x, weight, out, M, D, eps

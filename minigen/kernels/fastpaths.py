@@ -29,6 +29,8 @@ shapes, and one that loses stands aside:
                     a decode token / 4 tokens of one sequence in one C call   the eager step
     fused_paged     8 rows of a paged cache at their own positions       the eager step
                     (the serving engine's decode step), one C call
+    fused_paged_prompt
+                    2 prompts of 32 tokens, int4 blocks, one C call      the eager prefill
 
 How (probes.py): each probe runs a few products (one to 128 rows of the model's own matrices; every
 dimension at least SmolLM2-135M's, since a test model's 32 channels would measure call overhead, not

@@ -19,8 +19,9 @@ and the step that runs the model only read the block tables and write into the b
      (scheduler.py) says a batch slot and their prompts' blocks are free, reusing cached prefix blocks,
      and takes their prompts' blocks;
   3. runs the admitted prompts as one ragged prefill ([B, T], each row at its own positions) and
-     the running sequences as one decode step ([B, 1], each row at its own position, the step's
-     `decode`), both through the same paged cache, each forward after `cache.reserve` (the window's
+     the running sequences as one decode step ([B, 1], the step's `decode`), or both in the prompts'
+     forward where the step gives a decode row decode's bits there (the fused C step: the weights
+     stream once), through the same paged cache, each forward after `cache.reserve` (the window's
      frees, the sliding pool's blocks), and samples each row with its own settings and generator;
      with `max_num_batched_tokens` (vLLM's name; chunked prefill, Sarathi-Serve's stall-free
      batching) a step runs at most that many tokens: the decodes first, then prompt chunks in the
@@ -38,7 +39,6 @@ and masks), and each row samples from its own generator, seeded by its own `seed
 from __future__ import annotations
 
 import math
-import os
 import reprlib
 import time
 from typing import Iterator
@@ -49,7 +49,7 @@ from torch import Tensor
 from ..config import GenerationConfig, resolve_config
 from ..errors import CacheFullError, ConfigError, PromptError, RequestError
 from ..generate import check_prompt
-from ..paths import check_fits
+from ..paths import available_bytes, check_fits
 from ..places import check_settings, check_where
 from ..run_plan import make_plan
 from ..numerics.precision import DTYPES
@@ -64,17 +64,6 @@ from .scheduler import (REQUEST_KEYS, PrefixAllocator, Request, arrival_seconds,
 DEFAULT_BLOCK_SIZE = 16  # cache_chunk_size when the config leaves it None (vLLM's default)
 MEMORY_FRACTION = 0.1  # num_blocks=None: the pool takes at most this share of the memory available now
 MAX_SLEEP_S = 3600.0  # stream() waits for a far arrival in naps of at most this: time.sleep overflows past ~3e2 years
-
-
-def available_bytes(device: torch.device) -> int:
-    """Memory free for the pool now: CUDA's free memory, or the host's MemAvailable."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Engine:
@@ -294,10 +283,15 @@ class Engine:
         if not chunks and not decoding:  # nothing has arrived yet (or the pool is full): no step to record
             return new
         with self.forward_step.grad_mode():
-            # 3. ragged prefills of the prompt chunks, each from its first uncached position
-            for group in forward_groups(chunks, self.max_num_batched_tokens):
-                self._forward([r for r, _ in group], [c for _, c in group], new)
-            if decoding:  # and one decode step of every running sequence
+            # 3. ragged prefills of the prompt chunks, each from its first uncached position, and a decode step of
+            #    every running sequence: in the last prompt forward where the step gives decode rows decode's bits
+            groups = forward_groups(chunks, self.max_num_batched_tokens)
+            mixed = bool(groups and decoding) and self.forward_step.takes_decodes_with_prompts(self.plan.prompt_ops)
+            for i, group in enumerate(groups):
+                riders = decoding if mixed and i == len(groups) - 1 else []  # the weights stream once for both
+                self._forward([r for r, _ in group] + riders, [c for _, c in group] + [r.tokens[-1:] for r in riders],
+                              new)
+            if decoding and not mixed:
                 self._forward(decoding, [r.tokens[-1:] for r in decoding], new, prompt=False)
         for req in [r for r, _ in chunks] + decoding:  # 4. finished requests give their blocks back
             if req.output and req.prefilled and (req.stopped() or len(req.output) >= req.config.max_new_tokens):

@@ -226,7 +226,11 @@ def _choose(model, config: GenerationConfig, batch: int, observers: tuple, sampl
                                          and (engine or not run.paged)
                                          and measured_fast(model, "fused_paged" if engine else "fused_step")):
         step = fused.FusedStep(verify_in_c=measured_fast(model, "fused_verify"),  # ragged: refused True above
-                               int8_act=int8_activations(model, config, run)[0] if int8_act is None else int8_act)
+                               int8_act=int8_activations(model, config, run)[0] if int8_act is None else int8_act,
+                               # the engine's prompts (and the decodes beside them) in one C call: for int8 /
+                               # int4 blocks, whose products run the batch GEMMs there too
+                               prompts_in_c=engine and block_bits(model) is not None
+                               and measured_fast(model, "fused_paged_prompt"))
         if config.fused_decode is True:
             fastpaths.demanded(measurements(model).get("fused_paged" if engine else "fused_step"), "fused_decode=True")
     else:

@@ -81,6 +81,12 @@ class EagerStep:
         """One token per row [B, 1] at input_pos [1] (or [B, 1] per row) -> next-token logits [B, V]."""
         return forward(model, tokens, input_pos, cache, policy, reserve=self.reserves, ops=ops)[:, -1]
 
+    def takes_decodes_with_prompts(self, ops) -> bool:
+        """Whether `prefill` under the prompt ops `ops` runs decode rows (a chunk of one token) with the
+        arithmetic of `decode`, so that the serving engine may run a step's decodes in its prompts' forward
+        (FusedStep's paged prompts in C; here a prompt's products may take another format)."""
+        return False
+
     def verify(self, model, tokens: Tensor, input_pos: Tensor, cache, policy=None, ops=None) -> Tensor:
         """Several tokens per row [B, T] at input_pos [T] (or [B, T], -1: padding) -> the logits of
         every position [B, T, V]: speculative decoding's check of k proposals (speculative.py)."""

@@ -52,12 +52,13 @@ from ..run_rules import FUSED_MAX_ROWS
 from ..kernels import build as kernel_build
 from ..kernels import dispatch
 from ..kernels.probes import Probe, Shapes
+from ..numerics.precision import FP32
 from ..errors import PromptError
 from ..caches.contiguous import KVCache
 from ..caches.paged import PagedKVCache
 from .eager import EagerStep
 from ..model import Model
-from ..numerics.weight_quant import QuantizedWeight
+from ..numerics.weight_quant import QuantizedWeight, quantize_weights
 
 # the C kinds of weight; run_rules.FUSED_WEIGHTS / FUSED_CACHE say what the step takes, and
 # run_rules.RUN_RULES refuses the rest before a step is chosen
@@ -147,8 +148,11 @@ class FusedStep(EagerStep):
     on the cache."""
     name = "fused"
 
-    def __init__(self, verify_in_c: bool = True, int8_act: bool = False):
+    def __init__(self, verify_in_c: bool = True, int8_act: bool = False, prompts_in_c: bool = False):
         self.verify_in_c = verify_in_c  # False where fastpaths measured the C verify slower than the eager one
+        # a paged cache's prompt chunks in one C call (prefill_paged), where fastpaths measured it faster
+        # (fused_paged_prompt) for a model whose blocks hold int8 / int4 codes (steps/choose.py)
+        self.prompts_in_c = prompts_in_c
         self.int8_act = int8_act  # int4 / int8 codes meet int8 activations (int8_activations, steps/choose.py)
         self.plan: _Plan | None = None
         self.planned_for: tuple[int, int] | None = None  # (id(model), id(cache)) the plan describes
@@ -157,7 +161,10 @@ class FusedStep(EagerStep):
                 ops=None) -> Tensor:
         """EagerStep.prefill's contract. One sequence whose prompt (or each piece of it, with
         prefill_chunk_size) has 2..FUSED_MAX_ROWS tokens runs `verify`'s C call per piece: the logits
-        of its last token [1, V]. Anything else runs EagerStep.prefill (torch's GEMMs)."""
+        of its last token [1, V]. A paged cache's chunks run `_prefill_paged` where prompts_in_c allows.
+        Anything else runs EagerStep.prefill (torch's GEMMs)."""
+        if type(cache) is PagedKVCache and self._prompt_in_c(input_ids, input_pos, policy, ops):
+            return self._prefill_paged(model, input_ids, input_pos, cache)
         T = input_ids.shape[1]
         C = min(self.prefill_chunk_size or T, T)
         if not (self.verify_in_c and type(cache) is KVCache and input_ids.shape[0] == 1 and policy is None and input_pos.dim() == 1 and 2 <= C <= FUSED_MAX_ROWS):
@@ -228,6 +235,46 @@ class FusedStep(EagerStep):
             raise MemoryError("fused_decode: the C step could not allocate its work buffers")
         return logits
 
+    def takes_decodes_with_prompts(self, ops) -> bool:
+        """EagerStep's: a paged cache's prompts in C run every row through the one body of decode.c with the
+        plan's weight kinds, so a decode row among them gets decode's arithmetic (its products in the same
+        batch GEMMs, whose rows never mix: the bits of a decode step's row)."""
+        return self.prompts_in_c and self.prefill_chunk_size is None and self._same_products(ops)
+
+    def _same_products(self, ops) -> bool:
+        """The prompt ops `ops` run fp32 products with the decode step's activations (the plan's weight kinds)."""
+        return ops is None or (ops.prompt == FP32 and bool(ops.int8_act) == self.int8_act)
+
+    def _prompt_in_c(self, input_ids: Tensor, input_pos: Tensor, policy, ops) -> bool:
+        """Whether a paged cache's prompt chunks run in C: prompts_in_c, whole (no prefill_chunk_size), no
+        policy, fp32 prompt products with the decode step's activations (the plan's weight kinds), and a
+        token in every row."""
+        pos = input_pos if input_pos.dim() == 2 else input_pos.expand(input_ids.shape[0], -1)
+        return (self.prompts_in_c and self.prefill_chunk_size is None and policy is None and self._same_products(ops)
+                and bool((pos >= 0).any(dim=1).all()))
+
+    def _prefill_paged(self, model: Model, input_ids: Tensor, input_pos: Tensor, cache: PagedKVCache) -> Tensor:
+        """Every row's prompt chunk ([B, T], input_pos [T] or [B, T] with -1 for left padding) in one C call of
+        decode.c's prefill_paged: the chunks' tokens are its rows, no padding, each at its position in its
+        sequence's blocks -> the logits of each row's last token [B, V]."""
+        B, T = input_ids.shape
+        pos = input_pos if input_pos.dim() == 2 else input_pos.expand(B, T)
+        plan = self._plan(model, cache)
+        if self.reserves:
+            cache.reserve(input_pos)
+        tables, _ = cache.read_tables(pos.max(dim=1).values[:, None])  # every block up to each row's last position
+        seq, col = (pos >= 0).nonzero(as_tuple=True)  # row-major: each sequence's tokens in order
+        ids, at = self._ids(model, input_ids[seq, col]), pos[seq, col].contiguous()
+        last = (pos >= 0).sum(dim=1).cumsum(0) - 1  # each row's last token among the M
+        logits = self._logits(model, plan, B)
+        x = torch.empty(ids.shape[0], model.config.dim)
+        if kernel_build.library().prefill_paged(plan.layers, model.config.n_layers, ctypes.byref(plan.dims),
+                                                ids.data_ptr(), ids.shape[0], x.data_ptr(), at.data_ptr(),
+                                                seq.contiguous().data_ptr(), tables.data_ptr(), tables.shape[1],
+                                                cache.block_size, last.data_ptr(), B) != 0:
+            raise MemoryError("fused_decode: the C prompt step could not allocate its work buffers")
+        return logits
+
     def _plan(self, model: Model, cache) -> _Plan:
         """The C descriptions of (model, cache), built at their first step."""
         if self.planned_for != (id(model), id(cache)):
@@ -259,6 +306,7 @@ VERIFY_TOKENS = 4  # a verify chunk of the probe: speculative decoding's k = 3 p
 
 
 PAGED_ROWS, PAGED_POSITION = 8, 40  # the paged probe: the engine's default max_batch_size, each row at 40
+PROMPT_ROWS, PROMPT_TOKENS = 2, 32  # the paged prompt probe: two prompts of 32 tokens
 
 
 def _probe(kind: str):
@@ -266,7 +314,9 @@ def _probe(kind: str):
     4,096-token vocabulary), one decode token (or a verify chunk of VERIFY_TOKENS) at position 8, in C
     and through the eager step, on one cache (each call rewrites the same slots); "paged": a decode
     token for each of PAGED_ROWS sequences of a paged cache at their own positions ([B, 1], the serving
-    engine's decode step), blocks of 16 reserved once."""
+    engine's decode step), blocks of 16 reserved once; "prompt": PROMPT_ROWS prompts of PROMPT_TOKENS
+    tokens with int4 blocks (fp32 activations) over a paged cache, C's prefill_paged against the eager
+    prefill."""
     def make(s: Shapes, rows: int):
         if not kernel_build.available():
             return None
@@ -278,6 +328,15 @@ def _probe(kind: str):
             for p in model.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.05)
         dispatch.install(model)
+        if kind == "prompt":  # int4 blocks: prompts run in C only for codes (choose.py)
+            model = quantize_weights(model, 4)
+            cache = PagedKVCache(2, PROMPT_ROWS, s.kv_heads, s.head_dim, 16, PROMPT_ROWS * 4)
+            cache.reserve(torch.arange(PROMPT_TOKENS).expand(PROMPT_ROWS, -1))
+            ids, pos = torch.arange(PROMPT_ROWS * PROMPT_TOKENS).view(PROMPT_ROWS, -1), torch.arange(PROMPT_TOKENS)
+            fused, eager = FusedStep(prompts_in_c=True), EagerStep()
+            fused.reserves = eager.reserves = False  # each call rewrites the same slots
+            pos = pos.expand(PROMPT_ROWS, -1)  # each row at its own positions, as the engine's
+            return (lambda: fused.prefill(model, ids, pos, cache)), (lambda: eager.prefill(model, ids, pos, cache))
         if kind == "paged":
             cache = PagedKVCache(2, PAGED_ROWS, s.kv_heads, s.head_dim, 16, PAGED_ROWS * 4)
             cache.reserve(torch.arange(PAGED_POSITION + 1).expand(PAGED_ROWS, -1))  # the blocks of every slot read
@@ -299,4 +358,6 @@ PROBES = (Probe("fused_step", "the fused C step (a decode token)", "the eager st
           Probe("fused_verify", f"the fused C verify ({VERIFY_TOKENS} tokens)", "the eager verify",
                           _probe("verify")),
           Probe("fused_paged", f"the fused C step over a paged cache ({PAGED_ROWS} rows at their own positions)",
-                "the eager step", _probe("paged")))
+                "the eager step", _probe("paged")),
+          Probe("fused_paged_prompt", f"{PROMPT_ROWS} prompts of {PROMPT_TOKENS} tokens of int4 blocks in one C call "
+                "over a paged cache", "the eager prefill", _probe("prompt")))

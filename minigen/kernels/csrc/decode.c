@@ -20,6 +20,9 @@
  * builds the descriptions and checks what applies. */
 #include <math.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "kernels.h"
 
@@ -162,6 +165,13 @@ static int product(const Weight *w, const float *x, float *y, int64_t B, int thr
         return gemm_q_s8(w->W, w->scales, w->mins, w->kind == 5 ? 4 : 8, x, y, B, w->n, w->k, w->G, threads);
     if (gemm && B > 1 && (w->kind == 2 || w->kind == 3))
         return gemm_q(w->W, w->scales, w->mins, x, y, B, w->n, w->k, w->G, threads);
+    if (B > DECODE_MAX_ROWS) {  /* a prompt's rows through the row loops: DECODE_MAX_ROWS at a time */
+        int failed = 0;
+        for (int64_t r = 0; r < B; r += DECODE_MAX_ROWS)
+            failed |= product(w, x + r * w->k, y + r * w->n, B - r < DECODE_MAX_ROWS ? B - r : DECODE_MAX_ROWS,
+                              threads, work, gemm);
+        return failed;
+    }
     Mat m[DECODE_MAX_ROWS];
     for (int64_t b = 0; b < B; b++) m[b].each = describe(w, x + b * w->k, work + b * WORK_PER_ROW(w->k), &m[b]);
     const int64_t calls = row_calls(&m[0], w->n);
@@ -175,50 +185,66 @@ static int product(const Weight *w, const float *x, float *y, int64_t B, int thr
 
 /* Where each row's keys and values sit in a layer's cache: a contiguous cache [B, Hkv, S, Dh], row r in
  * cache row row_of[r] (tables NULL), or the paged pool [N, bs, Hkv, Dh] read through block tables, row
- * r's logical block j (positions j bs .. j bs + bs - 1) in physical block tables[r * stride + j] */
+ * r's logical block j (positions j bs .. j bs + bs - 1) in physical block tables[t * stride + j], t its
+ * sequence's table: seq_of[r] (a prompt's tokens, several rows of one sequence), or r where seq_of is NULL */
 typedef struct {
     const int64_t *row_of;
-    const int64_t *tables;
+    const int64_t *tables, *seq_of;
     int64_t stride, block_size;
 } Where;
+
+/* The table row r reads its slots through: its sequence's (paged) or its cache row's (contiguous) */
+static inline int64_t owner(const Where *w, int paged, int64_t r) {
+    return paged ? (w->seq_of ? w->seq_of[r] : r) : w->row_of[r];
+}
 
 /* M rows through every layer, embedding to logits. Row r is token tokens[r] at position pos_of[r],
  * its keys and values where `where` says: x [M, D] gets the tokens' embeddings, then each layer's output in turn;
  * RoPE's angles of each row's position are worked out here (fp32 pos * inv_freq, as Model.forward);
  * every row's keys and values are written at its slot before any row attends, so a row sees the
  * rows before it in the same call (a chunk of one sequence is causal), and attends to slots
- * 0..its own position; then the final norm and the head write d->logits [M, V]. Each row's slots are
+ * 0..its own position; then the final norm and the head write d->logits [n_out, V], the rows out_rows
+ * lists in its order (NULL: every row, n_out = M). Each row's slots are
  * worked out once a call (slot: the element where slot s of its first key/value head starts; head j
  * at j times head_stride after it), the same for every layer. Returns 0, or -1 without memory for the
- * work buffers (or for M past DECODE_MAX_ROWS or Dh past 1024).
+ * work buffers (or for Dh past 1024).
  * The norm and the head are here, not in torch, for what surrounds them: after a step has streamed
  * the weights through the caches, torch's first small operations run cold (~0.2 ms for a norm that
  * takes 8 us in a loop), a few percent of an int4 step. */
 static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t M,
-                      float *x, const int64_t *pos_of, const Where *where) {
+                      float *x, const int64_t *pos_of, const Where *where, const int64_t *out_rows, int64_t n_out) {
     const int64_t D = d->D, H = d->H, Hkv = d->Hkv, Dh = d->Dh, F = d->F, S = d->S;
     const int64_t qkv_n = (H + 2 * Hkv) * Dh, widest = D > F ? D : F, row_cache = Hkv * S * Dh;
     const int paged = where->tables != NULL;
     const int64_t head_stride = paged ? Dh : S * Dh, bs = where->block_size;
-    if (M < 1 || M > DECODE_MAX_ROWS || Dh > 1024) return -1;
+    if (M < 1 || Dh > 1024 || n_out < 1 || n_out > M) return -1;
     int64_t last = 0, attended = 0;  /* the furthest position, and the slots all rows attend to */
     for (int64_t r = 0; r < M; r++) {
         last = pos_of[r] > last ? pos_of[r] : last;
         attended += pos_of[r] + 1;
     }
-    const int64_t span = last + 1;  /* scores of each (row, head): room for the longest row's slots */
-    float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + 2 * Dh + H * span
-                                                      + WORK_PER_ROW(widest))));
-    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(M * span));
+    const int64_t span = last + 1;  /* room for the longest row's slots */
+    /* each row's slots come from its table (paged: its sequence's; contiguous: its cache row's), worked
+     * out once per table for every slot up to span (a shorter sequence's table is padded with block 0,
+     * whose slots it never reads) */
+    int64_t owners = 1;
+    for (int64_t r = 0; r < M; r++) {
+        const int64_t t = owner(where, paged, r);
+        owners = t + 1 > owners ? t + 1 : owners;
+    }
+    const int64_t nt = d->threads > 1 ? d->threads : 1, wrows = M < DECODE_MAX_ROWS ? M : DECODE_MAX_ROWS;
+    float *buf = malloc(sizeof(float) * (size_t)(M * (D + qkv_n + H * Dh + D + 2 * F + 2 * Dh) + nt * span
+                                                 + wrows * WORK_PER_ROW(widest)));
+    int64_t *slots = malloc(sizeof(int64_t) * (size_t)(owners * span));
     if (!buf || !slots) { free(buf), free(slots); return -1; }
-    for (int64_t r = 0; r < M; r++)
-        for (int64_t s = 0; s <= pos_of[r]; s++)
-            slots[r * span + s] = paged ? (where->tables[r * where->stride + s / bs] * bs + s % bs) * Hkv * Dh
-                                        : where->row_of[r] * row_cache + s * Dh;
+    for (int64_t t = 0; t < owners; t++)
+        for (int64_t s = 0; s < span; s++)
+            slots[t * span + s] = paged ? (where->tables[t * where->stride + s / bs] * bs + s % bs) * Hkv * Dh
+                                        : t * row_cache + s * Dh;
     int failed = 0;
     float *h = buf, *qkv = h + M * D, *att = qkv + M * qkv_n, *o = att + M * H * Dh, *gu = o + M * D,
-          *cos = gu + M * 2 * F, *sin_signed = cos + M * Dh, *scores = sin_signed + M * Dh,
-          *work = scores + M * H * span;
+          *cos = gu + M * 2 * F, *sin_signed = cos + M * Dh, *scores = sin_signed + M * Dh,  /* a thread's: span */
+          *work = scores + nt * span;
     for (int64_t r = 0; r < M; r++) rope_angles(d->inv_freq, pos_of[r], Dh, cos + r * Dh, sin_signed + r * Dh);
     for (int64_t r = 0; r < M; r++) embed_row(&d->embed, tokens[r], d->embed_bf16, x + r * D);
     const int group = (int)(H / Hkv), bf16 = d->cache_bf16;
@@ -233,7 +259,7 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
                 rope(q + hd * Dh, cos + r * Dh, sin_signed + r * Dh, Dh);
             const float *k_new = q + H * Dh, *v_new = k_new + Hkv * Dh;
             for (int64_t j = 0; j < Hkv; j++) {  /* write row r's slot: its position, in its cache row or block */
-                int64_t at = slots[r * span + pos_of[r]] + j * head_stride;
+                int64_t at = slots[owner(where, paged, r) * span + pos_of[r]] + j * head_stride;
                 for (int64_t i = 0; i < Dh; i++) {
                     if (bf16) {
                         ((uint16_t *)L->kc)[at + i] = f32_to_bf16(k_new[j * Dh + i]);
@@ -254,8 +280,13 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
         #pragma omp parallel for num_threads(d->threads) if(par) schedule(static)
         for (int64_t rh = 0; rh < M * H; rh++) {  /* row rh / H, query head rh % H */
             const int64_t r = rh / H, hd = rh % H;
-            attend_head(qkv + r * qkv_n + hd * Dh, L->kc, L->vc, bf16, slots + r * span, (hd / group) * head_stride,
-                        pos_of[r] + 1, Dh, NULL, scores + rh * span, att + rh * Dh);
+#ifdef _OPENMP
+            float *mine = scores + (par ? omp_get_thread_num() : 0) * span;
+#else
+            float *mine = scores;
+#endif
+            attend_head(qkv + r * qkv_n + hd * Dh, L->kc, L->vc, bf16, slots + owner(where, paged, r) * span,
+                        (hd / group) * head_stride, pos_of[r] + 1, Dh, NULL, mine, att + rh * Dh);
         }
         failed |= product(&L->wo, att, o, M, d->threads, work, paged);
         for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
@@ -275,8 +306,8 @@ static int run_layers(const Layer *layers, int64_t n_layers, const Dims *d, cons
         failed |= product(&L->wdown, gu, o, M, d->threads, work, paged);
         for (int64_t i = 0; i < M * D; i++) x[i] += o[i];
     }
-    for (int64_t r = 0; r < M; r++) rms_norm(x + r * D, d->final_norm, h + r * D, D, d->eps);
-    failed |= product(&d->head, h, d->logits, M, d->threads, work, paged);
+    for (int64_t o = 0; o < n_out; o++) rms_norm(x + (out_rows ? out_rows[o] : o) * D, d->final_norm, h + o * D, D, d->eps);
+    failed |= product(&d->head, h, d->logits, n_out, d->threads, work, paged);
     free(buf), free(slots);
     return failed ? -1 : 0;
 }
@@ -289,7 +320,7 @@ int decode_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
     if (B < 1 || B > DECODE_MAX_ROWS) return -1;
     for (int64_t b = 0; b < B; b++) { pos_of[b] = pos; cache_row[b] = b; }
     const Where where = {.row_of = cache_row};
-    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, &where);
+    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, &where, NULL, B);
 }
 
 /* T tokens of one sequence (cache row 0) at positions pos..pos + T - 1: speculative decoding's
@@ -302,7 +333,7 @@ int verify_layers(const Layer *layers, int64_t n_layers, const Dims *d, const in
     if (T < 1 || T > DECODE_MAX_ROWS) return -1;
     for (int64_t t = 0; t < T; t++) { pos_of[t] = pos + t; cache_row[t] = 0; }
     const Where where = {.row_of = cache_row};
-    return run_layers(layers, n_layers, d, tokens, T, x, pos_of, &where);
+    return run_layers(layers, n_layers, d, tokens, T, x, pos_of, &where, NULL, T);
 }
 
 /* A decode token for each of B sequences of the serving engine's paged cache, each at its own position
@@ -314,5 +345,18 @@ int decode_paged(const Layer *layers, int64_t n_layers, const Dims *d, const int
                  float *x, const int64_t *pos_of, const int64_t *tables, int64_t stride, int64_t block_size) {
     if (B < 1 || B > DECODE_MAX_ROWS || block_size < 1) return -1;
     const Where where = {.tables = tables, .stride = stride, .block_size = block_size};
-    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, &where);
+    return run_layers(layers, n_layers, d, tokens, B, x, pos_of, &where, NULL, B);
+}
+
+/* The serving engine's prompt chunks in one call: M tokens of several sequences, token r of sequence
+ * seq_of[r] (its table: tables[seq_of[r] * stride ..]) at position pos_of[r], a sequence's tokens at
+ * consecutive positions in order (every row's keys and values are written before any row attends, so a
+ * chunk is causal, as verify_layers'). No padding: the rows are the tokens. Only the rows out_rows lists
+ * (each chunk's last token) go through the final norm and the head: d->logits [n_out, V]. x [M, D]. */
+int prefill_paged(const Layer *layers, int64_t n_layers, const Dims *d, const int64_t *tokens, int64_t M,
+                  float *x, const int64_t *pos_of, const int64_t *seq_of, const int64_t *tables, int64_t stride,
+                  int64_t block_size, const int64_t *out_rows, int64_t n_out) {
+    if (block_size < 1) return -1;
+    const Where where = {.tables = tables, .seq_of = seq_of, .stride = stride, .block_size = block_size};
+    return run_layers(layers, n_layers, d, tokens, M, x, pos_of, &where, out_rows, n_out);
 }
