@@ -12,12 +12,13 @@
  * activations and fp32 sums throughout (except into the products of Weight kinds 4 and 5, int8 / int4
  * codes that quantize their input rows to int8 per block of 32: numerics/int8_act.py, rows_s8.c),
  * the cache in fp32 or bf16 (rounded to nearest even, as
- * torch's .to(torch.bfloat16) rounds). One body (run_layers) runs up to DECODE_MAX_ROWS rows, each
- * at its own position in its own cache row; its two entry points say which: decode_layers, a tensor
+ * torch's .to(torch.bfloat16) rounds). One body (run_layers) runs M rows, each at its own position in
+ * its own cache row or sequence; its entry points say which: decode_layers, a tensor
  * batch (B rows, one shared position), and verify_layers, a chunk of one sequence (T consecutive
  * positions, speculative decoding's verify); a third, decode_paged, runs the serving engine's rows,
- * each at its own position, in its paged pool read through block tables. minigen/steps/fused.py
- * builds the descriptions and checks what applies. */
+ * each at its own position, in its paged pool read through block tables, and prefill_paged its
+ * prompt chunks (any number of tokens, each a row). minigen/steps/fused.py builds the descriptions
+ * and checks what applies. */
 #include <math.h>
 #include <stdlib.h>
 #ifdef _OPENMP
