@@ -178,9 +178,13 @@ class PagedKVCache:
         """Copy-on-write's data: block src -> block dst of every layer, for each (src, dst), before the
         forward writes into dst, for copies a caller's own allocator made (contract.BlockCache)."""
         if copies:
-            src, dst = long_tensor(copies, self.device).T
-            for pool in (self.k, self.v):
-                pool[:, dst] = pool[:, src]
+            self._copy_layers(long_tensor(copies, self.device).T)
+
+    def _copy_layers(self, copies: Tensor) -> None:
+        """Block src -> block dst of every layer, for copies [2, n] (src, dst)."""
+        src, dst = copies
+        for pool in (self.k, self.v):
+            pool[:, dst] = pool[:, src]
 
     def _outside_window(self, row: int, start: int) -> list[int]:
         """Logical blocks of `row` that no query from `start` on can see (attention.in_window is monotone)."""
@@ -246,8 +250,7 @@ class PagedKVCache:
                                     "a step reads in place)")
             tables.append(held + [0] * (n - len(held)))
         if self._copies is not None:  # copy-on-write, every layer at once: the step writes them all
-            for pool in (self.k, self.v):
-                pool[:, self._copies[1]] = pool[:, self._copies[0]]
+            self._copy_layers(self._copies)
             self._copies = None
         return long_tensor(tables, self.device), long_tensor(pos, self.device)
 
